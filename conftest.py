@@ -1,0 +1,5 @@
+"""Makes the repository root importable for the tests and their spawned worker processes."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

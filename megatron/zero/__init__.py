@@ -1,0 +1,1 @@
+"""The integrated ZeRO engine (DeepSpeed-compatible API). Filled in by the ZeRO issue."""

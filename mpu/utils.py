@@ -1,0 +1,49 @@
+"""Small helpers shared by the mpu modules: the device, divisibility checks, tensor splitting."""
+import os
+
+import torch
+
+
+def get_device():
+    """The one place the compute device is chosen: this process's GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def get_backend():
+    """nccl on CUDA, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def ensure_divisibility(numerator, denominator, what="value"):
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
+
+
+def divide(numerator, denominator, what="value"):
+    ensure_divisibility(numerator, denominator, what)
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(tensor, num_partitions, contiguous_split_chunks=False):
+    """Split `tensor` into `num_partitions` equal chunks along its last dimension."""
+    last_dim_size = divide(tensor.size(-1), num_partitions, "last dimension")
+    chunks = torch.split(tensor, last_dim_size, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return chunks
+
+
+class VocabUtility:
+    """The vocabulary range [first, last) owned by a model-parallel rank."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size, rank):
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size, rank, world_size):
+        per_partition = divide(global_vocab_size, world_size, "vocabulary size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank)
