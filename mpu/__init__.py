@@ -1,6 +1,16 @@
-"""Tensor model parallelism. Imports only torch."""
+"""Tensor model parallelism (Megatron-style). Imports only torch; the one exception is documented in
+transformer.py (it asks megatron.zero.checkpointing whether activation checkpointing was configured)."""
+from .cross_entropy import vocab_parallel_cross_entropy
+from .data import broadcast_data
+from .grads import clip_grad_norm, is_model_parallel_duplicate
 from .initialize import (destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
                          get_data_parallel_world_size, get_model_parallel_group, get_model_parallel_rank,
                          get_model_parallel_src_rank, get_model_parallel_world_size, initialize_model_parallel,
                          model_parallel_is_initialized)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
+                       reduce_from_model_parallel_region, scatter_to_model_parallel_region)
+from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker
+from .transformer import (ParallelMLP, ParallelSelfAttention, ParallelTransformer, ParallelTransformerLayer,
+                          init_method_normal, scaled_init_method_normal)
 from .utils import divide, get_backend, get_device, split_tensor_along_last_dim, VocabUtility

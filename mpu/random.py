@@ -1,0 +1,146 @@
+"""RNG state tracking for model parallelism, and activation checkpointing that replays it.
+
+Dropout inside model-parallel regions (attention probabilities of a head shard, say) must differ across
+model-parallel ranks, while dropout on replicated activations must be the same on every model-parallel rank.
+The tracker keeps named RNG states; `fork(name)` swaps the device generator to that state for a region and
+swaps it back afterwards, so the default stream continues as if the region never ran.
+
+Seeds (`model_parallel_cuda_manual_seed(seed)`): default generator = seed (same on all mp ranks);
+tracker 'model-parallel-rng' = seed + 2718 + model-parallel rank.
+
+Device-agnostic: the states are those of the generator of `get_device()` (CUDA's when present, else CPU's).
+"""
+import contextlib
+
+import torch
+from torch.utils.checkpoint import detach_variable
+
+from .initialize import get_model_parallel_rank
+from .utils import get_device
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+
+
+def _get_device_rng_state():
+    device = get_device()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_device_rng_state(state):
+    device = get_device()
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _manual_seed_device(seed):
+    device = get_device()
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class RngStatesTracker:
+    """Named device-RNG states; `fork(name)` runs a region under one of them."""
+
+    def __init__(self):
+        self.states = {}
+        self.seeds = set()
+
+    def reset(self):
+        self.states = {}
+        self.seeds = set()
+
+    def get_states(self):
+        """A copy of every tracked state (name -> ByteTensor)."""
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states):
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} already exists in the RNG tracker")
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists in the tracker")
+        self.seeds.add(seed)
+        original = _get_device_rng_state()
+        _manual_seed_device(seed)
+        self.states[name] = _get_device_rng_state()
+        _set_device_rng_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} is not in the tracker; call model_parallel_cuda_manual_seed first")
+        original = _get_device_rng_state()
+        _set_device_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_device_rng_state()
+            _set_device_rng_state(original)
+
+
+_RNG_STATE_TRACKER = RngStatesTracker()
+
+
+def get_cuda_rng_tracker():
+    """The process-wide tracker (the name is Megatron's; it tracks the CPU generator on CPU)."""
+    return _RNG_STATE_TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed):
+    """Seed the default generators with `seed` and the tracker's model-parallel state per mp rank."""
+    model_parallel_seed = seed + 2718 + get_model_parallel_rank()
+    torch.manual_seed(seed)
+    _manual_seed_device(seed)
+    _RNG_STATE_TRACKER.reset()
+    _RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Keeps only the inputs of `run_function`; recomputes it in backward under the forward's RNG states
+    (CPU, device and tracker), so recomputed dropout masks equal the original ones."""
+
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function = run_function
+        ctx.fwd_cpu_rng_state = torch.get_rng_state()
+        ctx.fwd_device_rng_state = _get_device_rng_state()
+        ctx.fwd_tracker_states = get_cuda_rng_tracker().get_states()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        ctx.save_for_backward(*args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs = detach_variable(ctx.saved_tensors)
+        tracker = get_cuda_rng_tracker()
+        bwd_cpu_rng_state = torch.get_rng_state()
+        bwd_device_rng_state = _get_device_rng_state()
+        bwd_tracker_states = tracker.get_states()
+        torch.set_rng_state(ctx.fwd_cpu_rng_state)
+        _set_device_rng_state(ctx.fwd_device_rng_state)
+        tracker.set_states(ctx.fwd_tracker_states)
+        with torch.enable_grad():
+            outputs = ctx.run_function(*inputs)
+        torch.set_rng_state(bwd_cpu_rng_state)
+        _set_device_rng_state(bwd_device_rng_state)
+        tracker.set_states(bwd_tracker_states)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs) if out.requires_grad]
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        grads = tuple(inp.grad if isinstance(inp, torch.Tensor) else None for inp in inputs)
+        return (None,) + grads
+
+
+def checkpoint(function, *args):
+    """Activation checkpointing: forward without keeping activations, recompute them in backward."""
+    return CheckpointFunction.apply(function, *args)

@@ -1,0 +1,145 @@
+"""The model-parallel GPT-2 transformer: self-attention, MLP, layer and stack (pre-LayerNorm, as GPT-2).
+
+Activations are [b, s, h] (batch, sequence, hidden). With p model-parallel ranks each rank holds heads/p
+attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one all-reduce per block.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .initialize import get_model_parallel_world_size
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .random import checkpoint as mpu_checkpoint
+from .random import get_cuda_rng_tracker as mpu_rng_tracker
+from .utils import divide, get_device
+
+
+def init_method_normal(std):
+    def init_(tensor):
+        return nn.init.normal_(tensor, mean=0.0, std=std)
+    return init_
+
+
+def scaled_init_method_normal(std, num_layers):
+    """GPT-2's init for the projections that write into the residual stream: std / sqrt(2 L)."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def _activation_checkpointing():
+    """(checkpoint, rng tracker): zero.checkpointing's when it has been configured, else mpu's own.
+
+    Imported lazily: the only place mpu looks outside torch, because DESIGN section 5 makes the transformer ask
+    zero.checkpointing rather than have anything patch mpu from outside.
+    """
+    try:
+        from megatron.zero import checkpointing
+    except ImportError:
+        return mpu_checkpoint, mpu_rng_tracker()
+    if checkpointing.is_configured():
+        return checkpointing.checkpoint, checkpointing.get_cuda_rng_tracker()
+    return mpu_checkpoint, mpu_rng_tracker()
+
+
+class ParallelSelfAttention(nn.Module):
+    def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
+                 init_method, output_layer_init_method):
+        super().__init__()
+        world_size = get_model_parallel_world_size()
+        self.hidden_size_per_partition = divide(hidden_size, world_size, "hidden size / model-parallel size")
+        self.head_dim = divide(hidden_size, num_attention_heads, "hidden size / attention heads")
+        self.heads_per_partition = divide(num_attention_heads, world_size, "attention heads / model-parallel size")
+        # stride 3: rank r holds [q_r, k_r, v_r], matching a fused [q; k; v] master weight.
+        self.query_key_value = ColumnParallelLinear(hidden_size, 3 * hidden_size, gather_output=False, stride=3,
+                                                    init_method=init_method)
+        self.attention_dropout_prob = attention_dropout_prob
+        self.dense = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
+                                       init_method=output_layer_init_method)
+        self.output_dropout = nn.Dropout(output_dropout_prob)
+
+    def forward(self, hidden_states, attention_mask=None):
+        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, s], True = masked out.
+        b, s, _ = hidden_states.shape
+        qkv = self.query_key_value(hidden_states)                                # [b, s, 3h/p]
+        q, k, v = qkv.split(self.hidden_size_per_partition, dim=-1)               # 3 x [b, s, h/p]
+        q, k, v = (t.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.attention_dropout_prob if self.training else 0.0
+        _, tracker = _activation_checkpointing()
+        # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream.
+        with tracker.fork():
+            if attention_mask is None:
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            else:
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
+        context = context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
+        return self.output_dropout(self.dense(context))                           # [b, s, h]
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 4 * hidden_size, gather_output=False,
+                                                  init_method=init_method)
+        self.dense_4h_to_h = RowParallelLinear(4 * hidden_size, hidden_size, input_is_parallel=True,
+                                               init_method=output_layer_init_method)
+        self.dropout = nn.Dropout(output_dropout_prob)
+
+    def forward(self, hidden_states):
+        intermediate = F.gelu(self.dense_h_to_4h(hidden_states), approximate="tanh")  # [b, s, 4h/p]
+        return self.dropout(self.dense_4h_to_h(intermediate))                        # [b, s, h]
+
+
+class ParallelTransformerLayer(nn.Module):
+    def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
+                 layernorm_epsilon, init_method, output_layer_init_method):
+        super().__init__()
+        device = get_device()
+        self.input_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
+        self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
+                                               output_dropout_prob, init_method, output_layer_init_method)
+        self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
+        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method)
+
+    def forward(self, hidden_states, attention_mask=None):
+        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class ParallelTransformer(nn.Module):
+    """L layers and a final LayerNorm. With `checkpoint_activations`, every `checkpoint_num_layers` layers
+    form one checkpointed chunk whose only saved activation is its input."""
+
+    def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
+                 checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
+                 init_method_std=0.02):
+        super().__init__()
+        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_num_layers = checkpoint_num_layers
+        init_method = init_method_normal(init_method_std)
+        output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
+        self.layers = nn.ModuleList([
+            ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
+                                     layernorm_epsilon, init_method, output_layer_init_method)
+            for _ in range(num_layers)])
+        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device())
+
+    def _chunk(self, start, end):
+        def run(hidden_states, *mask):
+            attention_mask = mask[0] if mask else None
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask)
+            return hidden_states
+        return run
+
+    def forward(self, hidden_states, attention_mask=None):
+        if self.checkpoint_activations and self.training:
+            checkpoint, _ = _activation_checkpointing()
+            mask_args = () if attention_mask is None else (attention_mask,)
+            for start in range(0, len(self.layers), self.checkpoint_num_layers):
+                end = min(start + self.checkpoint_num_layers, len(self.layers))
+                hidden_states = checkpoint(self._chunk(start, end), hidden_states, *mask_args)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask)
+        return self.final_layernorm(hidden_states)

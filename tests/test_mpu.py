@@ -1,0 +1,171 @@
+"""mpu layers at model-parallel sizes 1, 2 and 4 against single-process torch references (fp32, 1e-6)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import run_distributed
+
+TOL = 1e-6
+
+
+def _master(shape, seed, std=0.02):
+    torch.manual_seed(seed)
+    master = torch.empty(shape)
+    torch.nn.init.normal_(master, std=std)
+    return master
+
+
+def _normal(std=0.02):
+    return lambda t: torch.nn.init.normal_(t, std=std)
+
+
+def _gather_last(t):
+    """Concatenate every model-parallel rank's tensor along the last dim (test-side, no autograd)."""
+    import mpu
+    pieces = [torch.empty_like(t) for _ in range(mpu.get_model_parallel_world_size())]
+    torch.distributed.all_gather(pieces, t.contiguous(), group=mpu.get_model_parallel_group())
+    return torch.cat(pieces, dim=-1)
+
+
+def _check_layers():
+    import mpu
+    diffs = {}
+    b, s, h, out = 3, 5, 8, 12
+    torch.manual_seed(1234)
+    x = torch.randn(b, s, h, requires_grad=True)
+    # Column-parallel linear, gathered output.
+    torch.manual_seed(7)
+    column = mpu.ColumnParallelLinear(h, out, gather_output=True, init_method=_normal())
+    weight = _master((out, h), 7)
+    y = column(x)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref_w = weight.clone().requires_grad_(True)
+    ref_y = F.linear(ref_x, ref_w)
+    grad = torch.randn_like(ref_y)
+    y.backward(grad)
+    ref_y.backward(grad)
+    diffs["column_forward"] = (y - ref_y).abs().max().item()
+    diffs["column_grad_input"] = (x.grad - ref_x.grad).abs().max().item()
+    diffs["column_grad_weight"] = (_gather_last(column.weight.grad.t()).t() - ref_w.grad).abs().max().item()
+
+    # Row-parallel linear, input split inside.
+    x.grad = None
+    torch.manual_seed(8)
+    row = mpu.RowParallelLinear(h, out, input_is_parallel=False, init_method=_normal())
+    weight = _master((out, h), 8)
+    y = row(x)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref_w = weight.clone().requires_grad_(True)
+    ref_y = F.linear(ref_x, ref_w)
+    y.backward(grad)
+    ref_y.backward(grad)
+    diffs["row_forward"] = (y - ref_y).abs().max().item()
+    diffs["row_grad_input"] = (x.grad - ref_x.grad).abs().max().item()
+    diffs["row_grad_weight"] = (_gather_last(row.weight.grad) - ref_w.grad).abs().max().item()
+
+    # Vocab-parallel embedding.
+    vocab = 16
+    torch.manual_seed(9)
+    embedding = mpu.VocabParallelEmbedding(vocab, h, init_method=_normal())
+    table = _master((vocab, h), 9)
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(3))
+    y = embedding(ids)
+    ref_table = table.clone().requires_grad_(True)
+    ref_y = F.embedding(ids, ref_table)
+    grad = torch.randn_like(ref_y)
+    y.backward(grad)
+    ref_y.backward(grad)
+    diffs["embedding_forward"] = (y - ref_y).abs().max().item()
+    gathered = _gather_last(embedding.weight.grad.t()).t()
+    diffs["embedding_grad"] = (gathered - ref_table.grad).abs().max().item()
+    return diffs
+
+
+def _check_cross_entropy(vocab):
+    """Uneven vocabulary split when `vocab` is not divisible: rank r gets torch.tensor_split's r-th piece."""
+    import mpu
+    torch.manual_seed(11)
+    logits = torch.randn(4, 6, vocab) * 3
+    target = torch.randint(0, vocab, (4, 6))
+    rank, world = mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+    mine = torch.tensor_split(logits, world, dim=-1)[rank].clone().requires_grad_(True)
+    before = mine.detach().clone()
+    loss = mpu.vocab_parallel_cross_entropy(mine, target)
+    ref_logits = logits.clone().requires_grad_(True)
+    ref_loss = F.cross_entropy(ref_logits.view(-1, vocab), target.view(-1), reduction="none").view(4, 6)
+    weights = torch.rand(4, 6)
+    (loss * weights).sum().backward()
+    (ref_loss * weights).sum().backward()
+    ref_grad_mine = torch.tensor_split(ref_logits.grad, world, dim=-1)[rank]
+    return {"loss": (loss - ref_loss).abs().max().item(),
+            "grad": (mine.grad - ref_grad_mine).abs().max().item(),
+            "input_changed": (mine.detach() - before).abs().max().item()}
+
+
+def _check_clip_grad_norm():
+    """A replicated bias plus split weights: our norm and clipping equal torch's on the gathered model."""
+    import mpu
+    torch.manual_seed(5)
+    column = mpu.ColumnParallelLinear(6, 8, gather_output=True, init_method=_normal())
+    row = mpu.RowParallelLinear(8, 4, input_is_parallel=False, init_method=_normal())
+    x = torch.randn(3, 6)
+    row(column(x)).pow(2).sum().mul(100).backward()
+    full = [_gather_last(column.weight.grad.t()).t(), _gather_last(column.bias.grad), _gather_last(row.weight.grad),
+            row.bias.grad.clone()]
+    ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+    for p, g in zip(ref_params, full):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5).item()
+    norm = mpu.clip_grad_norm(list(column.parameters()) + list(row.parameters()), 0.5)
+    clipped = [_gather_last(column.weight.grad.t()).t(), _gather_last(column.bias.grad), _gather_last(row.weight.grad),
+               row.bias.grad]
+    return {"norm": abs(norm - ref_norm) / ref_norm,
+            "clipped": max((a - p.grad).abs().max().item() for a, p in zip(clipped, ref_params))}
+
+
+def _check_rng_and_broadcast():
+    import mpu
+    mpu.model_parallel_cuda_manual_seed(123)
+    before = torch.get_rng_state()
+    tracker = mpu.get_cuda_rng_tracker()
+    with tracker.fork():
+        forked = torch.rand(4)
+    after = torch.get_rng_state()
+    default_draw = torch.rand(4)
+    ref = torch.Generator().manual_seed(123 + 2718 + mpu.get_model_parallel_rank())
+    expected_default = torch.rand(4, generator=torch.Generator().manual_seed(123))
+    # broadcast_data: only model-parallel rank 0's data counts.
+    rank = mpu.get_model_parallel_rank()
+    data = {"a": torch.arange(6).view(2, 3) + 100 * rank, "b": torch.arange(4) * (rank + 1)}
+    out = mpu.broadcast_data(["a", "b"], data, torch.int64)
+    return {"restored": torch.equal(before, after),
+            "forked_stream": torch.equal(forked, torch.rand(4, generator=ref)),
+            "default_stream": torch.equal(default_draw, expected_default),
+            "broadcast": torch.equal(out["a"], torch.arange(6).view(2, 3)) and torch.equal(out["b"], torch.arange(4))}
+
+
+def _all_checks(vocab):
+    return {"layers": _check_layers(), "cross_entropy": _check_cross_entropy(vocab),
+            "clip": _check_clip_grad_norm(), "rng": _check_rng_and_broadcast()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_mpu_matches_single_process(world_size):
+    vocab = 19  # not divisible by 2 or 4
+    results = run_distributed(_all_checks, world_size, args=(vocab,), model_parallel_size=world_size)
+    for rank, result in enumerate(results):
+        for name, diff in result["layers"].items():
+            assert diff <= TOL, f"rank {rank} {name}: {diff}"
+        assert result["cross_entropy"]["loss"] <= TOL
+        assert result["cross_entropy"]["grad"] <= TOL
+        assert result["cross_entropy"]["input_changed"] == 0.0
+        assert result["clip"]["norm"] <= 1e-6
+        assert result["clip"]["clipped"] <= TOL
+        assert all(result["rng"].values()), result["rng"]
+
+
+def test_model_parallel_size_must_divide_world():
+    with pytest.raises(RuntimeError, match="not divisible by model-parallel size"):
+        run_distributed(math.sqrt, 2, args=(4.0,), model_parallel_size=4)
