@@ -1,0 +1,104 @@
+"""Write a webtext-style loose JSON corpus from the docstrings of the Python standard library and installed packages.
+
+    python tools/make_sample_corpus.py --output data/webtext/webtext.json            # ~24 MB, ~40 s on 2 cores
+    python tools/make_sample_corpus.py --output /tmp/small.json --max-mb 0.3 --stdlib-only
+
+One JSON object per line, `{"text": ..., "url": "python://<package>/<file>"}` (the shape of OpenWebText's loose
+JSON). Sources are read as text and parsed with `ast`: nothing is imported or executed. A document is the
+docstrings of one module (module, classes, functions in source order, separated by blank lines), cut into
+documents of at most --max-doc-chars at docstring boundaries. Files are visited in sorted order (standard
+library first, then site-packages by top-level name), so the output is deterministic for a given Python
+installation; it stops once --max-mb of text has been written.
+"""
+import argparse
+import ast
+import json
+import multiprocessing
+import os
+import sys
+import sysconfig
+import time
+
+DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def python_files(stdlib_only=False):
+    """Sorted .py files: the standard library (without its tests), then each site-packages top-level entry."""
+    paths = sysconfig.get_paths()
+    roots = [("stdlib", paths["stdlib"])]
+    if not stdlib_only:
+        purelib = paths["purelib"]
+        roots += [(name, os.path.join(purelib, name)) for name in sorted(os.listdir(purelib))
+                  if os.path.isdir(os.path.join(purelib, name)) and not name.endswith((".dist-info", ".egg-info"))]
+    for label, root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames
+                                 if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+            for name in sorted(filenames):
+                if name.endswith(".py"):
+                    yield label, root, os.path.join(dirpath, name)
+
+
+def module_documents(job):
+    """Docstrings of one source file as a list of (url, text) documents; [] if unreadable or docstring-free."""
+    label, root, path, max_doc_chars, min_doc_chars = job
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError, RecursionError):
+        return []
+    docstrings = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, DOC_NODES)]
+    docstrings = [d.strip() for d in docstrings if d and d.strip()]
+    url = f"python://{label}/{os.path.relpath(path, root)}"
+    documents, current = [], []
+    for docstring in docstrings:
+        if current and sum(map(len, current)) + len(docstring) > max_doc_chars:
+            documents.append("\n\n".join(current))
+            current = []
+        current.append(docstring[:max_doc_chars])
+    if current:
+        documents.append("\n\n".join(current))
+    return [(f"{url}#{i}" if len(documents) > 1 else url, text)
+            for i, text in enumerate(documents) if len(text) >= min_doc_chars]
+
+
+def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_chars=8000, min_doc_chars=200):
+    """Write the corpus to `output` (atomically); returns (documents, bytes)."""
+    max_bytes = int(max_mb * 1e6)
+    jobs = ((label, root, path, max_doc_chars, min_doc_chars) for label, root, path in python_files(stdlib_only))
+    tmp = f"{output}.tmp{os.getpid()}"
+    docs = written = 0
+    ctx = multiprocessing.get_context("fork")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out, ctx.Pool(max(1, workers)) as pool:
+            for documents in pool.imap(module_documents, jobs, chunksize=8):
+                for url, text in documents:
+                    line = json.dumps({"text": text, "url": url}, ensure_ascii=False) + "\n"
+                    out.write(line)
+                    docs += 1
+                    written += len(line.encode("utf-8"))
+                if written >= max_bytes:
+                    break
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return docs, written
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="JSON lines file to write")
+    parser.add_argument("--max-mb", type=float, default=24.0, help="stop after this many MB (default 24)")
+    parser.add_argument("--stdlib-only", action="store_true", help="only the standard library (~2 MB)")
+    parser.add_argument("--workers", type=int, default=2, help="parser processes (default 2)")
+    args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    start = time.time()
+    docs, written = write_corpus(args.output, args.max_mb, args.stdlib_only, args.workers)
+    print(f"wrote {docs} documents, {written / 1e6:.1f} MB to {args.output} in {time.time() - start:.1f} s",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
