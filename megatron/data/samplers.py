@@ -1,0 +1,65 @@
+"""Batch sampler for pretraining: resumable from the number of samples already consumed.
+
+    sampler = MegatronPretrainingSampler(len(train_ds), consumed_samples=args.consumed_train_samples,
+                                         micro_batch_size=4, data_parallel_rank=r, data_parallel_size=2)
+    loader = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler)
+
+Indices consumed_samples, consumed_samples + 1, ... are grouped into global micro batches of
+micro_batch_size * data_parallel_size; rank r takes [r * micro_batch_size, (r + 1) * micro_batch_size) of each.
+With micro_batch_size=2, dp=2, consumed=0: rank 0 gets [0, 1], [4, 5], ...; rank 1 gets [2, 3], [6, 7], ...
+Resuming with consumed_samples=4 yields exactly the tail of that order ([4, 5] and [6, 7] next). A trailing
+partial global batch is dropped (drop_last=True) or cut the same way, so a rank may get a short batch or none.
+"""
+
+
+class MegatronPretrainingSampler:
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                 drop_last=True):
+        if total_samples <= 0:
+            raise ValueError(f"no samples to consume: total_samples={total_samples}")
+        if not 0 <= consumed_samples < total_samples:
+            raise ValueError(f"consumed_samples={consumed_samples} must be in [0, total_samples={total_samples}) "
+                             "(the run has used up the dataset; ask for more samples)")
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in [0, data_parallel_size="
+                             f"{data_parallel_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self):
+        """Micro batches this rank will yield."""
+        remaining = self.total_samples - self.consumed_samples
+        full = remaining // self.micro_batch_times_data_parallel_size
+        if self.drop_last:
+            return full
+        start, end = self._tail_range(remaining % self.micro_batch_times_data_parallel_size)
+        return full + (1 if start < end else 0)
+
+    def _rank_range(self):
+        start = self.data_parallel_rank * self.micro_batch_size
+        return start, start + self.micro_batch_size
+
+    def _tail_range(self, tail):
+        """This rank's part of a last partial batch of `tail` samples (Megatron v2.6 semantics)."""
+        start, end = self._rank_range()
+        return min(start, tail), min(end, tail)
+
+    def __iter__(self):
+        batch = []
+        for idx in range(self.consumed_samples, self.total_samples):
+            batch.append(idx)
+            if len(batch) == self.micro_batch_times_data_parallel_size:
+                start, end = self._rank_range()
+                yield batch[start:end]
+                batch = []
+        if batch and not self.drop_last:
+            start, end = self._tail_range(len(batch))
+            if start < end:
+                yield batch[start:end]
