@@ -249,7 +249,7 @@ def get_index_mappings(prefix, sizes, name, documents, num_samples, seq_length, 
     rank, barrier = _distributed_rank_and_barrier(group)
     if rank == 0 and not os.path.exists(paths["description"]):
         if _build_and_save(paths, description, sizes, documents, num_samples, seq_length, seed):
-            print(f" > built {name} index mappings for {prefix} ({num_samples} samples): {paths["description"]}",
+            print(f" > built {name} index mappings for {prefix} ({num_samples} samples): {paths['description']}",
                   flush=True)
     barrier()
     if not os.path.exists(paths["description"]):  # another node without a shared file system
