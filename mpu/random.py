@@ -103,6 +103,19 @@ def model_parallel_cuda_manual_seed(seed):
     _RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
 
 
+def get_rng_states():
+    """Every RNG state a recompute must replay: (CPU generator, device generator, tracker states), copied."""
+    return torch.get_rng_state(), _get_device_rng_state(), get_cuda_rng_tracker().get_states()
+
+
+def set_rng_states(states):
+    """Restore what `get_rng_states()` returned."""
+    cpu_state, device_state, tracker_states = states
+    torch.set_rng_state(cpu_state)
+    _set_device_rng_state(device_state)
+    get_cuda_rng_tracker().set_states(tracker_states)
+
+
 class CheckpointFunction(torch.autograd.Function):
     """Keeps only the inputs of `run_function`; recomputes it in backward under the forward's RNG states
     (CPU, device and tracker), so recomputed dropout masks equal the original ones."""
@@ -110,9 +123,7 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, *args):
         ctx.run_function = run_function
-        ctx.fwd_cpu_rng_state = torch.get_rng_state()
-        ctx.fwd_device_rng_state = _get_device_rng_state()
-        ctx.fwd_tracker_states = get_cuda_rng_tracker().get_states()
+        ctx.fwd_rng_states = get_rng_states()
         with torch.no_grad():
             outputs = run_function(*args)
         ctx.save_for_backward(*args)
@@ -121,18 +132,11 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         inputs = detach_variable(ctx.saved_tensors)
-        tracker = get_cuda_rng_tracker()
-        bwd_cpu_rng_state = torch.get_rng_state()
-        bwd_device_rng_state = _get_device_rng_state()
-        bwd_tracker_states = tracker.get_states()
-        torch.set_rng_state(ctx.fwd_cpu_rng_state)
-        _set_device_rng_state(ctx.fwd_device_rng_state)
-        tracker.set_states(ctx.fwd_tracker_states)
+        bwd_rng_states = get_rng_states()
+        set_rng_states(ctx.fwd_rng_states)
         with torch.enable_grad():
             outputs = ctx.run_function(*inputs)
-        torch.set_rng_state(bwd_cpu_rng_state)
-        _set_device_rng_state(bwd_device_rng_state)
-        tracker.set_states(bwd_tracker_states)
+        set_rng_states(bwd_rng_states)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs) if out.requires_grad]

@@ -1,0 +1,298 @@
+"""zero.checkpointing: bitwise-equal gradients for every option, saved-activation bytes, configuration errors.
+
+The model-parallel checks run once on 2 gloo processes (mp=2) and return everything the tests assert on.
+"""
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mpu
+from megatron.zero import checkpointing
+from megatron.zero.config import ConfigError
+from tests.distributed import run_distributed
+
+NUM_LAYERS, HIDDEN, HEADS, SEQ, BATCH, STEPS = 3, 32, 4, 16, 2, 2
+ACTIVATION_BYTES = BATCH * SEQ * HIDDEN * 4  # one fp32 [b, s, h] tensor
+# (partition_activations, checkpoint_in_cpu, contiguous_checkpointing)
+ZERO_OPTIONS = [(p, c, g) for p in (False, True) for c in (False, True) for g in (False, True)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model-parallel checks (2 processes, mp=2)
+
+def _configure(options, **extra):
+    partition, cpu, contiguous = options
+    checkpointing.configure(mpu, partition_activations=partition, checkpoint_in_cpu=cpu,
+                            contiguous_checkpointing=contiguous,
+                            num_checkpoints=NUM_LAYERS if contiguous else None, **extra)
+
+
+def _train_steps(model, x, target, mask=None, input_requires_grad=True):
+    """STEPS forward/backward passes from a fixed RNG state: (grads, losses, RNG states afterwards)."""
+    mpu.model_parallel_cuda_manual_seed(99)
+    model.zero_grad(set_to_none=True)
+    losses, input_grads = [], []
+    for _ in range(STEPS):
+        leaf = x.clone().requires_grad_(input_requires_grad)
+        loss = (model(leaf, mask) * target).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        input_grads.append(leaf.grad)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads["input"] = input_grads
+    rng = (torch.get_rng_state(), mpu.get_cuda_rng_tracker().get_states())
+    return grads, losses, rng
+
+
+def _saved_bytes(run):
+    """Bytes of the distinct tensors autograd saves while `run()` builds the graph."""
+    seen = set()
+
+    def pack(tensor):
+        seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return sum(nbytes for _, nbytes in seen), out
+
+
+def _mp2_worker():
+    mpu.model_parallel_cuda_manual_seed(1234)
+    model = mpu.ParallelTransformer(NUM_LAYERS, HIDDEN, HEADS, attention_dropout_prob=0.2, output_dropout_prob=0.2)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)       # the same on both ranks
+    target = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+    results = {"runs": {}, "bytes": {}}
+
+    def run(name, checkpoint_activations, **kwargs):
+        model.checkpoint_activations = checkpoint_activations
+        results["runs"][name] = _train_steps(model, x, target, **kwargs)
+
+    checkpointing.unconfigure()
+    run("none", False)
+    run("mpu", True)
+    for options in ZERO_OPTIONS:
+        _configure(options)
+        run(f"zero{options}", True)
+    _configure((True, True, True), synchronize=True, profile=True)
+    run("zero all+synchronize+profile", True)
+    results["profile"] = checkpointing.profile_summary()
+
+    # Inputs that do not require grad, and a tensor mask next to the checkpointed hidden states.
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked out
+    for name, kwargs in (("no input grad", dict(input_requires_grad=False)), ("mask", dict(mask=mask))):
+        checkpointing.unconfigure()
+        run(f"{name} none", False, **kwargs)
+        _configure((True, False, True))
+        run(f"{name} zero", True, **kwargs)
+
+    # Saved-activation bytes of one forward (no backward needed to count them).
+    leaf = x.clone().requires_grad_()
+    for name, options in (("none", None), ("plain", (False, False, False)), ("partition", (True, False, False)),
+                          ("partition+contiguous", (True, False, True))):
+        checkpointing.unconfigure()
+        if options is not None:
+            _configure(options)
+        model.checkpoint_activations = options is not None
+        results["bytes"][name], _ = _saved_bytes(lambda: model(leaf))
+        checkpointing.reset()  # forwards without backward: free the contiguous slots
+    results["bytes"]["final layernorm"], _ = _saved_bytes(
+        lambda: model.final_layernorm(torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)))
+    checkpointing.unconfigure()
+    return results
+
+
+@pytest.fixture(scope="module")
+def mp2_results():
+    return run_distributed(_mp2_worker, world_size=2, model_parallel_size=2)
+
+
+def _assert_bitwise_equal(name, got, want):
+    grads, losses, rng = got
+    ref_grads, ref_losses, ref_rng = want
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        pairs = zip(grads[key], ref_grads[key]) if key == "input" else [(grads[key], ref_grads[key])]
+        for g, ref in pairs:
+            assert (g is None) == (ref is None), f"{name}: gradient of {key}"
+            if g is not None:
+                assert torch.equal(g, ref), f"{name}: gradient of {key} differs by {(g - ref).abs().max()}"
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), f"{name}: losses {losses} != {ref_losses}"
+    assert torch.equal(rng[0], ref_rng[0]), f"{name}: the default RNG stream moved differently"
+    assert rng[1].keys() == ref_rng[1].keys() and all(torch.equal(rng[1][k], ref_rng[1][k]) for k in rng[1]), \
+        f"{name}: the tracker's RNG stream moved differently"
+
+
+@pytest.mark.parametrize("name", ["mpu"] + [f"zero{o}" for o in ZERO_OPTIONS] + ["zero all+synchronize+profile"])
+def test_gradients_bitwise_equal_with_dropout(mp2_results, name):
+    for rank, results in enumerate(mp2_results):
+        _assert_bitwise_equal(f"rank {rank} {name}", results["runs"][name], results["runs"]["none"])
+
+
+@pytest.mark.parametrize("case", ["no input grad", "mask"])
+def test_inputs_without_grad_and_masks(mp2_results, case):
+    for rank, results in enumerate(mp2_results):
+        runs = results["runs"]
+        _assert_bitwise_equal(f"rank {rank} {case}", runs[f"{case} zero"], runs[f"{case} none"])
+    if case == "no input grad":
+        grads = mp2_results[0]["runs"]["no input grad zero"][0]
+        assert all(g is not None and g.abs().sum() > 0 for k, g in grads.items() if k != "input")
+
+
+def test_dropout_is_active(mp2_results):
+    """Guards the equality tests against passing because dropout did nothing."""
+    runs = mp2_results[0]["runs"]
+    losses = runs["none"][1]
+    assert not torch.equal(losses[0], losses[1]), "two steps on the same input gave the same loss: no dropout?"
+
+
+def test_saved_bytes_fall_to_checkpointed_inputs_and_partition_divides_them(mp2_results):
+    for results in mp2_results:
+        saved = results["bytes"]
+        layernorm = saved["final layernorm"]  # the only saver outside the checkpointed chunks
+        assert saved["plain"] == NUM_LAYERS * ACTIVATION_BYTES + layernorm
+        assert saved["partition"] == NUM_LAYERS * ACTIVATION_BYTES // 2 + layernorm
+        assert saved["partition+contiguous"] == saved["partition"]
+        assert saved["none"] > 5 * saved["plain"], saved
+
+
+def test_profile_counts_forward_recompute_gather_and_synchronize(mp2_results):
+    calls = NUM_LAYERS * STEPS
+    profile = mp2_results[0]["profile"]
+    assert {name: entry["count"] for name, entry in profile.items()} == {
+        "forward": calls, "recompute": calls, "gather": calls, "synchronize": 2 * calls}
+    assert all(entry["seconds"] > 0 for name, entry in profile.items() if name != "synchronize")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration and single-process behaviour
+
+class _SingleRankMpu:
+    """The narrow mpu protocol at model-parallel and data-parallel size 1, without torch.distributed."""
+
+    @staticmethod
+    def get_model_parallel_world_size():
+        return 1
+
+    @staticmethod
+    def get_model_parallel_rank():
+        return 0
+
+    @staticmethod
+    def get_model_parallel_group():
+        return None
+
+    @staticmethod
+    def get_data_parallel_world_size():
+        return 1
+
+
+@pytest.fixture(autouse=True)
+def _unconfigured():
+    checkpointing.unconfigure()
+    yield
+    checkpointing.unconfigure()
+
+
+def _block(**keys):
+    return {"train_batch_size": 1, "activation_checkpointing": keys}
+
+
+def test_configure_reads_json_dict_and_path_and_arguments_override(tmp_path):
+    checkpointing.configure(_SingleRankMpu, deepspeed_config=_block(contiguous_memory_optimization=True,
+                                                                     number_checkpoints=4, profile=True))
+    config = checkpointing.get_config()
+    assert checkpointing.is_configured() and config.contiguous_memory_optimization and config.number_checkpoints == 4
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(_block(cpu_checkpointing=True, synchronize_checkpoint_boundary=True)))
+    checkpointing.configure(_SingleRankMpu, deepspeed_config=str(path), checkpoint_in_cpu=False, num_checkpoints=2)
+    config = checkpointing.get_config()
+    assert (config.cpu_checkpointing, config.synchronize_checkpoint_boundary, config.number_checkpoints) == \
+        (False, True, 2)
+    assert not config.contiguous_memory_optimization
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(contiguous_checkpointing=True), "needs number_checkpoints"),
+    (dict(contiguous_checkpointing=True, num_checkpoints=0), "number_checkpoints: expected a positive int"),
+    (dict(num_checkpoints=2.0), "num_checkpoints=2.0"),
+    (dict(partition_activations=1), "partition_activations=1"),
+    (dict(deepspeed_config=_block(contiguous_memory_optimization=True)), "needs number_checkpoints"),
+    (dict(deepspeed_config=_block(partition_activation=True)), "unknown key 'partition_activation'"),
+    (dict(deepspeed_config=_block(cpu_checkpointing="yes")), "cpu_checkpointing: expected bool"),
+    (dict(deepspeed_config="/nonexistent/ds_config.json"), "does not exist"),
+])
+def test_bad_configurations_are_clear_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        checkpointing.configure(_SingleRankMpu, **kwargs)
+    assert not checkpointing.is_configured()
+
+
+def _dropout_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, 8))
+
+
+def _grads_of(model, step):
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    for _ in range(3):
+        step().sum().backward()
+    return [p.grad.clone() for p in model.parameters()], torch.get_rng_state()
+
+
+def test_partition_at_mp1_warns_once_and_changes_nothing():
+    model = _dropout_mlp()
+    x = torch.randn(4, 8)
+    want = _grads_of(model, lambda: model(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointing.configure(_SingleRankMpu, partition_activations=True)
+        got = _grads_of(model, lambda: checkpointing.checkpoint(model, x))
+    assert [str(w.message) for w in caught if "partition_activations" in str(w.message)] == \
+        [str(caught[0].message)] and len(caught) == 1, [str(w.message) for w in caught]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and torch.equal(got[1], want[1])
+
+
+def test_non_tensor_arguments_and_input_without_grad_reach_the_parameters():
+    model = _dropout_mlp()
+    x = torch.randn(4, 8)  # requires no grad: the parameters must still get theirs
+
+    def scaled(inputs, scale, unused):
+        assert unused is None
+        return model(inputs) * scale
+
+    want = _grads_of(model, lambda: scaled(x, 3.0, None))
+    checkpointing.configure(_SingleRankMpu, contiguous_checkpointing=True, num_checkpoints=1)
+    got = _grads_of(model, lambda: checkpointing.checkpoint(scaled, x, 3.0, None))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and torch.equal(got[1], want[1])
+
+
+def test_more_checkpoints_than_slots_is_an_error_until_reset():
+    model = _dropout_mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpointing.configure(_SingleRankMpu, contiguous_checkpointing=True, num_checkpoints=2)
+    h = checkpointing.checkpoint(model, checkpointing.checkpoint(model, x))
+    with pytest.raises(RuntimeError, match="more than num_checkpoints=2 checkpoints before a backward"):
+        checkpointing.checkpoint(model, h)
+    h.sum().backward()  # frees both slots
+    checkpointing.checkpoint(model, checkpointing.checkpoint(model, x)).sum().backward()
+    checkpointing.checkpoint(model, checkpointing.checkpoint(model, x))  # no backward: slots stay taken
+    checkpointing.reset()
+    checkpointing.checkpoint(model, checkpointing.checkpoint(model, x)).sum().backward()
+
+
+def test_one_rng_tracker_and_mpu_seeding():
+    assert checkpointing.get_cuda_rng_tracker() is mpu.get_cuda_rng_tracker()
+
+
+def test_transformer_uses_zero_checkpointing_only_when_configured():
+    from mpu.transformer import _activation_checkpointing
+    assert _activation_checkpointing()[0] is mpu.checkpoint
+    checkpointing.configure(_SingleRankMpu)
+    assert _activation_checkpointing()[0] is checkpointing.checkpoint
+    assert _activation_checkpointing()[1] is mpu.get_cuda_rng_tracker()
