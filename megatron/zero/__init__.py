@@ -1,1 +1,25 @@
-"""The integrated ZeRO engine (DeepSpeed-compatible API). Filled in by the ZeRO issue."""
+"""The integrated ZeRO engine with DeepSpeed's API (read `deepspeed` as `zero`).
+
+    parser = zero.add_config_arguments(parser)
+    engine, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=adamw, args=args,
+                                                         lr_scheduler=lr_scheduler, mpu=mpu)
+    loss = engine(batch); engine.backward(loss); engine.step()
+    engine.save_checkpoint(save_dir, tag, client_state={...}); engine.load_checkpoint(load_dir)
+
+Stages 0 (data parallel), 1 (optimizer state partitioned) and 2 (gradients too); fp32, fp16, bf16.
+`zero.checkpointing` is activation checkpointing. Checkpoint file helpers: `zero.checkpoint`.
+"""
+import importlib.util
+
+from . import checkpoint
+from .builder import add_config_arguments, build_optimizer, initialize
+from .config import Config, ConfigError, load_config
+from .engine import ZeroEngine
+from .loss_scaler import LossScaler, LossScalerConfig
+from .optimizer import ZeroOptimizer
+
+if importlib.util.find_spec(__name__ + ".checkpointing") is not None:
+    from . import checkpointing
+
+__all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
+           "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpoint", "checkpointing"]

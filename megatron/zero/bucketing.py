@@ -1,0 +1,241 @@
+"""Gradient reduction: flat-bucket all-reduce (stage 0), reduce-to-owner at the boundary (stage 1), and
+hook-driven buckets reduced to their owners during backward (stage 2).
+
+Every reduction sends each flat range [lo, hi) to the rank that owns it (pair: `FlatGroup.all_gather`, which
+brings the updated ranges back). Gradients are divided by the data-parallel size before they are summed, so
+the owner ends up with the average and fp16 sums cannot overflow where the average would not.
+
+Stage 2 buckets are fixed ranges of at most `reduce_bucket_size` elements of a group's flat buffer (a parameter
+may span several buckets). A hook after each parameter's gradient accumulation copies its pieces into the buckets
+and drops `param.grad`; a bucket whose pieces have all arrived is reduced. Buckets are launched in one fixed order
+on every rank (the order their last gradient is expected in backward: reverse module order), so collectives
+match across ranks even if hooks fire in a different order; a bucket that is ready early waits for its turn.
+With `overlap_comm` the reductions are asynchronous and complete in `finish_micro_step()`; at most
+`MAX_IN_FLIGHT` buckets are outstanding.
+"""
+import torch
+import torch.distributed as dist
+
+MAX_IN_FLIGHT = 2
+
+
+def reduce_range(flat_group, buffer, start, ctx, all_reduce, async_op):
+    """Average `buffer` (flat range [start, start+len)) over data-parallel ranks; the owners get the result.
+
+    With `all_reduce` every rank gets all of it. Returns the collective handles (empty when synchronous).
+    """
+    if ctx.data_parallel_size == 1:
+        return []
+    buffer.div_(ctx.data_parallel_size)
+    group = ctx.data_parallel_group
+    if all_reduce:
+        handle = dist.all_reduce(buffer, group=group, async_op=async_op)
+        return [handle] if async_op else []
+    handles = []
+    for owner, lo, hi in flat_group.owners(start, start + buffer.numel()):
+        handle = dist.reduce(buffer[lo - start:hi - start], group_dst=owner, group=group, async_op=async_op)
+        if async_op:
+            handles.append(handle)
+    return handles
+
+
+class BoundaryReducer:
+    """Stages 0 and 1: gradients accumulate in one flat buffer per group (`param.grad` are views into it)
+    and are reduced once per optimizer step, in chunks of `bucket_size` elements."""
+
+    def __init__(self, groups, ctx, stage, config):
+        self.groups, self.ctx, self.stage = groups, ctx, stage
+        self.bucket_size = config.reduce_bucket_size
+        self.all_reduce = stage == 0 or not config.reduce_scatter
+        self.flat_grads = [torch.zeros_like(g.flat) for g in groups]
+        self.attach_grad_views()
+
+    def attach_grad_views(self):
+        """Point every `param.grad` at its slice of the flat gradient buffer (keeps any gradient already there)."""
+        for group, flat_grad in zip(self.groups, self.flat_grads):
+            for p, (s, e) in zip(group.params, group.offsets):
+                view = flat_grad[s:e].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+
+    def finish_micro_step(self, boundary):
+        if not boundary:
+            return
+        handles = []
+        for group, flat_grad in zip(self.groups, self.flat_grads):
+            for lo in range(0, group.numel, self.bucket_size):
+                hi = min(lo + self.bucket_size, group.numel)
+                handles += reduce_range(group, flat_grad[lo:hi], lo, self.ctx, self.all_reduce, async_op=True)
+        for handle in handles:
+            handle.wait()
+
+    def partition_grad(self, index):
+        start, end = self.groups[index].own_range
+        return self.flat_grads[index][start:end]
+
+    def zero(self):
+        for flat_grad in self.flat_grads:
+            flat_grad.zero_()
+
+    def held_gradient_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.flat_grads)
+
+
+class _Bucket:
+    def __init__(self, group_index, start, end, pieces):
+        self.group_index, self.start, self.end = group_index, start, end
+        self.pieces = pieces          # [(param index, flat lo, flat hi)]
+        self.arrived = [None] * len(pieces)   # contiguous mode: True; else the gradient slice
+        self.pending = len(pieces)
+        self.launched = False
+        self.buffer = None            # the bucket's gradients, [end - start]
+        self.base = None              # the pooled buffer `buffer` is a prefix of (contiguous mode)
+        self.handles = []
+
+
+class BucketReducer:
+    """Stage 2: each rank holds only the reduced gradients of its own partition (`partition_grad`)."""
+
+    def __init__(self, groups, ctx, config, param_order):
+        self.groups, self.ctx = groups, ctx
+        self.bucket_size = config.reduce_bucket_size
+        self.overlap = config.overlap_comm
+        self.contiguous = config.contiguous_gradients
+        self.all_reduce = not config.reduce_scatter
+        self.partition_grads = [torch.zeros(g.partition_size, dtype=g.dtype, device=g.flat.device) for g in groups]
+        self.buckets = self._build_buckets(param_order)
+        self.pieces_of = {}          # param -> [(bucket, piece index)]
+        for bucket in self.buckets:
+            for piece_index, (param_index, _, _) in enumerate(bucket.pieces):
+                param = groups[bucket.group_index].params[param_index]
+                self.pieces_of.setdefault(param, []).append((bucket, piece_index))
+        self.free_buffers = []
+        self.in_flight = []
+        self.next_launch = 0
+        self.peak_bucket_bytes = 0
+        self._live_bucket_bytes = 0
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.pieces_of]
+
+    def _build_buckets(self, param_order):
+        """Ranges of at most bucket_size elements, from the end of each flat buffer, ordered by when their
+        last gradient is expected (reverse module order)."""
+        backward_position = {p: i for i, p in enumerate(reversed(list(param_order)))}
+        buckets = []
+        for gi, group in enumerate(self.groups):
+            end = group.numel
+            while end > 0:
+                start = max(0, end - self.bucket_size)
+                buckets.append(_Bucket(gi, start, end, group.segments(start, end)))
+                end = start
+
+        def completion(bucket):
+            params = self.groups[bucket.group_index].params
+            return max(backward_position.get(params[i], len(backward_position)) for i, _, _ in bucket.pieces)
+        return sorted(buckets, key=completion)
+
+    def _on_grad(self, param):
+        grad = param.grad.reshape(-1)
+        for bucket, piece_index in self.pieces_of[param]:
+            if bucket.launched:
+                raise RuntimeError("a parameter received a second gradient after its bucket was reduced in this "
+                                   "backward pass; stage 2 needs each parameter's gradient once per backward")
+            index, lo, hi = bucket.pieces[piece_index]
+            param_start = self.groups[bucket.group_index].offsets[index][0]
+            piece = grad[lo - param_start:hi - param_start]
+            seen = bucket.arrived[piece_index] is not None
+            if self.contiguous:
+                if bucket.buffer is None:
+                    bucket.base = self._acquire(grad)
+                    bucket.buffer = bucket.base[:bucket.end - bucket.start]
+                target = bucket.buffer[lo - bucket.start:hi - bucket.start]
+                target.add_(piece) if seen else target.copy_(piece)
+                bucket.arrived[piece_index] = True
+            else:
+                bucket.arrived[piece_index] = bucket.arrived[piece_index] + piece if seen else piece
+            bucket.pending -= 0 if seen else 1
+        param.grad = None
+        self._launch_ready()
+
+    def _launch_ready(self, force=False):
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if bucket.pending and not force:
+                return
+            self._launch(bucket)
+            self.next_launch += 1
+
+    def _launch(self, bucket):
+        group = self.groups[bucket.group_index]
+        bucket.launched = True
+        if self.contiguous:
+            if bucket.buffer is None:
+                bucket.base = self._acquire(group.flat)
+                bucket.buffer = bucket.base[:bucket.end - bucket.start]
+            for piece_index, (_, lo, hi) in enumerate(bucket.pieces):
+                if bucket.arrived[piece_index] is None:      # parameter without a gradient this step
+                    bucket.buffer[lo - bucket.start:hi - bucket.start].zero_()
+        else:
+            parts = [part if part is not None else torch.zeros(hi - lo, dtype=group.dtype, device=group.flat.device)
+                     for part, (_, lo, hi) in zip(bucket.arrived, bucket.pieces)]
+            bucket.buffer = torch.cat(parts)
+            self._count(bucket.buffer.numel() * bucket.buffer.element_size())
+        bucket.arrived = [None] * len(bucket.pieces)
+        bucket.handles = reduce_range(group, bucket.buffer, bucket.start, self.ctx, self.all_reduce,
+                                      async_op=self.overlap)
+        self.in_flight.append(bucket)
+        while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
+            self._complete(self.in_flight.pop(0))
+
+    def _complete(self, bucket):
+        """Wait for `bucket`'s reduction and add this rank's piece of it to the partition gradient."""
+        for handle in bucket.handles:
+            handle.wait()
+        group = self.groups[bucket.group_index]
+        own_start, own_end = group.own_range
+        lo, hi = max(bucket.start, own_start), min(bucket.end, own_end)
+        if lo < hi:
+            self.partition_grads[bucket.group_index][lo - own_start:hi - own_start].add_(
+                bucket.buffer[lo - bucket.start:hi - bucket.start])
+        if self.contiguous:
+            self.free_buffers.append(bucket.base)
+        else:
+            self._count(-bucket.buffer.numel() * bucket.buffer.element_size())
+        bucket.buffer = bucket.base = None
+        bucket.handles = []
+
+    def _reset_buckets(self):
+        for bucket in self.buckets:
+            bucket.pending, bucket.launched = len(bucket.pieces), False
+
+    def _acquire(self, like):
+        """A bucket-sized buffer from the pool (allocated when the pool is empty)."""
+        if self.free_buffers:
+            return self.free_buffers.pop()
+        size = min(self.bucket_size, max(g.numel for g in self.groups))
+        buffer = torch.empty(size, dtype=like.dtype, device=like.device)
+        self._count(buffer.numel() * buffer.element_size())
+        return buffer
+
+    def _count(self, nbytes):
+        self._live_bucket_bytes += nbytes
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self._live_bucket_bytes)
+
+    def finish_micro_step(self, boundary):
+        """After backward: reduce buckets still waiting (missing gradients count as zero), wait for all."""
+        self._launch_ready(force=True)
+        while self.in_flight:
+            self._complete(self.in_flight.pop(0))
+        self.next_launch = 0
+        self._reset_buckets()
+
+    def partition_grad(self, index):
+        return self.partition_grads[index]
+
+    def zero(self):
+        for grad in self.partition_grads:
+            grad.zero_()
+
+    def held_gradient_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.partition_grads)

@@ -1,0 +1,99 @@
+"""The package's entry points: `add_config_arguments(parser)` and `initialize(...)`, as in DeepSpeed.
+
+Which value wins: the JSON config is the only source for the engine (batch sizes, precision, ZeRO stage,
+clipping); a client optimizer object overrides the JSON "optimizer" block and a client lr scheduler the JSON
+"scheduler" block. Passing both `args.deepspeed_config` and `config=` is an error.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, load_config
+from .engine import ZeroEngine
+from .lr_schedules import SCHEDULERS
+from .partition import ParallelContext
+
+
+def add_config_arguments(parser):
+    """Add --deepspeed, --deepspeed_config and --deepspeed_activation_checkpointing; returns the parser."""
+    group = parser.add_argument_group("ZeRO", "the integrated ZeRO engine (DeepSpeed-compatible configuration)")
+    group.add_argument("--deepspeed", action="store_true", default=False,
+                       help="train through the ZeRO engine (megatron.zero)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="path to a DeepSpeed-style JSON config (batch sizes, precision, zero_optimization)")
+    group.add_argument("--deepspeed_activation_checkpointing", action="store_true", default=False,
+                       help="use megatron.zero.checkpointing for activation checkpointing")
+    return parser
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None):
+    """Returns (engine, optimizer, training dataloader or None, lr scheduler or None).
+
+    `config`: a dict or a path; otherwise `args.deepspeed_config`. `mpu`: an object with the six
+    get_{model,data}_parallel_{rank,group,world_size} getters (None: data parallel over the whole world).
+    `dist_init_required=False` trusts the caller's torch.distributed setup; otherwise torch.distributed is
+    initialized from torchrun's environment when it is not yet (a single process without it runs alone).
+    """
+    if model is None:
+        raise ValueError("initialize() needs a model")
+    if dist_init_required is not False:
+        _init_distributed()
+    ctx = ParallelContext.from_mpu(mpu)
+    cfg = load_config(_config_source(args, config), ctx.data_parallel_size)
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("no optimizer: pass optimizer= or add an \"optimizer\" block to the config")
+        optimizer = build_optimizer(cfg.optimizer, model_parameters if model_parameters is not None
+                                    else [p for p in model.parameters() if p.requires_grad])
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (Adam/AdamW), got {type(optimizer).__name__}")
+    engine = ZeroEngine(model, optimizer, cfg, ctx)
+    if lr_scheduler is None and cfg.scheduler is not None:
+        lr_scheduler = SCHEDULERS[cfg.scheduler.type](optimizer, **cfg.scheduler.params)
+    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(optimizer)
+    engine.lr_scheduler = lr_scheduler
+    dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, ctx, collate_fn)
+    return engine, engine.optimizer, dataloader, lr_scheduler
+
+
+def build_optimizer(optimizer_config, params):
+    """torch Adam/AdamW from the JSON block. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false;
+    weight_decay defaults to 0 as in DeepSpeed (not torch AdamW's 0.01)."""
+    p = dict(optimizer_config.params)
+    adam_w_mode = p.pop("adam_w_mode", True) or optimizer_config.type == "AdamW"
+    for ignored in ("torch_adam", "bias_correction", "max_grad_norm"):   # use gradient_clipping for clipping
+        p.pop(ignored, None)
+    kwargs = {"lr": p.pop("lr", 1e-3), "weight_decay": p.pop("weight_decay", 0.0), **p}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
+
+
+def _config_source(args, config):
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    if path is not None and config is not None:
+        raise ConfigError(f"both args.deepspeed_config ({path!r}) and config= were given; pass one")
+    if path is None and config is None:
+        raise ConfigError("no config: pass config= (a dict or a path) or args.deepspeed_config")
+    return config if config is not None else path
+
+
+def _init_distributed():
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    from mpu.utils import get_backend
+    dist.init_process_group(backend=get_backend())
+
+
+def _dataloader(training_data, micro_batch_size, ctx, collate_fn):
+    if training_data is None:
+        return None
+    sampler = None
+    if ctx.data_parallel_size > 1:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=ctx.data_parallel_size,
+                                                      rank=ctx.data_parallel_rank)
+    return torch.utils.data.DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler,
+                                       collate_fn=collate_fn, drop_last=True)

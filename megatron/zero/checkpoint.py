@@ -1,0 +1,93 @@
+"""Checkpoint files: atomic writes, safe loads, and the ZeRO engine's file names and keys.
+
+Generic helpers (also used by Megatron's own checkpoint code):
+    atomic_torch_save(obj, path)   torch.save to `path.tmp.<pid>`, fsync, then os.replace: a reader never sees a
+                                   half-written file, and a crash leaves the previous file intact.
+    atomic_write_text(path, text)  the same for small text files (tracker files: write them last).
+    safe_torch_load(path)          torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
+                                   Store only tensors, python scalars, str, None, and lists/tuples/dicts of those.
+
+ZeRO layout (DESIGN.md section 6):
+    SAVE/<tag>/mp_rank_{mp:02d}_model_states.pt                           module, lr scheduler, steps, client_state
+    SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt         this data-parallel rank's fp32 slice,
+                                                                         moments, loss scaler (unpadded)
+    SAVE/latest                                                           the tag, written last
+"""
+import os
+import pickle
+import re
+
+import torch
+
+LATEST_FILE = "latest"
+
+# Keys of the model-states file.
+MODULE = "module"
+LR_SCHEDULER = "lr_scheduler"
+GLOBAL_STEPS = "global_steps"
+SKIPPED_STEPS = "skipped_steps"
+MICRO_STEPS = "micro_steps"
+CLIENT_STATE = "client_state"
+DATA_PARALLEL_SIZE = "data_parallel_size"
+MODEL_PARALLEL_SIZE = "model_parallel_size"
+ZERO_STAGE = "zero_stage"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, unreadable, or holds objects that weights_only loading refuses."""
+
+
+def model_states_name(model_parallel_rank):
+    return f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
+
+
+def optim_states_name(data_parallel_rank, model_parallel_rank):
+    return f"zero_pp_rank_{data_parallel_rank}_mp_rank_{model_parallel_rank:02d}_optim_states.pt"
+
+
+def optim_states_ranks(directory, model_parallel_rank):
+    """Data-parallel ranks that have an optimizer-states file for `model_parallel_rank` in `directory`."""
+    pattern = re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{model_parallel_rank:02d}_optim_states\.pt$")
+    return sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(directory)) if m)
+
+
+def atomic_torch_save(obj, path):
+    """torch.save(obj, path) so that `path` is either the old file or the complete new one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path, text):
+    """Write `text` to `path` atomically (temp file + os.replace)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def safe_torch_load(path, map_location="cpu"):
+    """torch.load(path, weights_only=True), with errors that say which file and why."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain python "
+                              f"values, which weights_only loading does not allow ({e})") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
+
+
+def read_latest_tag(load_dir):
+    """The tag in `load_dir/latest`, or None when there is no such file."""
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()

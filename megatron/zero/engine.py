@@ -1,0 +1,210 @@
+"""ZeroEngine: the model wrapper the training loop drives (DeepSpeed's engine API).
+
+    engine, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=adamw, config=ds_config, mpu=mpu)
+    for batch in batches:                 # one micro-batch per iteration
+        loss = engine(batch)              # forward
+        engine.backward(loss)             # scale, accumulate, reduce at the accumulation boundary
+        engine.step()                     # optimizer + lr scheduler step at the boundary; a no-op otherwise
+    engine.save_checkpoint(save_dir, tag, client_state={"iteration": it})
+
+Checkpoint layout and atomicity: checkpoint.py. The engine never reads global args.
+"""
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .optimizer import ZeroOptimizer
+
+
+class ZeroEngine(torch.nn.Module):
+    def __init__(self, module, optimizer, config, ctx, lr_scheduler=None):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.ctx = ctx
+        self.lr_scheduler = lr_scheduler
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        if config.fp16.enabled:
+            module.half()
+        elif config.bf16.enabled:
+            module.to(torch.bfloat16)
+        self._broadcast_parameters()
+        self.optimizer = ZeroOptimizer(optimizer, ctx, config.zero_optimization.stage, config.zero_optimization,
+                                       config.fp16, config.gradient_clipping, param_order=list(module.parameters()))
+        self.timers = _PhaseTimers(config.wall_clock_breakdown, self.device)
+
+    @property
+    def device(self):
+        return next(self.module.parameters()).device
+
+    def _broadcast_parameters(self):
+        """Every data-parallel rank starts from data-parallel rank 0's parameters."""
+        if self.ctx.data_parallel_size == 1:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                dist.broadcast(p.data, group_src=0, group=self.ctx.data_parallel_group)
+
+    # ---- training --------------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """The module's forward; floating-point tensor inputs are cast to the parameters' dtype."""
+        dtype = next(self.module.parameters()).dtype
+        cast = (lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x)
+        with self.timers("forward"):
+            return self.module(*map(cast, inputs), **{k: cast(v) for k, v in kwargs.items()})
+
+    def backward(self, loss):
+        """Backpropagate the (scaled) loss; reduce gradients at the accumulation boundary (every micro-step
+        in stage 2)."""
+        with self.timers("backward"):
+            self.optimizer.backward(loss, self.gradient_accumulation_steps())
+            self.optimizer.finish_micro_step(self.is_gradient_accumulation_boundary())
+        return loss
+
+    def step(self):
+        """At the accumulation boundary: optimizer step (skipped on fp16 overflow), lr scheduler step."""
+        if self.is_gradient_accumulation_boundary():
+            with self.timers("step"):
+                applied = self.optimizer.step()
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.skipped_steps += not applied
+            self.global_steps += 1
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._print_progress()
+        self.micro_steps += 1
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def _print_progress(self):
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        norm = self.get_global_grad_norm()
+        print(f"[zero] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
+              f"loss_scale={self.optimizer.cur_scale} grad_norm={norm if norm is None else round(norm, 6)}"
+              f"{self.timers.report_and_reset()}", flush=True)
+
+    # ---- accessors (DeepSpeed names) ---------------------------------------------------------------------
+    def train_batch_size(self):
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self):
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self):
+        return self.config.zero_optimization.stage
+
+    def get_lr(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        """Norm of the unscaled, unclipped gradients of the last optimizer step (inf on overflow)."""
+        return self.optimizer.last_grad_norm
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """All ranks call this. Writes the files of DESIGN.md section 6, then `latest` (rank 0) last."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        directory = os.path.join(save_dir, tag)
+        os.makedirs(directory, exist_ok=True)
+        mp_rank = self.ctx.model_parallel_rank
+        if self.ctx.data_parallel_rank == 0:
+            state = {ckpt.MODULE: self.module.state_dict(),
+                     ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                     ckpt.GLOBAL_STEPS: self.global_steps, ckpt.SKIPPED_STEPS: self.skipped_steps,
+                     ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
+                     ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
+                     ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
+                     ckpt.ZERO_STAGE: self.zero_optimization_stage()}
+            ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank)))
+        ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(),
+                               os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank)))
+        _barrier()
+        if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
+            ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
+        _barrier()
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_strict=True):
+        """Returns (path of the model-states file, client_state), or (None, {}) when there is no checkpoint.
+
+        Optimizer state saved at any data-parallel size is re-partitioned for this one.
+        """
+        tag = tag if tag is not None else ckpt.read_latest_tag(load_dir)
+        if tag is None:
+            return None, {}
+        directory = os.path.join(load_dir, str(tag))
+        mp_rank = self.ctx.model_parallel_rank
+        path = os.path.join(directory, ckpt.model_states_name(mp_rank))
+        state = ckpt.safe_torch_load(path)
+        if state[ckpt.MODEL_PARALLEL_SIZE] != self.ctx.model_parallel_size:
+            raise ckpt.CheckpointError(f"{path} was saved at model-parallel size {state[ckpt.MODEL_PARALLEL_SIZE]}, "
+                                       f"this run uses {self.ctx.model_parallel_size}")
+        self.module.load_state_dict(state[ckpt.MODULE], strict=load_module_strict)
+        if load_optimizer_states:
+            saved_ranks = list(range(state[ckpt.DATA_PARALLEL_SIZE]))
+            missing = sorted(set(saved_ranks) - set(ckpt.optim_states_ranks(directory, mp_rank)))
+            if missing:
+                raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} "
+                                           f"(of {len(saved_ranks)}) are missing")
+            self.optimizer.load_partitioned_state_dicts(
+                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank)))
+                 for r in saved_ranks])
+        else:
+            self.optimizer.refresh_masters_from_parameters()
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:
+            self.lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
+        self.global_steps = state[ckpt.GLOBAL_STEPS]
+        self.skipped_steps = state[ckpt.SKIPPED_STEPS]
+        self.micro_steps = state[ckpt.MICRO_STEPS]
+        return path, state[ckpt.CLIENT_STATE]
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class _PhaseTimers:
+    """Wall-clock time per phase (forward, backward, step) when `wall_clock_breakdown` is on."""
+
+    def __init__(self, enabled, device):
+        self.enabled, self.device = enabled, device
+        self.totals, self.counts = {}, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        if not self.enabled:
+            yield
+            return
+        self._synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def _synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def report_and_reset(self):
+        if not self.enabled:
+            return ""
+        text = "".join(f" | {name} {1000 * total / self.counts[name]:.2f} ms"
+                       for name, total in self.totals.items())
+        self.totals, self.counts = {}, {}
+        return text

@@ -1,0 +1,49 @@
+"""The global gradient norm over all partitions and model-parallel ranks, and the overflow flag with it.
+
+Each rank sums the squares of its own partition's gradients. Parameters split across model-parallel ranks
+(`model_parallel=True`) count on every rank; duplicated ones only on model-parallel rank 0, so they are counted
+once. Elements that do not count for the norm still count for overflow detection. Both sums are all-reduced over
+the data- and the model-parallel group, so every rank sees the same norm and the same overflow decision.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def local_square_sums(partition_grads, ranges):
+    """[counted, not counted] sums of squares (fp32) over this rank's partitions.
+
+    `ranges[i]` is (counted, not_counted) lists of (lo, hi) ranges into `partition_grads[i]`.
+    """
+    device = partition_grads[0].device if partition_grads else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.float32, device=device)
+    for grad, (counted, other) in zip(partition_grads, ranges):
+        for slot, pieces in enumerate((counted, other)):
+            for lo, hi in pieces:
+                piece = grad[lo:hi].float()
+                sums[slot] += torch.dot(piece, piece)
+    return sums
+
+
+def global_norm_and_overflow(partition_grads, ranges, ctx, scale=1.0, partitioned=True):
+    """(norm of the unscaled gradients, overflow) identical on every rank; norm is inf on overflow.
+
+    `partitioned=False` (stage 0): every data-parallel rank holds all gradients, so nothing is summed over them.
+    """
+    sums = local_square_sums(partition_grads, ranges)
+    for group, size in ((ctx.data_parallel_group, ctx.data_parallel_size if partitioned else 1),
+                        (ctx.model_parallel_group, ctx.model_parallel_size)):
+        if size > 1:
+            dist.all_reduce(sums, group=group)
+    counted, total = sums.tolist()[0], float(sums.sum())
+    overflow = not math.isfinite(total)
+    norm = math.inf if overflow else math.sqrt(counted) / scale
+    return norm, overflow
+
+
+def clip_coefficient(norm, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

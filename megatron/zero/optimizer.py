@@ -1,0 +1,198 @@
+"""The partitioned optimizer: fp32 master slices, the step recipe, and its re-partitionable state.
+
+It wraps the client's torch optimizer (Adam/AdamW) *in place*: each of its param groups is re-pointed at this
+rank's fp32 master slice of that group's flat buffer, so a learning-rate scheduler built on the client optimizer
+keeps working. In fp32 the master slice is a view of the parameters' own flat buffer (no copy).
+
+    step():  1. norm + overflow over all partitions, data- and model-parallel ranks
+             2. loss-scaler update; on overflow: zero gradients, return False (every rank skips)
+             3. master.grad = partition gradient x (clip coefficient / loss scale)
+             4. inner optimizer step on the fp32 master slices
+             5. copy slices into the low-precision parameters; all-gather the slices
+             6. zero gradients; return True
+"""
+import torch
+
+from .bucketing import BoundaryReducer, BucketReducer
+from .grad_norm import clip_coefficient, global_norm_and_overflow
+from .loss_scaler import LossScaler, LossScalerConfig
+from .partition import FlatGroup
+
+# Keys of the per-rank optimizer checkpoint (see checkpoint.py for file names).
+STAGE = "zero_stage"
+DATA_PARALLEL_SIZE = "data_parallel_size"
+DATA_PARALLEL_RANK = "data_parallel_rank"
+LOSS_SCALER = "loss_scaler"
+PARAM_GROUPS = "param_groups"
+GROUPS = "groups"
+NUMEL, START, END = "numel", "start", "end"
+MASTER = "fp32_master"
+SLICE_STATE = "slice_state"        # per-element optimizer state (Adam moments), saved for [start, end)
+SCALAR_STATE = "scalar_state"      # everything else (Adam's step count)
+
+
+class ZeroOptimizer:
+    """Partitioned mixed-precision wrapper. Exposes `cur_scale`, `overflow`, `param_groups` like DeepSpeed's."""
+
+    def __init__(self, optimizer, ctx, stage, zero_config, fp16_config=None, gradient_clipping=0.0,
+                 param_order=()):
+        self.optimizer, self.ctx, self.stage = optimizer, ctx, stage
+        self.zero_config = zero_config
+        self.gradient_clipping = gradient_clipping
+        self.fp16 = fp16_config is not None and fp16_config.enabled
+        self.loss_scaler = LossScaler(fp16_config.loss_scaler_config() if self.fp16 else LossScalerConfig(loss_scale=1.0))
+        self.overflow = False
+        self.last_grad_norm = None
+        num_partitions = ctx.data_parallel_size if stage >= 1 else 1
+        self.groups = [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
+                       for g in optimizer.param_groups]
+        self.masters = [self._new_master(g) for g in self.groups]
+        optimizer.state.clear()
+        for group, master in zip(optimizer.param_groups, self.masters):
+            group["params"] = [master]
+        if stage == 2:
+            self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order)
+        else:
+            self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
+        self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
+
+    @staticmethod
+    def _new_master(group):
+        partition = group.own_partition()
+        if partition.dtype == torch.float32:
+            return partition                       # fp32: the parameters' own slice is the master
+        return partition.detach().float()
+
+    # ---- DeepSpeed-style accessors -------------------------------------------------------------------------
+    @property
+    def cur_scale(self):
+        return self.loss_scaler.cur_scale
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=None):
+        self.reducer.zero()
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def backward(self, loss, accumulation_steps=1):
+        """Scale the loss (loss scale / accumulation steps) and backpropagate."""
+        if self.stage < 2:
+            self.reducer.attach_grad_views()
+        (loss.float() * (self.cur_scale / accumulation_steps)).backward()
+
+    def finish_micro_step(self, boundary):
+        """Reduce what this micro-step produced (stage 2) or everything accumulated (stage 0/1 at a boundary)."""
+        self.reducer.finish_micro_step(boundary)
+
+    def step(self):
+        partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
+        norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.cur_scale,
+                                                   partitioned=self.stage >= 1)
+        self.overflow = found_inf and self.fp16
+        scale = self.cur_scale
+        if self.fp16:
+            self.loss_scaler.update(found_inf)
+        self.last_grad_norm = norm
+        if self.overflow:
+            self.reducer.zero()
+            return False
+        factor = clip_coefficient(norm, self.gradient_clipping) / scale
+        for master, grad in zip(self.masters, partition_grads):
+            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if factor != 1.0:
+                master.grad.mul_(factor)
+        self.optimizer.step()
+        for group, master in zip(self.groups, self.masters):
+            master.grad = None
+            partition = group.own_partition()
+            if partition.data_ptr() != master.data_ptr():
+                partition.copy_(master)
+            group.all_gather(self.ctx.data_parallel_group, self.zero_config.allgather_bucket_size)
+        self.reducer.zero()
+        return True
+
+    # ---- memory accounting (tests, benchmark) --------------------------------------------------------------
+    def partitioned_state_bytes(self):
+        """Bytes of fp32 master slices (those that are copies), optimizer moments and held gradients."""
+        masters = sum(m.numel() * m.element_size() for m, g in zip(self.masters, self.groups)
+                      if m.data_ptr() != g.own_partition().data_ptr())
+        moments = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
+                      for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"master": masters, "moments": moments, "gradients": self.reducer.held_gradient_bytes(),
+                "parameters": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)}
+
+    # ---- checkpoint state: this rank's unpadded slice, re-partitionable ------------------------------------
+    def partitioned_state_dict(self):
+        groups = []
+        for group, master in zip(self.groups, self.masters):
+            start, end = group.own_unpadded_range()
+            own_start = group.own_range[0]
+            state = self.optimizer.state.get(master, {})
+            groups.append({NUMEL: group.numel, START: start, END: end,
+                           MASTER: master[start - own_start:end - own_start].clone(),
+                           SLICE_STATE: {k: v[start - own_start:end - own_start].clone() for k, v in state.items()
+                                         if torch.is_tensor(v) and v.shape == master.shape},
+                           SCALAR_STATE: {k: v for k, v in state.items()
+                                          if not (torch.is_tensor(v) and v.shape == master.shape)}})
+        return {STAGE: self.stage, DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
+                DATA_PARALLEL_RANK: self.ctx.data_parallel_rank, LOSS_SCALER: self.loss_scaler.state_dict(),
+                PARAM_GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                GROUPS: groups}
+
+    def load_partitioned_state_dicts(self, states):
+        """Load from the files of *all* saved data-parallel ranks (any data-parallel size) of this mp rank."""
+        if len(states[0][GROUPS]) != len(self.groups):
+            raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
+                             f"the optimizer has {len(self.groups)}")
+        for index, (group, master) in enumerate(zip(self.groups, self.masters)):
+            saved = [s[GROUPS][index] for s in states]
+            if saved[0][NUMEL] != group.numel:
+                raise ValueError(f"optimizer param group {index}: checkpoint has {saved[0][NUMEL]} elements, "
+                                 f"the model has {group.numel}")
+            own_start, own_end = group.own_range
+            start, end = group.own_unpadded_range()
+            full_master = _assemble(saved, lambda s: s[MASTER], group.numel)
+            with torch.no_grad():
+                master.zero_()
+                master[:end - start].copy_(full_master[start:end])
+                group.flat[:group.numel].copy_(full_master)     # every rank has it all: no gather needed
+            state = dict(saved[0][SCALAR_STATE])
+            for key in saved[0][SLICE_STATE]:
+                full = _assemble(saved, lambda s: s[SLICE_STATE][key], group.numel)
+                value = torch.zeros_like(master)
+                value[:end - start].copy_(full[start:end])
+                state[key] = value
+            self.optimizer.state.pop(master, None)
+            if state:
+                self.optimizer.state[master] = state
+        for group, saved in zip(self.optimizer.param_groups, states[0][PARAM_GROUPS]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.loss_scaler.load_state_dict(states[0][LOSS_SCALER])
+
+    def refresh_masters_from_parameters(self):
+        """After loading module weights only: the fp32 master slices follow the parameters."""
+        with torch.no_grad():
+            for group, master in zip(self.groups, self.masters):
+                partition = group.own_partition()
+                if partition.data_ptr() != master.data_ptr():
+                    master.copy_(partition)
+
+
+def _assemble(saved, get, numel):
+    """The full unpadded tensor from per-rank [start, end) slices."""
+    first = get(saved[0])
+    full = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    covered = 0
+    for s in saved:
+        full[s[START]:s[END]] = get(s)
+        covered += s[END] - s[START]
+    if covered < numel:
+        raise ValueError(f"checkpoint slices cover {covered} of {numel} elements: a data-parallel rank's "
+                         "optimizer file is missing")
+    return full

@@ -1,0 +1,156 @@
+"""Flat, aligned parameter buffers and the contiguous range each data-parallel rank owns.
+
+One `FlatGroup` per optimizer param group. Its parameters become views into one flat buffer (in the group's
+parameter order), padded at the end so it splits into `dp` equal partitions of an aligned size. Example, three
+parameters of 5, 3 and 6 elements, dp = 2, alignment 4:
+
+    flat (padded to 16):  [ a a a a a b b b | c c c c c c . . ]      . = padding (always zero)
+    rank 0 owns [0, 8)    -> a[0:5], b[0:3]
+    rank 1 owns [8, 16)   -> c[0:6] + 2 padding elements
+
+Only the owner keeps fp32 master weights and Adam moments for its range (stage 1) and the reduced gradients for
+it (stage 2). After the step every rank's updated range is all-gathered back into the flat buffer, so the model
+sees full parameters again. `ParallelContext` carries the groups the engine was given (the six mpu getters).
+"""
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ALIGNMENT = 32   # elements; every partition size is a multiple of it (128 bytes in fp32)
+
+
+@dataclass
+class ParallelContext:
+    data_parallel_group: Any
+    data_parallel_rank: int
+    data_parallel_size: int
+    model_parallel_group: Any
+    model_parallel_rank: int
+    model_parallel_size: int
+
+    @classmethod
+    def from_mpu(cls, mpu):
+        """From an object with mpu's six getters; without one, data parallel over the whole world."""
+        if mpu is not None:
+            return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
+                       mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
+                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size())
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None, 0, 1)
+        return cls(None, 0, 1, None, 0, 1)
+
+    def global_rank_of_data_parallel_rank(self, dp_rank):
+        if self.data_parallel_size == 1:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_global_rank(self.data_parallel_group, dp_rank)
+
+
+def padded_size(numel, num_partitions):
+    unit = num_partitions * ALIGNMENT
+    return -(-numel // unit) * unit
+
+
+class FlatGroup:
+    """The parameters of one optimizer param group as views into one flat buffer, split into partitions.
+
+    `num_partitions` is the data-parallel size for stages 1 and 2 and 1 for stage 0 (every rank owns all).
+    """
+
+    def __init__(self, params, num_partitions, rank):
+        self.params = list(params)
+        self.num_partitions = num_partitions
+        self.rank = rank if num_partitions > 1 else 0
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded_numel = padded_size(self.numel, num_partitions)
+        self.partition_size = self.padded_numel // num_partitions
+        self.offsets = []                 # (start, end) of each parameter in the flat buffer
+        start = 0
+        for p in self.params:
+            self.offsets.append((start, start + p.numel()))
+            start += p.numel()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        dtype = self.params[0].dtype if self.params else torch.float32
+        if any(p.dtype != dtype for p in self.params):
+            raise ValueError(f"parameters of one optimizer group have mixed dtypes "
+                             f"{sorted({str(p.dtype) for p in self.params})}")
+        self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, (s, e) in zip(self.params, self.offsets):
+                self.flat[s:e].copy_(p.data.reshape(-1))
+                p.data = self.flat[s:e].view_as(p)
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    def partition_range(self, rank):
+        """[start, end) of `rank`'s partition in the flat buffer (padding included)."""
+        return rank * self.partition_size, (rank + 1) * self.partition_size
+
+    @property
+    def own_range(self):
+        return self.partition_range(self.rank)
+
+    def own_unpadded_range(self):
+        """The part of this rank's partition that holds real parameter elements."""
+        start, end = self.own_range
+        return min(start, self.numel), min(end, self.numel)
+
+    def own_partition(self):
+        start, end = self.own_range
+        return self.flat[start:end]
+
+    def segments(self, start, end):
+        """Pieces of parameters inside flat range [start, end): (param index, lo, hi) with lo/hi flat offsets."""
+        pieces = []
+        for index, (s, e) in enumerate(self.offsets):
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                pieces.append((index, lo, hi))
+        return pieces
+
+    def owners(self, start, end):
+        """Pieces of flat range [start, end) by owning rank: (rank, lo, hi)."""
+        if self.partition_size == 0:
+            return []
+        first, last = start // self.partition_size, (end - 1) // self.partition_size
+        return [(r, max(start, r * self.partition_size), min(end, (r + 1) * self.partition_size))
+                for r in range(first, last + 1)]
+
+    def counted_own_ranges(self, model_parallel_rank):
+        """Own-partition ranges (relative to the partition) whose squares count toward the global norm.
+
+        Parameters split across model-parallel ranks (attribute `model_parallel=True`) count on every rank;
+        duplicated ones only on model-parallel rank 0. Returns (counted, not_counted) lists of (lo, hi).
+        """
+        start, end = self.own_range
+        counted, other = [], []
+        for index, lo, hi in self.segments(start, end):
+            split = getattr(self.params[index], "model_parallel", False)
+            target = counted if (split or model_parallel_rank == 0) else other
+            if target and target[-1][1] == lo - start:
+                target[-1] = (target[-1][0], hi - start)
+            else:
+                target.append((lo - start, hi - start))
+        return counted, other
+
+    def all_gather(self, group, bucket_size):
+        """Every rank's updated partition into every rank's flat buffer (pair: the owners' reduce)."""
+        if self.num_partitions == 1 or self.partition_size == 0:
+            return
+        start, end = self.own_range
+        if self.partition_size <= bucket_size:
+            _all_gather_single(self.flat, self.flat[start:end], group)   # in place: input is output[rank]
+            return
+        for lo in range(0, self.partition_size, bucket_size):
+            hi = min(lo + bucket_size, self.partition_size)
+            outputs = [self.flat[r * self.partition_size + lo: r * self.partition_size + hi]
+                       for r in range(self.num_partitions)]
+            dist.all_gather(outputs, self.flat[start + lo: start + hi].clone(), group=group)
+
+
+def _all_gather_single(output, tensor, group):
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)

@@ -1,0 +1,71 @@
+"""Shared pieces of the ZeRO engine tests: a tiny model, deterministic data, the single-process reference."""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IN, HIDDEN, OUT = 16, 32, 8
+
+
+class TinyNet(nn.Module):
+    """Linear -> GELU -> LayerNorm -> Linear -> tanh -> Linear; ~1.9k parameters."""
+
+    def __init__(self, seed=1234):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(IN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, y):
+        h = self.norm(F.gelu(self.fc1(x)))
+        return F.mse_loss(self.head(torch.tanh(self.fc2(h))).float(), y.float())
+
+
+def batch(step, size, seed=99):
+    """The global batch of `step`: x [size, IN], y = tanh(x @ teacher) [size, OUT]."""
+    teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(size, IN, generator=torch.Generator().manual_seed(seed * 1000 + step))
+    return x, torch.tanh(x @ teacher)
+
+
+def param_groups(model, weight_decay=0.01):
+    """Megatron-style groups: weights decay, biases and norms do not."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reference_run(steps, global_batch, lr=1e-2, clip=0.0, make_model=TinyNet):
+    """Plain single-process torch AdamW on the whole global batch: (losses, final state_dict)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ds_config(stage, micro, accumulation=1, **zero):
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+              "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, **zero}}
+    return copy.deepcopy(config)
+
+
+def max_relative_difference(a, b):
+    """max over tensors of max|a - b| / max|b| (a and b: dicts or lists of tensors/floats)."""
+    pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+    worst = 0.0
+    for x, y in pairs:
+        x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)
+        worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)))
+    return worst
