@@ -1,0 +1,158 @@
+"""Benchmark activation checkpointing on the parallel transformer stack (no embeddings, no LM head).
+
+    python tools/bench_activation_checkpointing.py                       # L=8 h=512 s=512, mp 1 and 2
+    python tools/bench_activation_checkpointing.py --micro-batch 1 --steps 3 --mp 2 --modes off partitioned
+
+For each model-parallel size and mode, fresh processes (so peak RSS is per configuration) build
+mpu.ParallelTransformer with dropout 0.1, run one warm-up step, one step whose forward is counted with
+torch.autograd.graph.saved_tensors_hooks (distinct saved tensors, bytes per rank), then `--steps` timed
+forward+backward steps. Modes:
+
+    off                   no checkpointing
+    on                    zero.checkpointing, one chunk per layer, inputs kept whole
+    partitioned           + partition_activations (each mp rank keeps 1/mp of every chunk input)
+    partitioned+cpu       + checkpoint_in_cpu (identical to partitioned on a CPU-only machine)
+    partitioned+contiguous + contiguous_checkpointing with num_checkpoints = num_layers
+
+tokens/s counts the tokens of one micro-batch per step (the model-parallel ranks share them). Peak RSS is the
+process's maximum resident set (ru_maxrss, includes torch itself); "peak - built" is that minus the resident set
+after the model was built. On CUDA the peak allocated device memory is reported too.
+"""
+import argparse
+import multiprocessing
+import os
+import resource
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = {"off": None, "on": {}, "partitioned": dict(partition_activations=True),
+         "partitioned+cpu": dict(partition_activations=True, checkpoint_in_cpu=True),
+         "partitioned+contiguous": dict(partition_activations=True, contiguous_checkpointing=True)}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up and counted steps")
+    parser.add_argument("--mp", type=int, nargs="+", default=[1, 2], help="model-parallel sizes")
+    parser.add_argument("--modes", nargs="+", default=["off", "on", "partitioned", "partitioned+cpu"],
+                        choices=list(MODES))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / mp)")
+    return parser.parse_args()
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _worker(rank, mp_size, mode, args, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(mp_size),
+                      LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    import mpu
+    from megatron.zero import checkpointing
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // mp_size))
+    dist.init_process_group(mpu.get_backend(), rank=rank, world_size=mp_size)
+    mpu.initialize_model_parallel(mp_size)
+    device = mpu.get_device()
+    # The first backward through a custom autograd.Function imports ~35 MiB of modules (sympy, via torch);
+    # do it now in every mode, so that "peak - built" measures activations only.
+    checkpointing.checkpoint(lambda t: t * 2, torch.ones(1, requires_grad=True)).sum().backward()
+    if MODES[mode] is not None:
+        options = dict(MODES[mode])
+        if options.get("contiguous_checkpointing"):
+            options["num_checkpoints"] = args.num_layers
+        if mp_size == 1 and options.get("partition_activations"):
+            options["partition_activations"] = False  # a no-op at mp=1 (configure would warn)
+        checkpointing.configure(mpu, **options)
+    mpu.model_parallel_cuda_manual_seed(1234)
+    model = mpu.ParallelTransformer(args.num_layers, args.hidden_size, args.num_attention_heads, 0.1, 0.1,
+                                    checkpoint_activations=MODES[mode] is not None)
+    generator = torch.Generator().manual_seed(7)
+    shape = (args.micro_batch, args.seq_length, args.hidden_size)  # [b, s, h]
+    x = torch.randn(*shape, generator=generator).to(device).requires_grad_()
+    target = torch.randn(*shape, generator=generator).to(device)
+    built_rss = _rss_bytes()
+
+    def step():
+        (model(x) * target).sum().backward()
+
+    step()  # warm-up
+    seen = set()
+
+    def pack(tensor):
+        seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = (model(x) * target).sum()
+    loss.backward()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {"saved_bytes": sum(nbytes for _, nbytes in seen), "peak_rss": peak_rss,
+              "peak_over_built": peak_rss - built_rss, "seconds_per_step": elapsed / args.steps,
+              "device_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    queue.put((rank, result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_configuration(mp_size, mode, args):
+    """The worst rank's numbers (max memory, slowest step) for one configuration, in fresh processes."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(rank, mp_size, mode, args, port, queue)) for rank in range(mp_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"mp={mp_size} mode={mode}: a worker failed (exit codes {[p.exitcode for p in procs]})")
+    results = [queue.get()[1] for _ in procs]
+    return {key: max(r[key] for r in results) if results[0][key] is not None else None for key in results[0]}
+
+
+def main():
+    args = parse_args()
+    tokens = args.micro_batch * args.seq_length
+    print(f"# L={args.num_layers} h={args.hidden_size} heads={args.num_attention_heads} s={args.seq_length} "
+          f"micro-batch={args.micro_batch} steps={args.steps} fp32 dropout=0.1, torch threads per process="
+          f"{args.threads or 'cores/mp'}\n")
+    print("| mp | mode | saved activations / rank (MiB) | peak RSS (MiB) | peak - built (MiB) | tokens/s | vs off |")
+    print("|---:|------|---:|---:|---:|---:|---:|")
+    for mp_size in args.mp:
+        off_speed = None
+        for mode in args.modes:
+            r = run_configuration(mp_size, mode, args)
+            speed = tokens / r["seconds_per_step"]
+            off_speed = speed if mode == "off" else off_speed
+            ratio = f"{speed / off_speed:.2f}x" if off_speed else "-"
+            device = f" (device peak {r['device_peak'] / 2**20:.0f} MiB)" if r["device_peak"] is not None else ""
+            print(f"| {mp_size} | {mode} | {r['saved_bytes'] / 2**20:.1f} | {r['peak_rss'] / 2**20:.0f} | "
+                  f"{r['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
