@@ -47,17 +47,24 @@ def _train_steps(model, x, target, mask=None, input_requires_grad=True):
     return grads, losses, rng
 
 
-def _saved_bytes(run):
-    """Bytes of the distinct tensors autograd saves while `run()` builds the graph."""
-    seen = set()
+def _saved_tensors(run):
+    """{(data_ptr, bytes): (storage data_ptr, storage bytes)} of the distinct tensors autograd saves while
+    `run()` builds the graph, and run()'s result."""
+    seen = {}
 
     def pack(tensor):
-        seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        storage = tensor.untyped_storage()
+        seen[(tensor.data_ptr(), tensor.numel() * tensor.element_size())] = (storage.data_ptr(), storage.nbytes())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = run()
-    return sum(nbytes for _, nbytes in seen), out
+    return seen, out
+
+
+def _saved_bytes(run):
+    seen, _ = _saved_tensors(run)
+    return sum(nbytes for _, nbytes in seen)
 
 
 def _mp2_worker():
@@ -98,10 +105,20 @@ def _mp2_worker():
         if options is not None:
             _configure(options)
         model.checkpoint_activations = options is not None
-        results["bytes"][name], _ = _saved_bytes(lambda: model(leaf))
+        results["bytes"][name] = _saved_bytes(lambda: model(leaf))
         checkpointing.reset()  # forwards without backward: free the contiguous slots
-    results["bytes"]["final layernorm"], _ = _saved_bytes(
+    results["bytes"]["final layernorm"] = _saved_bytes(
         lambda: model.final_layernorm(torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)))
+
+    # Contiguous: the partitioned chunk inputs of every step live in one buffer, allocated once.
+    _configure((True, False, True))
+    model.checkpoint_activations = True
+    results["contiguous storages"] = []
+    for _ in range(STEPS):
+        seen, out = _saved_tensors(lambda: model(leaf))
+        out.sum().backward()
+        results["contiguous storages"].append(
+            {storage for (_, nbytes), storage in seen.items() if nbytes == ACTIVATION_BYTES // 2})
     checkpointing.unconfigure()
     return results
 
@@ -158,6 +175,14 @@ def test_saved_bytes_fall_to_checkpointed_inputs_and_partition_divides_them(mp2_
         assert saved["partition"] == NUM_LAYERS * ACTIVATION_BYTES // 2 + layernorm
         assert saved["partition+contiguous"] == saved["partition"]
         assert saved["none"] > 5 * saved["plain"], saved
+
+
+def test_contiguous_checkpoints_share_one_buffer_across_steps(mp2_results):
+    for results in mp2_results:
+        storages = results["contiguous storages"]
+        assert len(storages[0]) == 1 and all(s == storages[0] for s in storages), storages
+        (_, buffer_bytes), = storages[0]
+        assert buffer_bytes == NUM_LAYERS * ACTIVATION_BYTES // 2
 
 
 def test_profile_counts_forward_recompute_gather_and_synchronize(mp2_results):
