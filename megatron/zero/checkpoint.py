@@ -52,7 +52,11 @@ def optim_states_ranks(directory, model_parallel_rank):
 
 
 def atomic_torch_save(obj, path):
-    """torch.save(obj, path) so that `path` is either the old file or the complete new one."""
+    """torch.save(obj, path) so that `path` is either the old file or the complete new one.
+
+    `obj` is checked first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written.
+    """
+    check_weights_only_safe(obj, os.path.basename(path))
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -91,3 +95,21 @@ def read_latest_tag(load_dir):
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+_SAFE_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, int, float, bool, str, bytes, type(None))
+
+
+def check_weights_only_safe(obj, name="checkpoint"):
+    """Raise CheckpointError naming the first value weights_only loading would refuse (e.g. a numpy array:
+    store it as a tensor or a list)."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            check_weights_only_safe(key, f"{name} key")
+            check_weights_only_safe(value, f"{name}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            check_weights_only_safe(value, f"{name}[{i}]")
+    elif not isinstance(obj, _SAFE_LEAVES):
+        raise CheckpointError(f"{name} holds a {type(obj).__module__}.{type(obj).__qualname__}, which "
+                              "torch.load(weights_only=True) refuses; store tensors, numbers, str, lists or dicts")

@@ -167,7 +167,7 @@ class ZeroEngine(torch.nn.Module):
             self.lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
         self.global_steps = state[ckpt.GLOBAL_STEPS]
         self.skipped_steps = state[ckpt.SKIPPED_STEPS]
-        self.micro_steps = state[ckpt.MICRO_STEPS]
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()   # accumulation may differ
         return path, state[ckpt.CLIENT_STATE]
 
 
