@@ -212,7 +212,8 @@ def _build_and_save(paths, description, sizes, documents, num_samples, seq_lengt
     """Build under an exclusive file lock, unless another process finished meanwhile. The description file is
     renamed last: its presence means the three arrays are complete."""
     os.makedirs(os.path.dirname(paths["doc"]), exist_ok=True)
-    with open(paths["description"] + ".lock", "w") as lock:
+    lock_path = paths["description"] + ".lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(paths["description"]):
             return False
@@ -221,9 +222,16 @@ def _build_and_save(paths, description, sizes, documents, num_samples, seq_lengt
         for kind, array in zip(("doc", "sample", "shuffle"), arrays):
             _save_atomically(paths[kind], lambda tmp, a=array: _save_npy(tmp, a))
         description = dict(description, build_seconds=round(time.time() - start, 3))
-        _save_atomically(paths["description"],
-                         lambda tmp: open(tmp, "w").write(json.dumps(description, indent=1, sort_keys=True)))
+        _save_atomically(paths["description"], lambda tmp: _save_json(tmp, description))
+        # Waiters hold the (now unlinked) lock and will find the description; at worst a late process makes a
+        # new lock file and rebuilds the same arrays, still renamed atomically.
+        os.remove(lock_path)
     return True
+
+
+def _save_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
 
 
 def _save_npy(path, array):
