@@ -11,7 +11,8 @@ and drops `param.grad`; a bucket whose pieces have all arrived is reduced. Bucke
 on every rank (the order their last gradient is expected in backward: reverse module order), so collectives
 match across ranks even if hooks fire in a different order; a bucket that is ready early waits for its turn.
 With `overlap_comm` the reductions are asynchronous and complete in `finish_micro_step()`; at most
-`MAX_IN_FLIGHT` buckets are outstanding.
+`MAX_IN_FLIGHT` buckets are outstanding. Bucket memory: one bucket per param group being filled (a group's
+bucket can wait for a late gradient while another group's fill), plus the in-flight ones with `overlap_comm`.
 """
 import torch
 import torch.distributed as dist
@@ -155,8 +156,8 @@ class BucketReducer:
             else:
                 bucket.arrived[piece_index] = bucket.arrived[piece_index] + piece if seen else piece
             bucket.pending -= 0 if seen else 1
+            self._launch_ready()          # frees the buffer (synchronous mode) before the next piece needs one
         param.grad = None
-        self._launch_ready()
 
     def _launch_ready(self, force=False):
         while self.next_launch < len(self.buckets):
