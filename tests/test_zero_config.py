@@ -1,0 +1,133 @@
+"""DeepSpeed-documentation configs load unchanged; every kind of bad config names its key and value."""
+import argparse
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from megatron import zero
+from megatron.zero.config import ConfigError, load_config, resolve_batch_triangle
+from megatron.zero.lr_schedules import WarmupDecayLR, WarmupLR
+from tests.zero_helpers import TinyNet
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "zero_configs")
+EXAMPLES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_example_configs_load_unchanged(path, dp):
+    config = load_config(path, data_parallel_size=dp)
+    assert config.train_batch_size == (config.train_micro_batch_size_per_gpu *
+                                       config.gradient_accumulation_steps * dp)
+
+
+def test_example_values_are_read():
+    mega = load_config(os.path.join(CONFIG_DIR, "megatron_ds_zero2_config.json"), data_parallel_size=2)
+    assert (mega.train_micro_batch_size_per_gpu, mega.zero_optimization.stage) == (8, 2)
+    assert mega.zero_optimization.overlap_comm and mega.fp16.enabled and mega.gradient_clipping == 1.0
+    assert mega.optimizer.type == "Adam" and mega.optimizer.params["betas"] == [0.9, 0.95]
+    tutorial = load_config(os.path.join(CONFIG_DIR, "zero_tutorial_stage2.json"), data_parallel_size=2)
+    assert tutorial.zero_optimization.reduce_bucket_size == 500_000_000          # written as 5e8
+    assert tutorial.gradient_accumulation_steps == 2
+    assert load_config(os.path.join(CONFIG_DIR, "getting_started.json")).zero_optimization.stage == 1
+    bf16 = load_config(os.path.join(CONFIG_DIR, "bf16_zero2_warmup_decay.json"), data_parallel_size=4)
+    assert bf16.train_batch_size == 32 and bf16.bf16.enabled
+    assert bf16.activation_checkpointing.partition_activations and bf16.scheduler.type == "WarmupDecayLR"
+
+
+def test_engine_from_example_config_with_json_optimizer_and_scheduler():
+    engine, optimizer, _, scheduler = zero.initialize(
+        model=TinyNet(), config=os.path.join(CONFIG_DIR, "bf16_zero2_warmup_decay.json"))
+    assert isinstance(optimizer.optimizer, torch.optim.AdamW) and isinstance(scheduler, WarmupDecayLR)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1 and engine.get_lr() == [0.0]
+    assert next(engine.module.parameters()).dtype == torch.bfloat16 and engine.zero_optimization_stage() == 2
+
+
+def test_config_from_args_and_cli_flags(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}}))
+    parser = zero.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path), "--deepspeed_activation_checkpointing"])
+    assert args.deepspeed and args.deepspeed_activation_checkpointing
+    engine, optimizer, _, _ = zero.initialize(args=args, model=TinyNet())
+    assert isinstance(optimizer.optimizer, torch.optim.AdamW)      # DeepSpeed's "Adam" is AdamW by default
+    assert engine.train_batch_size() == 4 and engine.get_lr() == [0.1]
+    with pytest.raises(ConfigError, match="both args.deepspeed_config"):
+        zero.initialize(args=args, model=TinyNet(), config={"train_batch_size": 4})
+
+
+BAD_CONFIGS = [
+    ({"train_batch_size": 8, "zero_optimisation": {"stage": 2}},
+     "unknown key 'zero_optimisation' in the config; did you mean 'zero_optimization'?"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": True}},
+     "unknown key 'overlap_com' in 'zero_optimization'; did you mean 'overlap_comm'?"),
+    ({"train_batch_size": 8, "fp16": {"enabeld": True}}, "did you mean 'enabled'"),
+    ({"train_batch_size": "8"}, "train_batch_size: expected int, got str '8'"),
+    ({"train_batch_size": 8.5}, "train_batch_size: expected int, got float 8.5"),
+    ({"train_batch_size": 8, "fp16": {"enabled": 1}}, "fp16.enabled: expected bool, got int 1"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": True}}, "zero_optimization.stage: expected int"),
+    ({"train_batch_size": 8, "fp16": []}, "fp16: expected an object, got list"),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+     r"train_batch_size \(16\) != train_micro_batch_size_per_gpu \(4\) x gradient_accumulation_steps \(1\) "
+     r"x data-parallel size \(2\) = 8"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+     r"train_batch_size \(10\) is not divisible by train_micro_batch_size_per_gpu \(4\) x data-parallel size "
+     r"\(2\) = 8"),
+    ({"train_batch_size": 9}, r"train_batch_size \(9\) is not divisible by gradient_accumulation_steps \(1\) x "
+                              r"data-parallel size \(2\) = 2"),
+    ({"gradient_accumulation_steps": 2}, "must set train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"train_batch_size": 0}, "train_batch_size must be positive, got 0"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3}}, r"stage: 3 is not supported \(0, 1 or 2\)"),
+    ({"train_batch_size": 8, "zero_optimization": {"cpu_offload": True}}, "cpu_offload: true is not supported"),
+    ({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": 0}}, "reduce_bucket_size must be positive"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Lamb"}}, r"optimizer.type: 'Lamb' is not supported"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"learning_rate": 1}}},
+     "unknown key 'learning_rate' in 'optimizer.params'"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+     "betas: expected two numbers"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLr"}}, "did you mean 'WarmupLR'"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps is required"),
+    ({"train_batch_size": 8, "gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1.0"),
+    ({"train_batch_size": 8, "fp16": {"hysteresis": 0}}, r"hysteresis \(0\)"),
+    ([1, 2], "must be a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD_CONFIGS, ids=[m[:40] for _, m in BAD_CONFIGS])
+def test_bad_config_messages(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw, data_parallel_size=2)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.json"))
+    (tmp_path / "broken.json").write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ConfigError, match="broken.json' is not valid JSON"):
+        load_config(str(tmp_path / "broken.json"))
+
+
+def test_batch_triangle_any_two_determine_the_third():
+    assert resolve_batch_triangle(32, 4, None, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(32, None, 4, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(None, 4, 4, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(None, 4, None, 2) == (8, 4, 1)
+    assert resolve_batch_triangle(32, None, None, 4) == (32, 8, 1)
+
+
+def test_warmup_schedules_follow_deepspeed_formulas():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    linear = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear")
+    lrs = []
+    for _ in range(6):
+        linear.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    decay = WarmupDecayLR(opt, total_num_steps=8, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear")
+    for _ in range(7):
+        decay.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2 / 4)        # (8 - 6) / (8 - 4)

@@ -1,0 +1,102 @@
+"""Data-parallel 2 x model-parallel 2 (4 processes, mpu layers) equals model-parallel 2 alone and the single
+process, with clipping active, so duplicated (not model-parallel) parameters must be counted once in the norm."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpu
+from megatron import zero
+from tests.distributed import run_distributed
+from tests.zero_helpers import HIDDEN, IN, OUT, batch, max_relative_difference, param_groups
+
+STEPS, GLOBAL_BATCH, LR, CLIP = 8, 8, 1e-2, 0.05
+
+
+class ParallelTinyNet(nn.Module):
+    """ColumnParallel -> GELU -> RowParallel -> LayerNorm -> Linear head (the last two are duplicated)."""
+
+    def __init__(self, seed=4321):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = mpu.ColumnParallelLinear(IN, HIDDEN, gather_output=False)
+        self.fc2 = mpu.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, y):
+        h = self.norm(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
+        return F.mse_loss(self.head(h), y)
+
+
+def _full_state(model):
+    """Parameters gathered over model-parallel ranks into their full-size shapes."""
+    state = {}
+    mp = mpu.get_model_parallel_world_size()
+    for name, p in model.named_parameters():
+        tensor = p.detach().float()
+        if getattr(p, "model_parallel", False) and mp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(mp)]
+            dist.all_gather(parts, tensor.contiguous(), group=mpu.get_model_parallel_group())
+            tensor = torch.cat(parts, dim=p.partition_dim)
+        state[name] = tensor
+    return state
+
+
+def _reference():
+    """Single process, plain torch AdamW + clip_grad_norm_ (mpu layers at model-parallel size 1)."""
+    model = ParallelTinyNet()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, GLOBAL_BATCH)
+        loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, _full_state(model)
+
+
+def _engine_run(stage):
+    model = ParallelTinyNet()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
+              "steps_per_print": 1000, "zero_optimization": {"stage": stage, "reduce_bucket_size": 150}}
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu,
+                                      dist_init_required=False)
+    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    micro, accumulation = 2, engine.gradient_accumulation_steps()
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, GLOBAL_BATCH)
+        total = torch.zeros(1, dtype=torch.float64)
+        for k in range(accumulation):
+            lo = (rank * accumulation + k) * micro
+            loss = engine(x[lo:lo + micro], y[lo:lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        if dp > 1:
+            dist.all_reduce(total, group=mpu.get_data_parallel_group())
+        losses.append(float(total) / (dp * accumulation))
+        norms.append(engine.get_global_grad_norm())
+    return losses, _full_state(engine.module), norms
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(_reference, 1, model_parallel_size=1)[0]
+
+
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (4, 2)])
+def test_model_parallel_engine_matches_single_process(reference, world_size, stage):
+    ref_losses, ref_state = reference
+    results = run_distributed(_engine_run, world_size, args=(stage,), model_parallel_size=2)
+    for losses, state, norms in results:
+        assert max_relative_difference(losses, ref_losses) <= 1e-6
+        assert max_relative_difference(state, ref_state) <= 1e-6
+        assert norms == results[0][2]                       # every rank sees the same global norm
+        assert max(norms) > CLIP                             # clipping was active
