@@ -3,10 +3,13 @@
     python tools/prepare_default_data.py && python tools/bench_preprocess.py     # ~2 min on 2 cores
 
 Prints a markdown table of end-to-end MB/s and docs/s (wall time of the whole preprocess: reading, JSON, BPE,
-writing; tokenizer loading included) on the sample corpus, then the time to build the doc/sample/shuffle
-indices for a synthetic 100M-token dataset. Run it on a quiet machine; it is not a test.
+writing; tokenizer loading included) on the sample corpus with the default 8192 vocab (both backends) and with a
+GPT-2-sized 50257 vocab trained on the same corpus (tiktoken; GPT-2's own files cannot be downloaded here), then the
+time to build the doc/sample/shuffle indices for a synthetic 100M-token dataset. Run it on a quiet machine; it is
+not a test.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -54,22 +57,30 @@ def main(argv=None):
     parser.add_argument("--merge-file", default=os.path.join(data, "merges.txt"))
     parser.add_argument("--backends", nargs="+", default=["tiktoken", "reference"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--no-gpt2-size-vocab", dest="gpt2_size_vocab", action="store_false",
+                        help="skip the run with a 50257 vocab trained on the corpus")
     args = parser.parse_args(argv)
     for path in (args.input, args.vocab_file, args.merge_file):
         if not os.path.exists(path):
             raise SystemExit(f"{path} not found: run python tools/prepare_default_data.py first")
     size_mb = os.path.getsize(args.input) / 1e6
     print(f"corpus {args.input}: {size_mb:.1f} MB; vocab {args.vocab_file}; {os.cpu_count()} CPUs\n")
-    print("| backend | workers | docs | tokens | seconds | MB/s | docs/s |")
-    print("|---|---|---|---|---|---|---|")
     out_dir = tempfile.mkdtemp(prefix="bench_preprocess_")
     try:
-        for backend in args.backends:
+        runs = [(args.vocab_file, args.merge_file, backend) for backend in args.backends]
+        if args.gpt2_size_vocab:
+            import train_tokenizer
+            vocab_dir = os.path.join(out_dir, "vocab50257")
+            vocab_50k, merges_50k, _ = train_tokenizer.train([args.input], vocab_dir, vocab_size=50257)
+            runs.append((vocab_50k, merges_50k, "tiktoken"))
+        print("| vocab | backend | workers | docs | tokens | seconds | MB/s | docs/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for vocab, merges, backend in runs:
+            vocab_size = len(json.load(open(vocab, encoding="utf-8")))
             for workers in args.workers:
-                stats, seconds = bench_preprocess(args.input, args.vocab_file, args.merge_file, workers, backend,
-                                                  out_dir)
-                print(f"| {backend} | {workers} | {stats['documents']} | {stats['tokens']} | {seconds:.2f} | "
-                      f"{size_mb / seconds:.2f} | {stats['documents'] / seconds:.0f} |", flush=True)
+                stats, seconds = bench_preprocess(args.input, vocab, merges, workers, backend, out_dir)
+                print(f"| {vocab_size} | {backend} | {workers} | {stats['documents']} | {stats['tokens']} | "
+                      f"{seconds:.2f} | {size_mb / seconds:.2f} | {stats['documents'] / seconds:.0f} |", flush=True)
     finally:
         shutil.rmtree(out_dir)
     for seq_length in (1024, 128):
