@@ -1,0 +1,209 @@
+"""Megatron's command line, in `_add_*_args` groups, validated up front (before any model is built).
+
+Every inconsistency is reported with `parser.error` (usage + message, exit status 2), naming the numbers.
+"""
+import argparse
+import os
+
+from megatron import zero
+
+
+def parse_args(extra_args_provider=None, args_list=None):
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(args_list)
+    validate_args(args, parser)
+    return args
+
+
+def build_parser(extra_args_provider=None):
+    parser = argparse.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
+                                     allow_abbrev=False)
+    for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
+                      _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
+                      _add_distributed_args, _add_validation_args, _add_data_args, _add_logging_args):
+        add_group(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if hasattr(zero, "add_config_arguments"):  # TEMPORARY until the engine lands
+        parser = zero.add_config_arguments(parser)
+    else:
+        parser.set_defaults(deepspeed=False, deepspeed_config=None, deepspeed_activation_checkpointing=False)
+    return parser
+
+
+def _add_network_size_args(parser):
+    group = parser.add_argument_group("model shape")
+    group.add_argument("--num-layers", type=int, default=2)
+    group.add_argument("--hidden-size", type=int, default=128)
+    group.add_argument("--num-attention-heads", type=int, default=4)
+    group.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="size of the position table (default: --seq-length)")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="pad the vocabulary to a multiple of this times the model-parallel size")
+    group.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    return parser
+
+
+def _add_regularization_args(parser):
+    group = parser.add_argument_group("regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    return parser
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=4,
+                       help="micro batch per data-parallel rank")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="samples per optimizer step (default: batch size x data-parallel size); a multiple "
+                            "of that product, the quotient being the gradient-accumulation steps")
+    group.add_argument("--train-iters", type=int, default=100)
+    group.add_argument("--log-interval", type=int, default=10)
+    group.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="stop (after saving) when the run has lasted this long")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="on SIGTERM, save at the next step boundary (all ranks agree) and exit 0")
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--checkpoint-activations", action="store_true")
+    group.add_argument("--checkpoint-num-layers", type=int, default=1)
+    group.add_argument("--DDP-impl", dest="DDP_impl", choices=["local", "torch"], default="local")
+    group.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes")
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group("learning rate")
+    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--warmup", type=float, default=0.01, help="fraction of --lr-decay-iters spent warming up")
+    group.add_argument("--override-lr-scheduler", action="store_true",
+                       help="on load, take the lr schedule from the command line, not the checkpoint")
+    group.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                       help="on load, take the lr schedule from the checkpoint, ignoring the command line")
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--save-keep-last", type=int, default=None, help="keep only the newest N checkpoints")
+    group.add_argument("--no-save-optim", action="store_true")
+    group.add_argument("--no-save-rng", action="store_true")
+    group.add_argument("--load", type=str, default=None, help="directory to load checkpoints from")
+    group.add_argument("--no-load-optim", action="store_true")
+    group.add_argument("--no-load-rng", action="store_true")
+    group.add_argument("--finetune", action="store_true",
+                       help="load weights only: iteration, optimizer, scheduler and consumed samples start fresh")
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group("mixed precision")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    group.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    group.add_argument("--min-scale", type=float, default=1.0)
+    group.add_argument("--loss-scale-window", type=int, default=1000)
+    group.add_argument("--hysteresis", type=int, default=2)
+    group.add_argument("--fp32-allreduce", action="store_true")
+    return parser
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--model-parallel-size", "--tensor-model-parallel-size", dest="model_parallel_size",
+                       type=int, default=1)
+    group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                       help="default: nccl on CUDA, gloo on CPU")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                       help="set by old launchers; torchrun's LOCAL_RANK is used otherwise")
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group("validation")
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=10)
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="PREFIX of PREFIX.{bin,idx}, or a weighted blend 'w1 PREFIX1 w2 PREFIX2 ...'")
+    group.add_argument("--train-data", type=str, default=None, help="a named corpus, e.g. webtext")
+    group.add_argument("--split", type=str, default="949,50,1", help="train,valid,test weights")
+    group.add_argument("--data-cache-path", type=str, default=None)
+    group.add_argument("--vocab-file", type=str, default=None)
+    group.add_argument("--merge-file", type=str, default=None)
+    group.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer"], default="GPT2BPETokenizer")
+    group.add_argument("--mock-data", action="store_true",
+                       help="synthetic learnable token sequences, a pure function of the sample index")
+    group.add_argument("--vocab-size", type=int, default=1024, help="vocabulary of --mock-data")
+    group.add_argument("--reset-position-ids", action="store_true")
+    group.add_argument("--reset-attention-mask", action="store_true")
+    group.add_argument("--eod-mask-loss", action="store_true")
+    return parser
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group("logging")
+    group.add_argument("--tensorboard-dir", type=str, default=None)
+    return parser
+
+
+def validate_args(args, parser):
+    """Check every cross-flag constraint before anything is built; fill derived defaults."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    mp = args.model_parallel_size
+    if mp < 1 or world_size % mp != 0:
+        parser.error(f"world size ({world_size}) is not divisible by --model-parallel-size ({mp})")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // mp
+    if args.hidden_size % args.num_attention_heads != 0:
+        parser.error(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+                     f"({args.num_attention_heads})")
+    if args.num_attention_heads % mp != 0:
+        parser.error(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+                     f"--model-parallel-size ({mp})")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
+                     f"({args.max_position_embeddings})")
+    if args.fp16 and args.bf16:
+        parser.error("--fp16 and --bf16 are exclusive: choose one")
+    per_step = args.batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        parser.error(f"--global-batch-size ({args.global_batch_size}) is not a multiple of --batch-size "
+                     f"({args.batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}")
+    args.num_micro_batches = args.global_batch_size // per_step
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
+        parser.error("--override-lr-scheduler and --use-checkpoint-lr-scheduler are exclusive: choose one")
+    if args.checkpoint_num_layers < 1:
+        parser.error(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be at least 1")
+    if args.save_interval is not None and args.save is None:
+        parser.error("--save-interval needs --save DIR")
+    if not args.mock_data and not args.data_path and not args.train_data:
+        parser.error("no training data: pass --data-path PREFIX, --train-data webtext, or --mock-data")
+    if args.local_rank is None:
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    args.params_dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
+    return args

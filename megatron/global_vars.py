@@ -1,0 +1,119 @@
+"""Process-wide singletons for the training script only (library code takes explicit arguments).
+
+set_global_variables(args) is called once by megatron.initialize; get_args(), get_timers(),
+get_tensorboard_writer() read them.
+"""
+import time
+
+import torch
+
+_GLOBAL_ARGS = None
+_GLOBAL_TIMERS = None
+_GLOBAL_TENSORBOARD_WRITER = None
+_GLOBAL_TOKENIZER = None
+
+
+def get_args():
+    assert _GLOBAL_ARGS is not None, "args are not initialized: call megatron.initialize.initialize_megatron"
+    return _GLOBAL_ARGS
+
+
+def get_timers():
+    assert _GLOBAL_TIMERS is not None, "timers are not initialized"
+    return _GLOBAL_TIMERS
+
+
+def get_tokenizer():
+    """The tokenizer built from --vocab-file/--merge-file, or None with --mock-data."""
+    return _GLOBAL_TOKENIZER
+
+
+def get_tensorboard_writer():
+    """The SummaryWriter on the last rank when --tensorboard-dir is set, else None."""
+    return _GLOBAL_TENSORBOARD_WRITER
+
+
+def set_global_variables(args):
+    global _GLOBAL_ARGS, _GLOBAL_TIMERS, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_TOKENIZER
+    _GLOBAL_ARGS = args
+    _GLOBAL_TOKENIZER = _build_tokenizer(args)
+    _GLOBAL_TIMERS = Timers()
+    _GLOBAL_TENSORBOARD_WRITER = _build_tensorboard_writer(args)
+
+
+def _build_tokenizer(args):
+    """Sets args.padded_vocab_size (vocabulary padded to make-vocab-size-divisible-by x model-parallel size)."""
+    from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding
+    if args.mock_data:
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                         args.model_parallel_size)
+        return None
+    return build_tokenizer(args)
+
+
+def _build_tensorboard_writer(args):
+    if not args.tensorboard_dir or torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise SystemExit(f"--tensorboard-dir needs the tensorboard package: pip install tensorboard ({error})")
+    return SummaryWriter(log_dir=args.tensorboard_dir)
+
+
+class _Timer:
+    def __init__(self, name):
+        self.name = name
+        self.elapsed_ = 0.0
+        self.started_ = False
+        self.start_time = 0.0
+
+    def start(self):
+        assert not self.started_, f"timer {self.name} has already been started"
+        _synchronize()
+        self.start_time = time.time()
+        self.started_ = True
+
+    def stop(self):
+        assert self.started_, f"timer {self.name} is not started"
+        _synchronize()
+        self.elapsed_ += time.time() - self.start_time
+        self.started_ = False
+
+    def reset(self):
+        self.elapsed_ = 0.0
+        self.started_ = False
+
+    def elapsed(self, reset=True):
+        started = self.started_
+        if started:
+            self.stop()
+        elapsed = self.elapsed_
+        if reset:
+            self.reset()
+        if started:
+            self.start()
+        return elapsed
+
+
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timers:
+    """Named wall-clock timers: timers('forward').start() ... .stop(); log(names) prints ms per name."""
+
+    def __init__(self):
+        self.timers = {}
+
+    def __call__(self, name):
+        if name not in self.timers:
+            self.timers[name] = _Timer(name)
+        return self.timers[name]
+
+    def log(self, names, normalizer=1.0, reset=True):
+        parts = [f"{name}: {self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"
+                 for name in names if name in self.timers]
+        if parts and torch.distributed.get_rank() == 0:
+            print("time (ms) | " + " | ".join(parts), flush=True)

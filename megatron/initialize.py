@@ -1,0 +1,51 @@
+"""Start-up: parse and validate the command line, join torch.distributed (env:// from torchrun), build the
+model-parallel groups, seed every generator."""
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import mpu
+from megatron.arguments import parse_args
+from megatron.global_vars import set_global_variables
+
+
+def initialize_megatron(extra_args_provider=None, args_list=None):
+    """Returns the validated args; afterwards get_args()/get_timers() work."""
+    args = parse_args(extra_args_provider, args_list)
+    _initialize_distributed(args)
+    set_global_variables(args)
+    set_random_seed(args.seed)
+    if args.rank == 0:
+        print(f"> world size {args.world_size}: model-parallel {args.model_parallel_size} x data-parallel "
+              f"{args.data_parallel_size}, device {mpu.get_device()}, backend {args.distributed_backend}",
+              flush=True)
+    return args
+
+
+def _initialize_distributed(args):
+    device = mpu.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args.distributed_backend is None:
+        args.distributed_backend = mpu.get_backend()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "6000")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend=args.distributed_backend, init_method="env://",
+                                timeout=timedelta(minutes=30))
+    args.rank = dist.get_rank()
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(args.model_parallel_size)
+
+
+def set_random_seed(seed):
+    """python, numpy and torch from `seed` (same on every rank); the tracker's model-parallel stream per rank."""
+    random.seed(seed)
+    np.random.seed(seed)
+    mpu.model_parallel_cuda_manual_seed(seed)

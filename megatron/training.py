@@ -1,0 +1,307 @@
+"""Megatron's training loop, driven by three providers (datasets, model, forward step), so pretrain_gpt.py
+stays short. The ZeRO (--deepspeed) branches sit exactly where the DeepSpeed-Megatron tutorial puts them:
+get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line."""
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import mpu
+from megatron import zero
+from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
+from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.initialize import initialize_megatron
+from megatron.learning_rates import AnnealingLR
+from megatron.model import DistributedDataParallel as LocalDDP
+from megatron.utils import (load_checkpoint, print_rank_0, reduce_losses, save_checkpoint, unwrap_model,
+                            ExitController)
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
+             args_list=None):
+    """Initialize, build model/optimizer/data, train, evaluate. Returns the per-iteration history
+    ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]})."""
+    args = initialize_megatron(extra_args_provider, args_list)
+    model, optimizer, lr_scheduler = setup_model_and_optimizer(model_provider)
+    train_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+    history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator)
+    if args.save and history["last_saved_iteration"] != args.iteration:
+        save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
+        history["last_saved_iteration"] = args.iteration
+    if args.do_valid:
+        history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
+                                                            valid_iterator, model, args.iteration)
+    return history
+
+
+def get_model(model_provider):
+    """Build the model on this rank's device, cast to the training dtype, wrap for data parallelism."""
+    args = get_args()
+    model = model_provider()
+    if args.rank == 0 or mpu.get_data_parallel_rank() == 0 and mpu.get_model_parallel_rank() > 0:
+        count = sum(p.numel() for p in model.parameters())
+        print(f" > number of parameters on model-parallel rank {mpu.get_model_parallel_rank()}: {count}", flush=True)
+    model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
+    if args.deepspeed:
+        return model  # the ZeRO engine does the data-parallel reduction
+    if args.DDP_impl == "torch":
+        device_ids = [mpu.get_device()] if mpu.get_device().type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                         process_group=mpu.get_data_parallel_group())
+    return LocalDDP(model)
+
+
+def _param_groups_for_weight_decay(module):
+    """Biases and LayerNorm parameters get no weight decay (Megatron's grouping)."""
+    decay, no_decay = [], []
+    for submodule in module.modules():
+        for name, param in submodule.named_parameters(recurse=False):
+            if isinstance(submodule, torch.nn.LayerNorm) or name == "bias":
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def get_optimizer(model):
+    args = get_args()
+    optimizer = torch.optim.AdamW(_param_groups_for_weight_decay(unwrap_model(model)), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_eps)
+    if args.deepspeed:
+        return optimizer  # the engine adds master weights and loss scaling itself
+    if args.fp16:
+        return FP16_Optimizer(optimizer, LossScaler(_loss_scaler_config(args)))
+    if args.bf16:
+        return FP16_Optimizer(optimizer, scaler=None)
+    return optimizer
+
+
+def _loss_scaler_config(args):
+    return LossScalerConfig(loss_scale=args.loss_scale or 0.0,
+                            initial_scale_power=math.log2(args.initial_loss_scale),
+                            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                            min_loss_scale=args.min_scale)
+
+
+def get_learning_rate_scheduler(optimizer):
+    args = get_args()
+    return AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr,
+                       warmup_iter=int(args.warmup * args.lr_decay_iters), decay_iters=args.lr_decay_iters,
+                       decay_style=args.lr_decay_style, override_lr_scheduler=args.override_lr_scheduler,
+                       use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler)
+
+
+def setup_model_and_optimizer(model_provider):
+    args = get_args()
+    model = get_model(model_provider)
+    optimizer = get_optimizer(model)
+    lr_scheduler = get_learning_rate_scheduler(optimizer)
+    args.consumed_train_samples, args.consumed_valid_samples, args.skipped_iterations = 0, 0, 0
+    if args.deepspeed:
+        model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
+                                                            lr_scheduler=lr_scheduler, mpu=mpu,
+                                                            dist_init_required=False)
+    args.iteration = load_checkpoint(model, optimizer, lr_scheduler, args) if args.load else 0
+    return model, optimizer, lr_scheduler
+
+
+def backward_step(optimizer, model, loss, micro_batch_index):
+    """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks, update the
+    fp32 master grads and clip. Returns the global gradient norm after the last micro-batch, else None."""
+    args, timers = get_args(), get_timers()
+    if args.deepspeed:
+        model.backward(loss)  # scales, accumulates and reduces (at the boundary) inside the engine
+        timers("allreduce").reset()
+        return None
+    if micro_batch_index == 0:
+        optimizer.zero_grad()
+    loss = loss / args.num_micro_batches
+    if args.fp16 or args.bf16:
+        optimizer.backward(loss, update_master_grads=False)
+    else:
+        loss.backward()
+    if micro_batch_index < args.num_micro_batches - 1:
+        return None
+    timers("allreduce").start()
+    if args.DDP_impl == "local":
+        model.allreduce_params(reduce_after=False, fp32_allreduce=args.fp32_allreduce)
+    timers("allreduce").stop()
+    if args.fp16 or args.bf16:
+        optimizer.update_master_grads()
+        return optimizer.clip_master_grads(args.clip_grad)
+    return mpu.clip_grad_norm(model.parameters(), args.clip_grad if args.clip_grad > 0 else math.inf)
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
+    """One optimizer step over num_micro_batches micro-batches. Returns (losses, skipped_iter, grad_norm)."""
+    args, timers = get_args(), get_timers()
+    losses, grad_norm = [], None
+    for index in range(args.num_micro_batches):
+        last = index == args.num_micro_batches - 1
+        no_sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last \
+            else contextlib.nullcontext()
+        with no_sync:
+            timers("forward").start()
+            loss, reduced = forward_step_func(data_iterator, model)
+            timers("forward").stop()
+            timers("backward").start()
+            norm = backward_step(optimizer, model, loss, index)
+            timers("backward").stop()
+        grad_norm = norm if norm is not None else grad_norm
+        losses.append(reduced)
+        if args.deepspeed:
+            model.step()  # a no-op except at the gradient-accumulation boundary
+    timers("optimizer").start()
+    if args.deepspeed:
+        skipped_iter = int(optimizer.overflow)
+        grad_norm = model.get_global_grad_norm()
+    else:
+        took_step = optimizer.step()
+        skipped_iter = 0 if took_step is None or took_step else 1
+        if not skipped_iter:
+            lr_scheduler.step()
+    timers("optimizer").stop()
+    averaged = {key: sum(d[key] for d in losses) / len(losses) for key in losses[0]}
+    return averaged, skipped_iter, grad_norm
+
+
+def _flops_per_iteration(args):
+    """Megatron's count (Narayanan et al. 2021): 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) multiply-adds x2 = FLOPs of
+    forward + backward (3 matmul passes); activation checkpointing adds one forward (4 passes instead of 3)."""
+    passes = 4 if args.checkpoint_activations else 3
+    b, s, L, h, V = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size, args.padded_vocab_size
+    return 8 * passes * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def training_log(loss_dict, iteration, lr, loss_scale, grad_norm, skipped_total, elapsed_ms, writer):
+    args = get_args()
+    tokens_per_second = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
+    tflops = _flops_per_iteration(args) / (elapsed_ms / 1000.0) / args.world_size / 1e12
+    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {args.consumed_train_samples:10d}"
+            f" | learning rate: {lr:.3E}")
+    for key, value in loss_dict.items():
+        line += f" | {key}: {value:.6E}"
+    line += (f" | loss scale: {loss_scale:.1f} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
+             f" | skipped iterations: {skipped_total:3d} | elapsed time per iteration (ms): {elapsed_ms:.1f}"
+             f" | tokens/s: {tokens_per_second:.0f} | TFLOP/s per rank: {tflops:.3f}")
+    print_rank_0(line)
+    if writer is not None:
+        writer.add_scalar("learning_rate", lr, iteration)
+        writer.add_scalar("loss_scale", loss_scale, iteration)
+        for key, value in loss_dict.items():
+            writer.add_scalar(key, value, iteration)
+
+
+def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator):
+    args, timers = get_args(), get_timers()
+    writer = get_tensorboard_writer()
+    model.train()
+    history = {"iteration": [], "lm loss": [], "loss scale": [], "skipped": [], "grad norm": [], "valid": [],
+               "last_saved_iteration": None}
+    exit_controller = ExitController(args)
+    skipped_total = args.skipped_iterations
+    interval_losses, interval_start = {}, time.time()
+    while args.iteration < args.train_iters:
+        loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
+                                                        lr_scheduler)
+        args.iteration += 1
+        args.consumed_train_samples += args.global_batch_size
+        skipped_total += skipped_iter
+        args.skipped_iterations = skipped_total
+        loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
+        for key, value in loss_dict.items():
+            interval_losses[key] = interval_losses.get(key, 0.0) + value
+        history["iteration"].append(args.iteration)
+        history["lm loss"].append(loss_dict["lm loss"])
+        history["loss scale"].append(float(loss_scale))
+        history["skipped"].append(skipped_iter)
+        history["grad norm"].append(None if grad_norm is None else float(grad_norm))
+        if args.iteration % args.log_interval == 0:
+            elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
+            averages = {key: value / args.log_interval for key, value in interval_losses.items()}
+            lr = optimizer.param_groups[0]["lr"]
+            training_log(averages, args.iteration, lr, loss_scale, grad_norm, skipped_total, elapsed_ms, writer)
+            timers.log(["forward", "backward", "allreduce", "optimizer"], normalizer=args.log_interval)
+            interval_losses, interval_start = {}, time.time()
+        if args.eval_interval and args.iteration % args.eval_interval == 0 and args.do_valid:
+            history["valid"].append(evaluate_and_print_results(f"iteration {args.iteration}", forward_step_func,
+                                                               valid_data_iterator, model, args.iteration))
+        if args.save and args.save_interval and args.iteration % args.save_interval == 0:
+            save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
+            history["last_saved_iteration"] = args.iteration
+        if exit_controller.should_exit(args.iteration):
+            if args.save and history["last_saved_iteration"] != args.iteration:
+                save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
+                history["last_saved_iteration"] = args.iteration
+            print_rank_0(f"exiting at iteration {args.iteration} ({exit_controller.reason})")
+            history["exit_reason"] = exit_controller.reason
+            break
+    return history
+
+
+def evaluate(forward_step_func, data_iterator, model):
+    """Average 'lm loss' over --eval-iters batches (data-parallel averaged), with dropout off."""
+    args = get_args()
+    model.eval()
+    totals = {}
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            for _ in range(args.num_micro_batches):
+                _, reduced = forward_step_func(data_iterator, model)
+                for key, value in reduced.items():
+                    totals[key] = totals.get(key, 0.0) + value
+    model.train()
+    return {key: value / (args.eval_iters * args.num_micro_batches) for key, value in totals.items()}
+
+
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration):
+    results = evaluate(forward_step_func, data_iterator, model)
+    parts = [f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}" for key, value in results.items()]
+    line = f" validation loss at {prefix} | " + " | ".join(parts)
+    print_rank_0("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        for key, value in results.items():
+            writer.add_scalar(f"{key} validation", value, iteration)
+    return results
+
+
+def _cyclic(loader):
+    """Restart the validation loader when it runs out (validation may need more batches than one epoch)."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise RuntimeError("the validation dataset is too small for one batch")
+
+
+def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
+    """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
+    rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group."""
+    from megatron.data.samplers import MegatronPretrainingSampler
+    args = get_args()
+    global_batch = args.global_batch_size
+    train_samples = args.train_iters * global_batch
+    eval_count = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
+    num_samples = [train_samples, eval_count * global_batch, args.eval_iters * global_batch]
+    datasets = train_valid_test_dataset_provider(num_samples)
+    # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
+    args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
+    iterators = []
+    for index, dataset in enumerate(datasets):
+        if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0:
+            iterators.append(None)
+            continue
+        consumed = args.consumed_train_samples if index == 0 else 0
+        sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed,
+                                             micro_batch_size=args.batch_size,
+                                             data_parallel_rank=mpu.get_data_parallel_rank(),
+                                             data_parallel_size=mpu.get_data_parallel_world_size())
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers)
+        iterators.append(iter(loader) if index == 0 else _cyclic(loader))
+    return tuple(iterators)

@@ -1,0 +1,89 @@
+"""Pretrain GPT-2: the three providers Megatron's training loop needs, and nothing else.
+
+    torchrun --nproc_per_node 1 pretrain_gpt.py --mock-data --train-iters 20        # smoke test
+    bash scripts/pretrain_gpt.sh                                                    # Megatron path
+    bash scripts/ds_pretrain_gpt.sh                                                 # ZeRO-2 (--deepspeed)
+"""
+import torch
+
+import mpu
+from megatron.global_vars import get_args, get_timers, get_tokenizer
+from megatron.model import GPT2Model
+from megatron.training import pretrain
+from megatron.utils import print_rank_0, reduce_losses
+
+
+def model_provider():
+    args = get_args()
+    set_deepspeed_activation_checkpointing(args)
+    print_rank_0("building GPT2 model ...")
+    return GPT2Model(num_layers=args.num_layers, vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, embedding_dropout_prob=args.hidden_dropout,
+                     attention_dropout_prob=args.attention_dropout, output_dropout_prob=args.hidden_dropout,
+                     max_sequence_length=args.max_position_embeddings,
+                     checkpoint_activations=args.checkpoint_activations,
+                     checkpoint_num_layers=args.checkpoint_num_layers, parallel_output=True,
+                     init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon)
+
+
+def set_deepspeed_activation_checkpointing(args):
+    """--deepspeed_activation_checkpointing: zero.checkpointing partitions the checkpointed activations across
+    model-parallel ranks (configured before the model's first checkpoint call)."""
+    if args.deepspeed and args.deepspeed_activation_checkpointing:
+        from megatron.zero import checkpointing
+        checkpointing.configure(mpu, deepspeed_config=args.deepspeed_config, partition_activations=True)
+
+
+def get_batch(data_iterator):
+    """Tokens, labels, loss mask, attention mask (None = plain causal) and position ids for one micro-batch,
+    read on model-parallel rank 0 and broadcast to the rest of its group."""
+    args = get_args()
+    data = next(data_iterator) if data_iterator is not None else None
+    text = mpu.broadcast_data(["text"], data, torch.int64)["text"]      # [b, s+1]
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()  # [b, s] each
+    if args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss:
+        from megatron.data.masks import get_ltor_masks_and_position_ids
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, get_tokenizer().eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+        if not args.reset_attention_mask:
+            attention_mask = None  # causal: let SDPA use its fused path
+    else:
+        attention_mask = None
+        loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
+        position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def forward_step(data_iterator, model):
+    """Loss = mean of per-token losses under the loss mask; also the data-parallel average for logging."""
+    timers = get_timers()
+    timers("batch generator").start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch generator").stop()
+    losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
+    loss = torch.sum(losses.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    reduced = reduce_losses([loss])
+    return loss, {"lm loss": reduced[0].item()}
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    args = get_args()
+    print_rank_0("> building train, validation, and test datasets for GPT2 ...")
+    if args.mock_data:
+        from megatron.data.mock_dataset import MockGPTDataset
+        return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed + split)
+                     for split, n in enumerate(train_val_test_num_samples))
+    from megatron.data.corpora import resolve_data_path
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+    return build_train_valid_test_datasets(
+        data_prefix=resolve_data_path(args.data_path, args.train_data), splits_string=args.split,
+        train_valid_test_num_samples=train_val_test_num_samples, seq_length=args.seq_length, seed=args.seed,
+        data_cache_path=args.data_cache_path)
+
+
+def main(args_list=None):
+    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args_list=args_list)
+
+
+if __name__ == "__main__":
+    main()
