@@ -1,0 +1,29 @@
+# The README's two commands:
+#   make pretrain   create .venv, install, build the embedded default data, train GPT-2 (ZeRO-2 once wired)
+#   make test       create .venv, install with test extras, run the test suite
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+
+.PHONY: pretrain test install install-test data clean-data
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+install: $(VPY)
+	$(VPY) -m pip install -q -r requirements.txt
+
+install-test: $(VPY)
+	$(VPY) -m pip install -q -r requirements-test.txt
+
+data: install
+	$(VPY) tools/prepare_default_data.py
+
+pretrain: data
+	PYTHON=$(VPY) bash scripts/pretrain_gpt.sh
+
+test: install-test
+	$(VPY) -m pytest -q tests
+
+clean-data:
+	rm -rf data/webtext

@@ -1,0 +1,57 @@
+# Shared defaults for the launch scripts (sourced, not run). Every value can be overridden from the environment.
+#
+# Device: with a GPU, GPUS_PER_NODE defaults to the GPU count and the model to GPT-2 124M; without one, CPU
+# processes with gloo and a tiny GPT-2 so the scripts run as-is on a laptop or CI machine.
+# Data: the embedded default corpus under data/webtext/ (built on first use by tools/prepare_default_data.py),
+# or DATA_PATH/VOCAB_FILE/MERGE_FILE for your own preprocessed data, or DATA_ARGS="--mock-data" for none.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$REPO_ROOT/.venv/bin/python" ]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+NUM_GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-6000}
+
+if [ "$NUM_GPUS" -gt 0 ]; then
+  DEFAULT_GPUS=$NUM_GPUS
+  NUM_LAYERS=${NUM_LAYERS:-12}; HIDDEN_SIZE=${HIDDEN_SIZE:-768}; NUM_HEADS=${NUM_HEADS:-12}
+  SEQ_LENGTH=${SEQ_LENGTH:-1024}; MICRO_BATCH=${MICRO_BATCH:-8}; TRAIN_ITERS=${TRAIN_ITERS:-5000}
+  PRECISION_ARGS=${PRECISION_ARGS:---bf16}
+else
+  DEFAULT_GPUS=1
+  NUM_LAYERS=${NUM_LAYERS:-2}; HIDDEN_SIZE=${HIDDEN_SIZE:-128}; NUM_HEADS=${NUM_HEADS:-4}
+  SEQ_LENGTH=${SEQ_LENGTH:-128}; MICRO_BATCH=${MICRO_BATCH:-4}; TRAIN_ITERS=${TRAIN_ITERS:-200}
+  PRECISION_ARGS=${PRECISION_ARGS:-}
+fi
+LR=${LR:-6e-4}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}
+EVAL_ITERS=${EVAL_ITERS:-10}
+SAVE_INTERVAL=${SAVE_INTERVAL:-1000}
+
+if [ -z "${DATA_ARGS:-}" ]; then
+  DATA_PATH=${DATA_PATH:-data/webtext/webtext_text_document}
+  VOCAB_FILE=${VOCAB_FILE:-data/webtext/vocab.json}
+  MERGE_FILE=${MERGE_FILE:-data/webtext/merges.txt}
+  if [ "$DATA_PATH" = "data/webtext/webtext_text_document" ] && [ ! -f "$DATA_PATH.idx" ]; then
+    "$PYTHON" tools/prepare_default_data.py
+  fi
+  DATA_ARGS="--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1"
+fi
+
+MODEL_ARGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN_SIZE --num-attention-heads $NUM_HEADS \
+  --seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH"
+TRAINING_ARGS="--batch-size $MICRO_BATCH --train-iters $TRAIN_ITERS --lr $LR --min-lr 1e-5 --lr-decay-style cosine \
+  --warmup 0.01 --weight-decay 0.01 --clip-grad 1.0 --log-interval $LOG_INTERVAL --eval-interval $EVAL_INTERVAL \
+  --eval-iters $EVAL_ITERS --save-interval $SAVE_INTERVAL $PRECISION_ARGS"
+
+launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
+  local nproc=$1; shift
+  "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
+}
