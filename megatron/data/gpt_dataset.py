@@ -21,6 +21,7 @@ while the other ranks wait at a barrier, then every rank memory-maps them; witho
 processes build once.
 """
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -179,9 +180,16 @@ def build_index_arrays(sizes, documents, num_samples, seq_length, seed):
 
 
 # ---------------------------------------------------------------------------------------------- cache
+@functools.lru_cache(maxsize=64)
+def _file_md5(path, size, mtime_ns):
+    """md5 of a file, remembered per (path, size, mtime) so the three splits hash a large .idx once."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
 def _cache_description(prefix, name, documents, num_samples, seq_length, seed):
-    with open(index_file_path(prefix), "rb") as f:
-        idx_digest = hashlib.file_digest(f, "md5").hexdigest()
+    stat = os.stat(index_file_path(prefix))
+    idx_digest = _file_md5(os.path.abspath(index_file_path(prefix)), stat.st_size, stat.st_mtime_ns)
     return {"version": INDEX_VERSION, "prefix": os.path.abspath(prefix), "idx_md5": idx_digest, "split": name,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": int(num_samples), "seq_length": int(seq_length), "seed": int(seed)}
