@@ -199,7 +199,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     args, timers = get_args(), get_timers()
     writer = get_tensorboard_writer()
     model.train()
-    history = {"iteration": [], "lm loss": [], "loss scale": [], "skipped": [], "grad norm": [], "valid": [],
+    history = {"iteration": [], "lm loss": [], "loss scale": [], "skipped": [], "grad norm": [], "lr": [], "valid": [],
                "last_saved_iteration": None}
     exit_controller = ExitController(args)
     skipped_total = args.skipped_iterations
@@ -219,6 +219,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
         history["loss scale"].append(float(loss_scale))
         history["skipped"].append(skipped_iter)
         history["grad norm"].append(None if grad_norm is None else float(grad_norm))
+        history["lr"].append(optimizer.param_groups[0]["lr"])
         if args.iteration % args.log_interval == 0:
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
             averages = {key: value / args.log_interval for key, value in interval_losses.items()}
@@ -239,6 +240,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             print_rank_0(f"exiting at iteration {args.iteration} ({exit_controller.reason})")
             history["exit_reason"] = exit_controller.reason
             break
+    exit_controller.close()
     return history
 
 
@@ -253,6 +255,7 @@ def evaluate(forward_step_func, data_iterator, model):
                 _, reduced = forward_step_func(data_iterator, model)
                 for key, value in reduced.items():
                     totals[key] = totals.get(key, 0.0) + value
+            args.consumed_valid_samples += args.global_batch_size
     model.train()
     return {key: value / (args.eval_iters * args.num_micro_batches) for key, value in totals.items()}
 
@@ -278,6 +281,7 @@ def _cyclic(loader):
             yield batch
         if not yielded:
             raise RuntimeError("the validation dataset is too small for one batch")
+        loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
 
 
 def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
@@ -297,11 +301,14 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
         if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0:
             iterators.append(None)
             continue
-        consumed = args.consumed_train_samples if index == 0 else 0
+        consumed = [args.consumed_train_samples, args.consumed_valid_samples % len(dataset), 0][index]
         sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed,
                                              micro_batch_size=args.batch_size,
                                              data_parallel_rank=mpu.get_data_parallel_rank(),
                                              data_parallel_size=mpu.get_data_parallel_world_size())
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers)
+        # Its own generator: iter(loader) draws a seed, and from the global one that would shift the RNG state a
+        # checkpoint restored (the iterators are built after load_checkpoint).
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+                                             generator=torch.Generator())
         iterators.append(iter(loader) if index == 0 else _cyclic(loader))
     return tuple(iterators)
