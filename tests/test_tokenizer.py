@@ -44,6 +44,12 @@ def test_literal_endoftext_is_ordinary_text(tokenizers_pair):
         assert tok.detokenize(ids + [tok.eod]) == "a<|endoftext|>b<|endoftext|>"
 
 
+def test_lone_surrogates_become_replacement_characters(tokenizers_pair):
+    fast, ref = tokenizers_pair
+    text = "ab\ud800cd \udc00\ud83d \ud83d\ude00"  # lone halves, and a pair as json.loads never leaves it
+    assert fast.tokenize(text) == ref.tokenize(text) == ref.tokenize("ab\ufffdcd \ufffd\ufffd \U0001f600")
+
+
 def test_same_ids_as_hugging_face_tokenizers(small, tokenizers_pair):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     hf = Tokenizer(models.BPE.from_file(small["vocab"], small["merges"]))

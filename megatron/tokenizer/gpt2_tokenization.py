@@ -11,7 +11,8 @@ Two encoders with identical ids behind one interface (`encode(text) -> list[int]
   written by tools/train_tokenizer.py); `TiktokenBPE` refuses files where that does not hold.
 
 A literal `<|endoftext|>` in the text is ordinary text in both (split into `<`, `|`, `end`, ...), as in GPT-2's
-own encoder; callers append the eod id themselves.
+own encoder; callers append the eod id themselves. Lone surrogates (possible in JSON `\ud800` escapes) cannot be
+UTF-8 encoded; both encoders replace them with U+FFFD (tiktoken's rule).
 
 Worked example of the byte table: byte 0x20 (space) is not printable, so it maps to chr(256 + 32) = 'Ġ';
 " the" -> pre-token " the" -> 'Ġthe' -> BPE merges ('Ġ','t') ('h','e') ('Ġt','he') -> one id.
@@ -139,6 +140,10 @@ class ReferenceBPE:
         return word
 
     def encode(self, text):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates (e.g. from JSON escapes) -> U+FFFD, as tiktoken does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         ids = []
         for piece in self.pattern.findall(text):
             mapped = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
