@@ -145,6 +145,15 @@ class ZeroOptimizer:
                 PARAM_GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                 GROUPS: groups}
 
+    def state_dict(self):
+        """This rank's partitioned state (DeepSpeed's ZeRO optimizer returns its partition too)."""
+        return self.partitioned_state_dict()
+
+    def load_state_dict(self, state):
+        """A dict from `state_dict()` when it covers everything (data parallel 1, or stage 0), or the list of all
+        saved data-parallel ranks' dicts."""
+        self.load_partitioned_state_dicts(state if isinstance(state, list) else [state])
+
     def load_partitioned_state_dicts(self, states):
         """Load from the files of *all* saved data-parallel ranks (any data-parallel size) of this mp rank."""
         if len(states[0][GROUPS]) != len(self.groups):
