@@ -44,6 +44,8 @@ def parse_args():
     parser.add_argument("--mp", type=int, nargs="+", default=[1, 2], help="model-parallel sizes")
     parser.add_argument("--modes", nargs="+", default=["off", "on", "partitioned", "partitioned+cpu"],
                         choices=list(MODES))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every configuration this many times, in alternating order; tokens/s is the best")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / mp)")
     return parser.parse_args()
 
@@ -137,21 +139,29 @@ def run_configuration(mp_size, mode, args):
 def main():
     args = parse_args()
     tokens = args.micro_batch * args.seq_length
+    runs = {}  # (mp, mode) -> results of each repeat
+    for repeat in range(args.repeats):
+        order = [(mp_size, mode) for mp_size in args.mp for mode in args.modes]
+        for key in (order if repeat % 2 == 0 else order[::-1]):  # alternate, so load drift hits every mode
+            runs.setdefault(key, []).append(run_configuration(*key, args))
+            print(f"done: mp={key[0]} {key[1]} ({repeat + 1}/{args.repeats})", file=sys.stderr, flush=True)
     print(f"# L={args.num_layers} h={args.hidden_size} heads={args.num_attention_heads} s={args.seq_length} "
-          f"micro-batch={args.micro_batch} steps={args.steps} fp32 dropout=0.1, torch threads per process="
-          f"{args.threads or 'cores/mp'}\n")
+          f"micro-batch={args.micro_batch} steps={args.steps} repeats={args.repeats} fp32 dropout=0.1, "
+          f"torch threads per process={args.threads or 'cores/mp'}; tokens/s: best repeat\n")
     print("| mp | mode | saved activations / rank (MiB) | peak RSS (MiB) | peak - built (MiB) | tokens/s | vs off |")
     print("|---:|------|---:|---:|---:|---:|---:|")
     for mp_size in args.mp:
-        off_speed = None
+        off = runs.get((mp_size, "off"))
+        off_speed = tokens / min(r["seconds_per_step"] for r in off) if off else None
         for mode in args.modes:
-            r = run_configuration(mp_size, mode, args)
-            speed = tokens / r["seconds_per_step"]
-            off_speed = speed if mode == "off" else off_speed
+            results = runs[(mp_size, mode)]
+            first = results[0]
+            speed = tokens / min(r["seconds_per_step"] for r in results)
             ratio = f"{speed / off_speed:.2f}x" if off_speed else "-"
-            device = f" (device peak {r['device_peak'] / 2**20:.0f} MiB)" if r["device_peak"] is not None else ""
-            print(f"| {mp_size} | {mode} | {r['saved_bytes'] / 2**20:.1f} | {r['peak_rss'] / 2**20:.0f} | "
-                  f"{r['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} |", flush=True)
+            device_peak = first["device_peak"]
+            device = f" (device peak {device_peak / 2**20:.0f} MiB)" if device_peak is not None else ""
+            print(f"| {mp_size} | {mode} | {first['saved_bytes'] / 2**20:.1f} | {first['peak_rss'] / 2**20:.0f} | "
+                  f"{first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} |")
 
 
 if __name__ == "__main__":
