@@ -221,20 +221,24 @@ def _build_and_save(paths, description, sizes, documents, num_samples, seq_lengt
     renamed last: its presence means the three arrays are complete."""
     os.makedirs(os.path.dirname(paths["doc"]), exist_ok=True)
     lock_path = paths["description"] + ".lock"
+    built = False
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(paths["description"]):
-            return False
-        start = time.time()
-        arrays = build_index_arrays(sizes, documents, num_samples, seq_length, seed)
-        for kind, array in zip(("doc", "sample", "shuffle"), arrays):
-            _save_atomically(paths[kind], lambda tmp, a=array: _save_npy(tmp, a))
-        description = dict(description, build_seconds=round(time.time() - start, 3))
-        _save_atomically(paths["description"], lambda tmp: _save_json(tmp, description))
-        # Waiters hold the (now unlinked) lock and will find the description; at worst a late process makes a
-        # new lock file and rebuilds the same arrays, still renamed atomically.
-        os.remove(lock_path)
-    return True
+        if not os.path.exists(paths["description"]):
+            start = time.time()
+            arrays = build_index_arrays(sizes, documents, num_samples, seq_length, seed)
+            for kind, array in zip(("doc", "sample", "shuffle"), arrays):
+                _save_atomically(paths[kind], lambda tmp, a=array: _save_npy(tmp, a))
+            description = dict(description, build_seconds=round(time.time() - start, 3))
+            _save_atomically(paths["description"], lambda tmp: _save_json(tmp, description))
+            built = True
+        # The description exists now, so whoever takes any lock on this name next returns without building:
+        # removing the lock file cannot let two builders run at once.
+        try:
+            os.remove(lock_path)
+        except FileNotFoundError:
+            pass
+    return built
 
 
 def _save_json(path, obj):
