@@ -1,0 +1,208 @@
+"""Training-step throughput: our Megatron train_step (model-parallel 1) next to a plain PyTorch nanoGPT-style
+loop and Hugging Face GPT2LMHeadModel on the same config, run alternately in one process so ratios are fair.
+
+    python tools/bench_train.py                      # tiny and small, fp32 and bf16; prints a markdown table
+    python tools/bench_train.py --configs small --dtypes fp32 --rounds 5 --steps 5
+
+Peak RSS is measured separately (one short subprocess per cell) because a process's peak only grows.
+TFLOP/s uses Megatron's count, 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) x 2 x 3 (forward + backward).
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIGS = {
+    "tiny": dict(layers=2, hidden=128, heads=4, seq=128, vocab=8192, batch=8),
+    "small": dict(layers=4, hidden=256, heads=4, seq=256, vocab=8192, batch=4),
+    "gpt2-124m": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, batch=8),
+}
+
+
+class _Block(nn.Module):
+    """nanoGPT's block: pre-LN attention (one fused qkv Linear, SDPA) and a GELU MLP."""
+
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.c_attn, self.c_proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.c_fc, self.mlp_proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(c["vocab"], c["hidden"]), nn.Embedding(c["seq"], c["hidden"])
+        self.blocks = nn.ModuleList([_Block(c["hidden"], c["heads"]) for _ in range(c["layers"])])
+        self.ln_f = nn.LayerNorm(c["hidden"])
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _batch(c, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), generator=g)
+
+
+def make_plain(c, dtype):
+    torch.manual_seed(0)
+    model = PlainGPT(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = dtype == "bf16"
+
+    def step(text):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(text[:, :-1], text[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def make_hf(c, dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=c["vocab"], n_positions=c["seq"], n_embd=c["hidden"], n_layer=c["layers"],
+                        n_head=c["heads"], resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = dtype == "bf16"
+
+    def step(text):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=text[:, :-1], labels=text[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def make_ours(c, dtype):
+    """The real Megatron train_step with our GPT2Model, FP16_Optimizer (bf16) and local DDP, mp=1, dropout off."""
+    import pretrain_gpt
+    from megatron.arguments import parse_args
+    from megatron.global_vars import set_global_variables
+    from megatron.initialize import set_random_seed
+    from megatron.training import setup_model_and_optimizer, train_step
+    flags = ["--mock-data", "--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
+             "--num-attention-heads", str(c["heads"]), "--seq-length", str(c["seq"]), "--vocab-size", str(c["vocab"]),
+             "--batch-size", str(c["batch"]), "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
+             "--make-vocab-size-divisible-by", "1", "--clip-grad", "1.0"] + (["--bf16"] if dtype == "bf16" else [])
+    args = parse_args(args_list=flags)
+    args.rank, args.distributed_backend = 0, "gloo"
+    set_global_variables(args)
+    set_random_seed(0)
+    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
+
+    def step(text):
+        train_step(pretrain_gpt.forward_step, iter([{"text": text}]), model, optimizer, scheduler)
+    return step
+
+
+IMPLS = {"ours": make_ours, "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf}
+
+
+def _init_process_group():
+    import torch.distributed as dist
+    import mpu
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
+                      WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1)
+
+
+def flops_per_step(c):
+    b, s, L, h, V = c["batch"], c["seq"], c["layers"], c["hidden"], c["vocab"]
+    return 24 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) * 3
+
+
+def measure_throughput(config_name, dtype, rounds, steps):
+    c = CONFIGS[config_name]
+    text = _batch(c, 0)
+    steppers = {name: make(c, dtype) for name, make in IMPLS.items()}
+    for step in steppers.values():  # warm-up
+        step(text)
+        step(text)
+    samples = {name: [] for name in steppers}
+    for _ in range(rounds):  # alternate so machine noise hits every implementation alike
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(text)
+            samples[name].append(steps * c["batch"] * c["seq"] / (time.perf_counter() - start))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def peak_rss_mb(config_name, dtype, impl):
+    """Peak RSS of a fresh process that builds `impl` and runs 3 steps."""
+    code = (f"import sys; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import bench_train as b; b._init_process_group(); c=b.CONFIGS[{config_name!r}]; "
+            f"s=b.IMPLS[{impl!r}](c, {dtype!r}); t=b._batch(c, 0); [s(t) for _ in range(3)]; "
+            f"import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, MASTER_PORT="29512"))
+    if out.returncode != 0:
+        return float("nan")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-rss", action="store_true", help="skip the per-cell peak RSS subprocesses")
+    parser.add_argument("--json", type=str, default=None, help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    _init_process_group()
+    rows = []
+    print("| config | dtype | implementation | tokens/s | vs plain PyTorch | TFLOP/s | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for config_name in args.configs:
+        for dtype in args.dtypes:
+            result = measure_throughput(config_name, dtype, args.rounds, args.steps)
+            for impl, tokens_per_s in result.items():
+                c = CONFIGS[config_name]
+                tflops = flops_per_step(c) * tokens_per_s / (c["batch"] * c["seq"]) / 1e12
+                rss = float("nan") if args.no_rss else peak_rss_mb(config_name, dtype, impl)
+                ratio = tokens_per_s / result["plain PyTorch"]
+                rows.append(dict(config=config_name, dtype=dtype, impl=impl, tokens_per_s=tokens_per_s,
+                                 ratio=ratio, tflops=tflops, rss_mb=rss))
+                print(f"| {config_name} | {dtype} | {impl} | {tokens_per_s:,.0f} | {ratio:.2f}x | {tflops:.3f} | "
+                      f"{rss:,.0f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
