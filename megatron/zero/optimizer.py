@@ -40,7 +40,8 @@ class ZeroOptimizer:
         self.zero_config = zero_config
         self.gradient_clipping = gradient_clipping
         self.fp16 = fp16_config is not None and fp16_config.enabled
-        self.loss_scaler = LossScaler(fp16_config.loss_scaler_config() if self.fp16 else LossScalerConfig(loss_scale=1.0))
+        scaler_config = fp16_config.loss_scaler_config() if self.fp16 else LossScalerConfig(loss_scale=1.0)
+        self.loss_scaler = LossScaler(scaler_config)
         self.overflow = False
         self.last_grad_norm = None
         num_partitions = ctx.data_parallel_size if stage >= 1 else 1
