@@ -93,6 +93,13 @@ class FP16_Optimizer:
                 model_param.copy_(master)
         return True
 
+    def reload_model_params(self):
+        """Copy the model's (low-precision) params into the fp32 masters: after loading weights without this
+        optimizer's state (--finetune, --no-load-optim), or the next step() would write the old masters back."""
+        with torch.no_grad():
+            for model_param, master in zip(self.model_params, self.master_params):
+                master.copy_(model_param)
+
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
