@@ -24,10 +24,7 @@ def build_parser(extra_args_provider=None):
         add_group(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
-    if hasattr(zero, "add_config_arguments"):  # TEMPORARY until the engine lands
-        parser = zero.add_config_arguments(parser)
-    else:
-        parser.set_defaults(deepspeed=False, deepspeed_config=None, deepspeed_activation_checkpointing=False)
+    parser = zero.add_config_arguments(parser)
     return parser
 
 
@@ -184,6 +181,8 @@ def validate_args(args, parser):
     if args.seq_length > args.max_position_embeddings:
         parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
                      f"({args.max_position_embeddings})")
+    if args.deepspeed:
+        _reconcile_with_deepspeed_config(args, parser)
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are exclusive: choose one")
     per_step = args.batch_size * args.data_parallel_size
@@ -207,3 +206,39 @@ def validate_args(args, parser):
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     args.params_dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
     return args
+
+
+def _reconcile_with_deepspeed_config(args, parser):
+    """Under --deepspeed the JSON config is the source of truth for the values it shares with the command line
+    (micro batch, global batch / accumulation, clipping, fp16/bf16, lr): the command line takes the JSON's
+    values (DeepSpeed's defaults for keys the JSON leaves out), and a flag set to something other than its
+    default that disagrees with the JSON is an error naming both values."""
+    path = args.deepspeed_config
+    if not path:
+        parser.error("--deepspeed needs --deepspeed_config PATH (a DeepSpeed-style JSON config)")
+    try:
+        config = zero.load_config(path, args.data_parallel_size)
+    except zero.ConfigError as error:
+        parser.error(f"--deepspeed_config: {error}")
+    shared = [("batch_size", "--batch-size", config.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu"),
+              ("global_batch_size", "--global-batch-size", config.train_batch_size, "train_batch_size"),
+              ("clip_grad", "--clip-grad", config.gradient_clipping, "gradient_clipping"),
+              ("fp16", "--fp16", config.fp16.enabled, "fp16.enabled"),
+              ("bf16", "--bf16", config.bf16.enabled, "bf16.enabled")]
+    if config.optimizer is not None and "lr" in config.optimizer.params:
+        shared.append(("lr", "--lr", config.optimizer.params["lr"], "optimizer.params.lr"))
+    for dest, flag, json_value, key in shared:
+        value = getattr(args, dest)
+        if value != parser.get_default(dest) and value != json_value:
+            parser.error(f"{flag} ({value}) disagrees with {key} ({json_value}) in {path}; under --deepspeed the "
+                         f"JSON config wins: drop {flag} or make the two agree")
+        setattr(args, dest, json_value)
+    if config.fp16.enabled:  # Megatron's scaler flags mirror the engine's so logs and checks agree
+        args.loss_scale = config.fp16.loss_scale or None
+        args.initial_loss_scale = 2.0 ** config.fp16.initial_scale_power
+        args.loss_scale_window, args.hysteresis = config.fp16.loss_scale_window, config.fp16.hysteresis
+        args.min_scale = config.fp16.min_loss_scale
+    ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
+    if ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "
+              f"--lr-decay-style schedule (only optimizer.params.lr is checked against --lr)", flush=True)

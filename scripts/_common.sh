@@ -46,9 +46,16 @@ fi
 
 MODEL_ARGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN_SIZE --num-attention-heads $NUM_HEADS \
   --seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH"
-TRAINING_ARGS="--batch-size $MICRO_BATCH --train-iters $TRAIN_ITERS --lr $LR --min-lr 1e-5 --lr-decay-style cosine \
-  --warmup 0.01 --weight-decay 0.01 --clip-grad 1.0 --log-interval $LOG_INTERVAL --eval-interval $EVAL_INTERVAL \
-  --eval-iters $EVAL_ITERS --save-interval $SAVE_INTERVAL $PRECISION_ARGS"
+# Shared by every script; the Megatron path adds BATCH_PRECISION_ARGS, the --deepspeed path reads those from its JSON.
+TRAINING_ARGS="--train-iters $TRAIN_ITERS --lr $LR --min-lr 1e-5 --lr-decay-style cosine --warmup 0.01 \
+  --weight-decay 0.01 --log-interval $LOG_INTERVAL --eval-interval $EVAL_INTERVAL --eval-iters $EVAL_ITERS \
+  --save-interval $SAVE_INTERVAL"
+BATCH_PRECISION_ARGS="--batch-size $MICRO_BATCH --clip-grad 1.0 $PRECISION_ARGS"
+if [ "$NUM_GPUS" -gt 0 ]; then
+  DS_CONFIG=${DS_CONFIG:-scripts/ds_zero2_config_bf16.json}
+else
+  DS_CONFIG=${DS_CONFIG:-scripts/ds_zero2_config.json}
+fi
 
 launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
   local nproc=$1; shift

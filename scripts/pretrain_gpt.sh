@@ -9,5 +9,5 @@
 source "$(dirname "$0")/_common.sh"
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2}
 
-launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
+launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $BATCH_PRECISION_ARGS $DATA_ARGS \
   --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" ${EXTRA_ARGS:-}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GPT-2 pretraining on one GPU (or one CPU process) through the integrated ZeRO-2 engine (--deepspeed).
+#
+#   bash scripts/ds_pretrain_gpt.sh                  # tiny GPT-2 on CPU (fp32 ZeRO-2), GPT-2 124M on a GPU (bf16)
+#   DS_CONFIG=my_ds_config.json bash scripts/ds_pretrain_gpt.sh
+#   Many nodes: use scripts/ds_zero2_pretrain_gpt_model_parallel.sh.
+#
+# Micro batch, gradient accumulation, clipping and precision come from the JSON config (DS_CONFIG, default
+# scripts/ds_zero2_config.json on CPU, scripts/ds_zero2_config_bf16.json on GPU); a command-line flag that disagrees
+# with it is an error. Reads: PYTHON, DS_CONFIG, NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH TRAIN_ITERS LR,
+# DATA_PATH VOCAB_FILE MERGE_FILE or DATA_ARGS, CHECKPOINT_PATH (default checkpoints/gpt2_zero2), EXTRA_ARGS.
+source "$(dirname "$0")/_common.sh"
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2}
+
+launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
+  --deepspeed --deepspeed_config "$DS_CONFIG" --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" ${EXTRA_ARGS:-}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPT-2 pretraining across GPUs and nodes: tensor model parallelism x ZeRO-2 data parallelism (--deepspeed).
+#
+# One node:   bash scripts/ds_zero2_pretrain_gpt_model_parallel.sh
+# Many nodes: run on every node with the same MASTER_ADDR (node 0's address) and MASTER_PORT, e.g. two nodes:
+#             NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash scripts/ds_zero2_pretrain_gpt_model_parallel.sh  # node 0
+#             NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash scripts/ds_zero2_pretrain_gpt_model_parallel.sh  # node 1
+# World = GPUS_PER_NODE x NNODES = MP_SIZE x data-parallel size. Without GPUs: 4 CPU processes per node (gloo),
+# MP_SIZE 2, a tiny GPT-2.
+#
+# Reads: GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MP_SIZE, DS_CONFIG, and what ds_pretrain_gpt.sh reads.
+# With DEEPSPEED_ACTIVATION_CHECKPOINTING=1: --checkpoint-activations --deepspeed_activation_checkpointing
+# (checkpointed activations partitioned across the model-parallel ranks).
+source "$(dirname "$0")/_common.sh"
+if [ "$NUM_GPUS" -gt 0 ]; then GPUS_PER_NODE=${GPUS_PER_NODE:-$NUM_GPUS}; else GPUS_PER_NODE=${GPUS_PER_NODE:-4}; fi
+MP_SIZE=${MP_SIZE:-2}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2_mp$MP_SIZE}
+AC_ARGS=""
+if [ "${DEEPSPEED_ACTIVATION_CHECKPOINTING:-0}" = "1" ]; then
+  AC_ARGS="--checkpoint-activations --deepspeed_activation_checkpointing"
+fi
+
+launch "$GPUS_PER_NODE" pretrain_gpt.py --model-parallel-size "$MP_SIZE" $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
+  --deepspeed --deepspeed_config "$DS_CONFIG" $AC_ARGS \
+  --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" ${EXTRA_ARGS:-}
