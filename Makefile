@@ -1,5 +1,5 @@
 # The README's two commands:
-#   make pretrain   create .venv, install, build the embedded default data, train GPT-2 (ZeRO-2 once wired)
+#   make pretrain   create .venv, install, build the embedded default data, train GPT-2 with ZeRO-2 (--deepspeed)
 #   make test       create .venv, install with test extras, run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -20,7 +20,7 @@ data: install
 	$(VPY) tools/prepare_default_data.py
 
 pretrain: data
-	PYTHON=$(VPY) bash scripts/pretrain_gpt.sh
+	PYTHON=$(VPY) bash scripts/ds_pretrain_gpt.sh
 
 test: install-test
 	$(VPY) -m pytest -q tests

@@ -14,3 +14,5 @@ CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2}
 
 launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
   --deepspeed --deepspeed_config "$DS_CONFIG" --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" ${EXTRA_ARGS:-}
+echo "checkpoint: $CHECKPOINT_PATH (latest: $(cat "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" 2>/dev/null))"
+echo "resume: run the same command again (it loads $CHECKPOINT_PATH); raise TRAIN_ITERS to train further"
