@@ -200,6 +200,8 @@ def validate_args(args, parser):
         parser.error(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be at least 1")
     if args.save_interval is not None and args.save is None:
         parser.error("--save-interval needs --save DIR")
+    if args.save_keep_last is not None and args.save_keep_last < 1:
+        parser.error(f"--save-keep-last ({args.save_keep_last}) must be at least 1")
     if not args.mock_data and not args.data_path and not args.train_data:
         parser.error("no training data: pass --data-path PREFIX, --train-data webtext, or --mock-data")
     if args.local_rank is None:

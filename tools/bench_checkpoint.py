@@ -1,0 +1,142 @@
+"""Checkpoint save/load throughput of megatron.utils (atomic, fsynced, weights_only) next to plain torch.save /
+torch.load of the same tensors, for the tiny test model and a ~1 GB model state (fp32 weights + Adam moments).
+
+    python tools/bench_checkpoint.py                          # both sizes, 3 alternated repeats, temp dir
+    python tools/bench_checkpoint.py --sizes small --repeats 5 --dir /scratch/bench
+
+Columns (MB/s of the checkpoint file's size, median over repeats; every save writes a new file, and the two
+ways alternate which runs first, so page-cache state and machine load affect both alike):
+    plain save        torch.save(checkpoint_state(...), path)    (no fsync: the page cache may still hold it)
+    plain save+fsync  the same, then os.fsync                    (what durability costs by itself)
+    ours save         save_checkpoint: temp dir, fsync, all ranks agree, rename, tracker
+    plain load        torch.load(path, weights_only=True)
+    ours load         load_checkpoint: checks, weights_only load, and copying into model, optimizer, scheduler, RNG
+Target: ours save >= 0.8x plain save+fsync and ours load >= 0.8x plain load.
+"""
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mpu  # noqa: E402
+from megatron.learning_rates import AnnealingLR  # noqa: E402
+from megatron.model import GPT2Model  # noqa: E402
+from megatron.utils import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: E402
+
+SIZES = {  # name: (layers, hidden, heads, vocab, seq)
+    "small": (2, 32, 4, 64, 16),
+    "1gb": (8, 768, 12, 32768, 1024),   # ~82M parameters: 4 B weights + 8 B Adam moments = ~1 GB
+}
+
+
+def build(layers, hidden, heads, vocab, seq):
+    model = GPT2Model(num_layers=layers, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
+                      embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0,
+                      max_sequence_length=seq, checkpoint_activations=False, checkpoint_num_layers=1,
+                      parallel_output=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # creates the Adam moments
+    optimizer.zero_grad()
+    scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_iter=0, decay_iters=100,
+                            decay_style="linear")
+    args = types.SimpleNamespace(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                 padded_vocab_size=vocab, model_parallel_size=1, consumed_train_samples=0,
+                                 consumed_valid_samples=0, skipped_iterations=0, no_save_optim=False,
+                                 no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False,
+                                 save_keep_last=None, save=None, load=None)
+    return model, optimizer, scheduler, args
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def plain_save(state, path, fsync):
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        if fsync:
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def bench(name, repeats, root):
+    """Every save writes a new file (as a new iteration's checkpoint does); plain and ours alternate which goes
+    first. Returns (file size in bytes, {column: MB/s})."""
+    model, optimizer, scheduler, args = build(*SIZES[name])
+    args.save = args.load = os.path.join(root, f"ours_{name}")
+    times = {key: [] for key in ("plain save", "plain save+fsync", "ours save", "plain load", "ours load")}
+    size = None
+    for repeat in range(repeats):
+        iteration = repeat + 1
+        plain_path = os.path.join(root, f"plain_{name}_{iteration}.pt")
+
+        def run_plain():
+            for fsync in (False, True):
+                times["plain save+fsync" if fsync else "plain save"].append(timed(lambda: plain_save(
+                    checkpoint_state(iteration, model, optimizer, scheduler, args), plain_path, fsync)))
+                if not fsync:
+                    os.remove(plain_path)
+            times["plain load"].append(timed(lambda: torch.load(plain_path, map_location="cpu", weights_only=True)))
+            os.remove(plain_path)
+
+        def run_ours():
+            times["ours save"].append(timed(lambda: save_checkpoint(iteration, model, optimizer, scheduler, args)))
+            times["ours load"].append(timed(lambda: load_checkpoint(model, optimizer, scheduler, args)))
+
+        for run in ((run_plain, run_ours) if repeat % 2 == 0 else (run_ours, run_plain)):
+            run()
+        directory = os.path.join(args.save, f"iter_{iteration:07d}")
+        size = os.path.getsize(os.path.join(directory, "mp_rank_00", "model_optim_rng.pt"))
+        shutil.rmtree(directory)  # retention is not what we measure
+    shutil.rmtree(args.save)
+    return size, {key: size / 1e6 / statistics.median(values) for key, values in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,1gb", help=f"comma-separated from {sorted(SIZES)}")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)")
+    options = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mpu.initialize_model_parallel(1)
+    root = tempfile.mkdtemp(dir=options.dir)
+    header = (f"| {'state':>6} | {'MB':>8} | {'plain save':>10} | {'plain save+fsync':>16} | {'ours save':>9} | "
+              f"{'ours/plain+fsync':>16} | {'plain load':>10} | {'ours load':>9} | {'ours/plain':>10} |")
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    try:
+        for name in options.sizes.split(","):
+            with contextlib.redirect_stdout(io.StringIO()):  # the per-save/load notices
+                size, rate = bench(name, options.repeats, root)
+            print(f"| {name:>6} | {size / 1e6:8.1f} | {rate['plain save']:10.0f} | {rate['plain save+fsync']:16.0f} | "
+                  f"{rate['ours save']:9.0f} | {rate['ours save'] / rate['plain save+fsync']:15.2f}x | "
+                  f"{rate['plain load']:10.0f} | {rate['ours load']:9.0f} | "
+                  f"{rate['ours load'] / rate['plain load']:9.2f}x |", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
