@@ -172,16 +172,22 @@ def model_shape(args):
     return {field: int(getattr(args, field)) for field in MODEL_SHAPE_FIELDS}
 
 
+def run_state(iteration, args):
+    """Iteration, consumed samples, skipped iterations and (unless --no-save-rng) every RNG state: what resuming
+    needs besides the model and optimizer (the ZeRO path stores it as client_state; restore_run_state reads it)."""
+    state = {ITERATION: iteration, CONSUMED_TRAIN_SAMPLES: args.consumed_train_samples,
+             CONSUMED_VALID_SAMPLES: args.consumed_valid_samples, SKIPPED_ITERATIONS: args.skipped_iterations}
+    if not args.no_save_rng:
+        state[RNG] = get_rng_state()
+    return state
+
+
 def checkpoint_state(iteration, model, optimizer, lr_scheduler, args):
     """What one model-parallel rank's model_optim_rng.pt holds (never the argparse Namespace)."""
-    state = {ITERATION: iteration, MODEL: unwrap_model(model).state_dict(), MODEL_SHAPE: model_shape(args),
-             CONSUMED_TRAIN_SAMPLES: args.consumed_train_samples,
-             CONSUMED_VALID_SAMPLES: args.consumed_valid_samples, SKIPPED_ITERATIONS: args.skipped_iterations}
+    state = {MODEL: unwrap_model(model).state_dict(), MODEL_SHAPE: model_shape(args), **run_state(iteration, args)}
     if not args.no_save_optim:
         state[OPTIMIZER] = optimizer.state_dict()
         state[LR_SCHEDULER] = lr_scheduler.state_dict()
-    if not args.no_save_rng:
-        state[RNG] = get_rng_state()
     return state
 
 
@@ -330,17 +336,23 @@ def _load_into(result, model, optimizer, lr_scheduler, args, iteration, release)
             raise CheckpointError(f"{path}: {e}") from None
     elif hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 master copies of the weights just loaded
-    if not fresh and not args.no_load_rng:
-        _require(state, (RNG,), path, "--no-save-rng", "--no-load-rng")
-        set_rng_state(state[RNG])
+    result[ITERATION] = restore_run_state(state, args, path, fresh)
+
+
+def restore_run_state(state, args, path, fresh):
+    """RNG states (unless --no-load-rng) and the counters on args from a checkpoint's `state` (for the ZeRO path:
+    its client_state); `fresh` (--finetune, release) zeroes the counters and keeps this run's RNG.
+    Returns the iteration to continue from."""
     if fresh:
         args.consumed_train_samples, args.consumed_valid_samples, args.skipped_iterations = 0, 0, 0
-        result[ITERATION] = 0
-    else:
-        args.consumed_train_samples = int(state[CONSUMED_TRAIN_SAMPLES])
-        args.consumed_valid_samples = int(state[CONSUMED_VALID_SAMPLES])
-        args.skipped_iterations = int(state[SKIPPED_ITERATIONS])
-        result[ITERATION] = int(state[ITERATION])
+        return 0
+    if not args.no_load_rng:
+        _require(state, (RNG,), path, "--no-save-rng", "--no-load-rng")
+        set_rng_state(state[RNG])
+    args.consumed_train_samples = int(state[CONSUMED_TRAIN_SAMPLES])
+    args.consumed_valid_samples = int(state[CONSUMED_VALID_SAMPLES])
+    args.skipped_iterations = int(state[SKIPPED_ITERATIONS])
+    return int(state[ITERATION])
 
 
 def _checkpoint_path_for_load(args, iteration, release):
