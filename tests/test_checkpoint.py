@@ -33,20 +33,15 @@ def _train(args_list):
 
 
 def _train_and_sigterm_rank_1(args_list):
-    """Rank 1 sends itself SIGTERM once the first step is done (rank 0 gets no signal)."""
+    """Rank 1 sends itself SIGTERM as soon as the training loop's handler is installed (rank 0 gets no signal)."""
     if os.environ["RANK"] == "1":
-        threading.Thread(target=_sigterm_after_first_step, daemon=True).start()
+        threading.Thread(target=_sigterm_once_handled, daemon=True).start()
     return _train(args_list)
 
 
-def _sigterm_after_first_step():
-    from megatron.global_vars import get_args
-    while True:
-        try:
-            if getattr(get_args(), "iteration", 0) >= 1:
-                break
-        except AssertionError:  # args not set yet
-            pass
+def _sigterm_once_handled():
+    from megatron.utils import ExitController
+    while not isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), ExitController):
         time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -59,7 +59,7 @@ def _fresh_load(args, **flags):
 
 
 def _flag_checks(save_dir):
-    from megatron.utils import CheckpointError, unwrap_model
+    from megatron.utils import CheckpointError, save_checkpoint, unwrap_model
     args = _save_once(save_dir)
     saved = torch.load(os.path.join(save_dir, f"iter_{ITERS:07d}", "mp_rank_00", "model_optim_rng.pt"),
                        weights_only=True)
@@ -105,6 +105,15 @@ def _flag_checks(save_dir):
     _, optimizer, lr_scheduler, _ = _fresh_load(args, lr=2e-3, use_checkpoint_lr_scheduler=True)
     assert (lr_scheduler.max_lr, lr_scheduler.num_iters) == (1e-3, ITERS)
     assert optimizer.param_groups[0]["lr"] == saved_lr
+
+    # Re-saving an existing iteration replaces it; if a crash falls between moving the old copy aside (.old) and
+    # renaming the new one into place, loading falls back to the .old copy.
+    model, optimizer, lr_scheduler, _ = _fresh_load(args)
+    save_checkpoint(ITERS, model, optimizer, lr_scheduler, args)
+    assert sorted(os.listdir(save_dir)) == [f"iter_{ITERS:07d}", "latest_checkpointed_iteration.txt"]
+    os.rename(os.path.join(save_dir, f"iter_{ITERS:07d}"), os.path.join(save_dir, f"iter_{ITERS:07d}.old"))
+    model, _, _, counters = _fresh_load(args)
+    assert counters == (ITERS, ITERS * 2, 0, 0) and weights_equal(model)
 
 
 def test_load_flags_restore_what_they_promise(tmp_path):
