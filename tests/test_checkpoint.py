@@ -24,7 +24,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--eval-iters", "1"]
 MOCK = ["--mock-data", "--vocab-size", "64"]
 N = 3  # the straight runs save at N (and at 2N, the end); resumed runs load iteration N
-FP16 = ["--fp16", "--initial-loss-scale", "262144", "--loss-scale-window", "2", "--hysteresis", "1"]
+FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "2", "--hysteresis", "1"]
 
 
 def _train(args_list):
@@ -130,6 +130,7 @@ def test_resume_is_exact_fp16_with_skips(tmp_path):
     skipped, scales = straight[0]["skipped"], straight[0]["loss scale"]
     assert any(skipped[:N]) and any(skipped[N:]), f"want overflow skips on both sides of the save: {skipped}"
     assert len(set(scales[N:])) > 1, f"want the loss scale to change after the save: {scales}"
+    assert scales[N - 1] != 1048576, f"want a saved loss scale unlike a fresh run's: {scales}"
     assert _load(str(tmp_path / "resumed"), 2 * N)["skipped_iterations"] == sum(skipped)
 
 
