@@ -49,7 +49,7 @@ MODEL_SHAPE = "model_shape"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
 
 # Test-only fault injection: when this variable names the iteration being saved, every rank kills itself with
-# SIGKILL after writing its file into the temporary directory and before the rename (tests/test_checkpoint_faults.py).
+# SIGKILL after writing its file into the temporary directory and before the rename (tests/test_checkpoint.py).
 KILL_IN_SAVE_ENV = "MEGATRON_TEST_SIGKILL_IN_SAVE"
 
 
