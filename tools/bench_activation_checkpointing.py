@@ -14,7 +14,10 @@ forward+backward steps. Modes:
     partitioned+cpu       + checkpoint_in_cpu (identical to partitioned on a CPU-only machine)
     partitioned+contiguous + contiguous_checkpointing with num_checkpoints = num_layers
 
-tokens/s counts the tokens of one micro-batch per step (the model-parallel ranks share them). Peak RSS is the
+tokens/s counts the tokens of one micro-batch per step (the model-parallel ranks share them). The
+one-extra-forward bound is step / (step + no-grad forward) of the "off" run: the speed ratio a checkpointed step
+reaches when recomputing costs exactly one more forward (on CPUs the backward is cheaper than 2 forwards, so
+this is below the 0.75 of the usual 1:2 forward:backward rule). Peak RSS is the
 process's maximum resident set (ru_maxrss, includes torch itself); "peak - built" is that minus the resident set
 after the model was built. On CUDA the peak allocated device memory is reported too.
 """
@@ -109,9 +112,17 @@ def _worker(rank, mp_size, mode, args, port, queue):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():  # what one extra forward costs: the bound for a checkpointed step
+        for _ in range(args.steps):
+            model(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    forward_seconds = (time.perf_counter() - start) / args.steps
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {"saved_bytes": sum(nbytes for _, nbytes in seen), "peak_rss": peak_rss,
               "peak_over_built": peak_rss - built_rss, "seconds_per_step": elapsed / args.steps,
+              "forward_seconds": forward_seconds,
               "device_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     queue.put((rank, result))
     dist.barrier()
@@ -148,11 +159,16 @@ def main():
     print(f"# L={args.num_layers} h={args.hidden_size} heads={args.num_attention_heads} s={args.seq_length} "
           f"micro-batch={args.micro_batch} steps={args.steps} repeats={args.repeats} fp32 dropout=0.1, "
           f"torch threads per process={args.threads or 'cores/mp'}; tokens/s: best repeat\n")
-    print("| mp | mode | saved activations / rank (MiB) | peak RSS (MiB) | peak - built (MiB) | tokens/s | vs off |")
-    print("|---:|------|---:|---:|---:|---:|---:|")
+    print("| mp | mode | saved activations / rank (MiB) | peak RSS (MiB) | peak - built (MiB) | tokens/s | vs off "
+          "| one-extra-forward bound |")
+    print("|---:|------|---:|---:|---:|---:|---:|---:|")
     for mp_size in args.mp:
         off = runs.get((mp_size, "off"))
         off_speed = tokens / min(r["seconds_per_step"] for r in off) if off else None
+        bound = "-"
+        if off:  # step / (step + forward): the speed ratio if recomputing costs exactly one more forward
+            step, forward = min(r["seconds_per_step"] for r in off), min(r["forward_seconds"] for r in off)
+            bound = f"{step / (step + forward):.2f}x"
         for mode in args.modes:
             results = runs[(mp_size, mode)]
             first = results[0]
@@ -161,7 +177,8 @@ def main():
             device_peak = first["device_peak"]
             device = f" (device peak {device_peak / 2**20:.0f} MiB)" if device_peak is not None else ""
             print(f"| {mp_size} | {mode} | {first['saved_bytes'] / 2**20:.1f} | {first['peak_rss'] / 2**20:.0f} | "
-                  f"{first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} |")
+                  f"{first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} | "
+                  f"{'-' if mode == 'off' else bound} |")
 
 
 if __name__ == "__main__":
