@@ -191,9 +191,29 @@ def checkpoint_state(iteration, model, optimizer, lr_scheduler, args):
     return state
 
 
+def save_ds_checkpoint(iteration, model, args):
+    """Save through the ZeRO engine (DESIGN.md section 6): the iteration, counters, model shape and every RNG state
+    go into client_state; the engine writes SAVE/iter_{:07d}/ and `latest`; Megatron's tracker follows last."""
+    client_state = {**run_state(iteration, args), MODEL_SHAPE: model_shape(args)}
+    model.save_checkpoint(args.save, ds_checkpoint_tag(iteration), client_state=client_state)
+    error = None
+    if dist.get_rank() == 0:
+        error = _try(atomic_write_text, get_checkpoint_tracker_filename(args.save), str(iteration))
+    _agree(error, f"writing the tracker in {args.save}")
+    print_rank_0(f"  saved checkpoint at iteration {iteration} to {args.save}")
+
+
+def ds_checkpoint_tag(iteration):
+    """The engine's tag for a Megatron iteration: the same directory name as the Megatron path's."""
+    return f"iter_{iteration:07d}"
+
+
 def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
     """Atomically save `iteration` to args.save; every rank must call it. Raises CheckpointError on every rank
     when any rank failed, leaving the previous checkpoint and the tracker untouched."""
+    if args.deepspeed:
+        save_ds_checkpoint(iteration, model, args)
+        return
     final_dir = get_checkpoint_dir(args.save, iteration)
     tmp_dir = final_dir + ".tmp"
     error = None
@@ -309,6 +329,11 @@ def load_checkpoint(model, optimizer, lr_scheduler, args):
                      "will not load any checkpoints and will start from random")
         return 0
     result = {}
+    if args.deepspeed:
+        error = _try(_load_ds_checkpoint, result, model, args, iteration)
+        _agree(error, f"loading {os.path.join(args.load, ds_checkpoint_tag(iteration))}")
+        print_rank_0(f"  loaded checkpoint from {args.load} at iteration {iteration}")
+        return result[ITERATION]
     error = _try(_load_into, result, model, optimizer, lr_scheduler, args, iteration, release)
     _agree(error, f"loading {get_checkpoint_dir(args.load, iteration, release)}")
     print_rank_0(f"  loaded checkpoint from {args.load} at iteration {iteration}")
@@ -317,7 +342,7 @@ def load_checkpoint(model, optimizer, lr_scheduler, args):
 
 def _load_into(result, model, optimizer, lr_scheduler, args, iteration, release):
     path = _checkpoint_path_for_load(args, iteration, release)
-    state = read_checkpoint_file(path)
+    state = safe_torch_load(path)
     missing = [key for key in (ITERATION, MODEL, MODEL_SHAPE) if key not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a checkpoint written by save_checkpoint")
@@ -337,6 +362,27 @@ def _load_into(result, model, optimizer, lr_scheduler, args, iteration, release)
     elif hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 master copies of the weights just loaded
     result[ITERATION] = restore_run_state(state, args, path, fresh)
+
+
+def _load_ds_checkpoint(result, model, args, iteration):
+    """The ZeRO engine loads module, optimizer partitions (re-partitioned for this data-parallel size) and lr
+    scheduler; client_state gives back the counters and RNG states."""
+    fresh = args.finetune
+    load_optimizer = not (fresh or args.no_load_optim)
+    try:
+        path, client_state = model.load_checkpoint(args.load, ds_checkpoint_tag(iteration),
+                                                   load_optimizer_states=load_optimizer,
+                                                   load_lr_scheduler_states=load_optimizer)
+    except RuntimeError as e:  # a state dict that does not fit this model
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{args.load}/{ds_checkpoint_tag(iteration)}: the saved weights do not fit this "
+                              f"model: {e}") from None
+    if path is None:
+        raise CheckpointError("Unable to load checkpoint.")
+    if MODEL_SHAPE in client_state:
+        _check_model_shape(client_state[MODEL_SHAPE], args, path)
+    result[ITERATION] = restore_run_state(client_state, args, path, fresh)
 
 
 def restore_run_state(state, args, path, fresh):
@@ -371,27 +417,6 @@ def _checkpoint_path_for_load(args, iteration, release):
                               f"(model-parallel size {len(ranks)}), this run has model-parallel size "
                               f"{mpu.get_model_parallel_world_size()}")
     return path
-
-
-def read_checkpoint_file(path):
-    """torch.load(weights_only=True) with one-line errors for empty, truncated, corrupt or unsafe files."""
-    size = os.path.getsize(path) if os.path.isfile(path) else None
-    if size == 0:
-        raise CheckpointError(f"checkpoint file {path} is empty")
-    if size is not None:
-        with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":
-                raise CheckpointError(f"checkpoint file {path} is corrupt: not a torch.save zip archive")
-    try:
-        return safe_torch_load(path)
-    except CheckpointError as e:
-        reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed| Please|\n|$)", str(e))
-        if reason:
-            raise CheckpointError(f"refusing to load {path}: weights_only loading found {reason.group(1).strip()} "
-                                  "(a checkpoint may hold only tensors and plain python values)") from None
-        if "central directory" in str(e) or "zip archive" in str(e):
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (unreadable zip archive)") from None
-        raise
 
 
 def _check_model_shape(saved, args, path):

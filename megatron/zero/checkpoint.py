@@ -76,15 +76,25 @@ def atomic_write_text(path, text):
 
 
 def safe_torch_load(path, map_location="cpu"):
-    """torch.load(path, weights_only=True), with errors that say which file and why."""
+    """torch.load(path, weights_only=True), with one-line errors for missing, empty, truncated, corrupt or
+    unsafe files (a checkpoint can never run code)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint file {path} is empty")
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":
+            raise CheckpointError(f"checkpoint file {path} is corrupt: not a torch.save zip archive")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain python "
-                              f"values, which weights_only loading does not allow ({e})") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed| Please|\n|$)", str(e))
+        found = reason.group(1).strip() if reason else "objects other than tensors and plain python values"
+        raise CheckpointError(f"refusing to load {path}: weights_only loading found {found} (a checkpoint may "
+                              "hold only tensors and plain python values)") from None
     except (RuntimeError, EOFError) as e:
+        if "central directory" in str(e) or "zip archive" in str(e):
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (unreadable zip archive)") from None
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
 
 
