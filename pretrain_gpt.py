@@ -4,6 +4,8 @@
     bash scripts/pretrain_gpt.sh                                                    # Megatron path
     bash scripts/ds_pretrain_gpt.sh                                                 # ZeRO-2 (--deepspeed)
 """
+import sys
+
 import torch
 
 import mpu
@@ -11,6 +13,8 @@ from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
 from megatron.training import pretrain
 from megatron.utils import print_rank_0, reduce_losses
+from megatron.zero import ConfigError
+from megatron.zero.checkpoint import CheckpointError
 
 
 def model_provider():
@@ -85,5 +89,18 @@ def main(args_list=None):
     return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args_list=args_list)
 
 
+def shutdown():
+    """All ranks leave together: across nodes, torchrun's store lives on node 0, so node 0 must not exit while
+    other nodes still tear down their process groups."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (CheckpointError, ConfigError) as error:  # bad input: one line naming the file and the fix
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    shutdown()

@@ -26,11 +26,14 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     args = initialize_megatron(extra_args_provider, args_list)
     model, optimizer, lr_scheduler = setup_model_and_optimizer(model_provider)
     train_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+    if args.iteration >= args.train_iters:
+        print_rank_0(f"nothing to train: the checkpoint is at iteration {args.iteration} and --train-iters is "
+                     f"{args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
     history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator)
     if args.save and history["last_saved_iteration"] != args.iteration:
         save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
         history["last_saved_iteration"] = args.iteration
-    if args.do_valid:
+    if args.do_valid and "exit_reason" not in history:  # an early exit (preemption) leaves at once
         history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
                                                             valid_iterator, model, args.iteration)
     return history
@@ -298,7 +301,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
     iterators = []
     for index, dataset in enumerate(datasets):
-        if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0:
+        finished = index == 0 and args.iteration >= args.train_iters
+        if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
             iterators.append(None)
             continue
         consumed = [args.consumed_train_samples, args.consumed_valid_samples % len(dataset), 0][index]

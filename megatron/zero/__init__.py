@@ -9,8 +9,6 @@
 Stages 0 (data parallel), 1 (optimizer state partitioned) and 2 (gradients too); fp32, fp16, bf16.
 `zero.checkpointing` is activation checkpointing. Checkpoint file helpers: `zero.checkpoint`.
 """
-import importlib.util
-
 from . import checkpoint
 from .builder import add_config_arguments, build_optimizer, initialize
 from .config import Config, ConfigError, load_config
@@ -18,8 +16,7 @@ from .engine import ZeroEngine
 from .loss_scaler import LossScaler, LossScalerConfig
 from .optimizer import ZeroOptimizer
 
-if importlib.util.find_spec(__name__ + ".checkpointing") is not None:
-    from . import checkpointing
+from . import checkpointing
 
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpoint", "checkpointing"]
