@@ -369,6 +369,10 @@ def _load_ds_checkpoint(result, model, args, iteration):
     scheduler; client_state gives back the counters and RNG states."""
     fresh = args.finetune
     load_optimizer = not (fresh or args.no_load_optim)
+    directory = get_checkpoint_dir(args.load, iteration)
+    if os.path.isfile(_rank_file(directory)):
+        raise CheckpointError(f"{directory} holds a Megatron-path checkpoint (saved without --deepspeed): load it "
+                              "without --deepspeed, or pass another --load directory")
     try:
         path, client_state = model.load_checkpoint(args.load, ds_checkpoint_tag(iteration),
                                                    load_optimizer_states=load_optimizer,
@@ -411,6 +415,9 @@ def _checkpoint_path_for_load(args, iteration, release):
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker file {tracker} names iteration {iteration}, but {directory} does not exist")
     path = _rank_file(directory)
+    if not os.path.isfile(path) and any(name.endswith("_model_states.pt") for name in os.listdir(directory)):
+        raise CheckpointError(f"{directory} holds a ZeRO checkpoint (saved with --deepspeed): load it with "
+                              "--deepspeed --deepspeed_config, or pass another --load directory")
     if not os.path.isfile(path):
         ranks = sorted(name for name in os.listdir(directory) if name.startswith("mp_rank_"))
         raise CheckpointError(f"{path} does not exist: {directory} holds {ranks or 'no mp_rank_* directories'} "
