@@ -24,12 +24,13 @@ after the model was built. On CUDA the peak allocated device memory is reported 
 import argparse
 import multiprocessing
 import os
-import resource
 import socket
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import peak_rss_mb  # noqa: E402
 
 MODES = {"off": None, "on": {}, "partitioned": dict(partition_activations=True),
          "partitioned+cpu": dict(partition_activations=True, checkpoint_in_cpu=True),
@@ -119,7 +120,7 @@ def _worker(rank, mp_size, mode, args, port, queue):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     forward_seconds = (time.perf_counter() - start) / args.steps
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = peak_rss_mb() * 1024 * 1024
     result = {"saved_bytes": sum(nbytes for _, nbytes in seen), "peak_rss": peak_rss,
               "peak_over_built": peak_rss - built_rss, "seconds_per_step": elapsed / args.steps,
               "forward_seconds": forward_seconds,

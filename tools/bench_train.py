@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -165,7 +164,7 @@ def peak_rss_mb(config_name, dtype, impl):
     code = (f"import sys; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
             f"import bench_train as b; b._init_process_group(); c=b.CONFIGS[{config_name!r}]; "
             f"s=b.IMPLS[{impl!r}](c, {dtype!r}); t=b._batch(c, 0); [s(t) for _ in range(3)]; "
-            f"import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+            f"import bench_common; print(bench_common.peak_rss_mb())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, MASTER_PORT="29512"))
     if out.returncode != 0:

@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import math
 import os
-import resource
 import sys
 import time
 
@@ -24,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import peak_rss_mb  # noqa: E402
 
 from tests.distributed import run_distributed  # noqa: E402  (the repository's gloo process launcher)
 
@@ -124,7 +125,7 @@ def _worker(variant, steps, warmup, zero_options):
     elapsed = time.perf_counter() - start
     tokens = steps * MICRO * SEQ * dist.get_world_size()
     return {"tokens_per_s": tokens / elapsed, "state_bytes": state_bytes(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_rss_mb(),
             "params": sum(p.numel() for p in model.parameters())}
 
 
