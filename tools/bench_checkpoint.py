@@ -59,7 +59,7 @@ def build(layers, hidden, heads, vocab, seq):
                                  padded_vocab_size=vocab, model_parallel_size=1, consumed_train_samples=0,
                                  consumed_valid_samples=0, skipped_iterations=0, no_save_optim=False,
                                  no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False,
-                                 save_keep_last=None, save=None, load=None)
+                                 save_keep_last=None, save=None, load=None, deepspeed=False)
     return model, optimizer, scheduler, args
 
 
