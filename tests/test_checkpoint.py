@@ -17,7 +17,6 @@ import torch
 from tests.distributed import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WEBTEXT = os.path.join(REPO, "data", "webtext")
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--make-vocab-size-divisible-by", "8", "--batch-size", "2", "--hidden-dropout", "0.1",
          "--attention-dropout", "0.1", "--log-interval", "100", "--train-iters", "6", "--eval-interval", "2",
@@ -116,11 +115,9 @@ def test_resume_is_exact_mp1_dp2(reference, tmp_path):
     _assert_same(_load(reference_dir, 2 * N), _load(resumed_dir, 2 * N))
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(WEBTEXT, "webtext_text_document.idx")),
-                    reason="real data not built (python tools/prepare_default_data.py)")
-def test_resume_is_exact_mp2_dp1_real_data(tmp_path):
-    real = ["--data-path", os.path.join(WEBTEXT, "webtext_text_document"), "--vocab-file",
-            os.path.join(WEBTEXT, "vocab.json"), "--merge-file", os.path.join(WEBTEXT, "merges.txt"),
+def test_resume_is_exact_mp2_dp1_real_data(tmp_path, webtext_data):
+    real = ["--data-path", os.path.join(webtext_data, "webtext_text_document"), "--vocab-file",
+            os.path.join(webtext_data, "vocab.json"), "--merge-file", os.path.join(webtext_data, "merges.txt"),
             "--data-cache-path", str(tmp_path / "cache"), "--model-parallel-size", "2"]
     _straight_and_resumed(tmp_path, 2, real, mp_ranks=(0, 1))
 

@@ -62,13 +62,13 @@ def test_missing_or_broken_config_stops(tmp_path):
 SHORT = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SEQ_LENGTH": "64"}
 
 
-def test_ds_pretrain_gpt_sh(tmp_path):
+def test_ds_pretrain_gpt_sh(tmp_path, webtext_data):
     stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     losses = logged_losses(stdout)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
 
 
-def test_ds_zero2_model_parallel_sh_four_processes(tmp_path):
+def test_ds_zero2_model_parallel_sh_four_processes(tmp_path, webtext_data):
     stdout = run_script("ds_zero2_pretrain_gpt_model_parallel.sh",
                         dict(SHORT, GPUS_PER_NODE="4", MP_SIZE="2", CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     assert "model-parallel 2 x data-parallel 2" in stdout
@@ -76,7 +76,7 @@ def test_ds_zero2_model_parallel_sh_four_processes(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
 
 
-def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path):
+def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):
     """Two torchrun invocations (--nnodes 2) against 127.0.0.1, 2 processes each: mp 2 x dp 2."""
     port = str(free_port())
     env = dict(SHORT, GPUS_PER_NODE="2", MP_SIZE="2", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,

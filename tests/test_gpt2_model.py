@@ -1,5 +1,4 @@
 """GPT2Model at model-parallel size 1 against Hugging Face transformers' GPT2LMHeadModel with the same weights."""
-import pytest
 import torch
 
 from tests.distributed import run_distributed
@@ -54,7 +53,6 @@ def _compare_with_hf():
 
 
 def test_gpt2_matches_huggingface():
-    pytest.importorskip("transformers")
     result = run_distributed(_compare_with_hf, 1, model_parallel_size=1)[0]
     assert result["logits"] <= 1e-5, result
     assert result["loss"] <= 1e-6, result
