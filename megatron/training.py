@@ -6,7 +6,6 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
 import mpu
 from megatron import zero
@@ -15,7 +14,7 @@ from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import AnnealingLR
 from megatron.model import DistributedDataParallel as LocalDDP
-from megatron.utils import (load_checkpoint, print_rank_0, reduce_losses, save_checkpoint, unwrap_model,
+from megatron.utils import (load_checkpoint, print_rank_0, save_checkpoint, unwrap_model,
                             ExitController)
 
 

@@ -7,7 +7,6 @@ model-parallel group form a data-parallel group. Example, 8 ranks at model-paral
     data-parallel groups:  [0 2 4 6] [1 3 5 7]
     rank 5: model-parallel rank 1, data-parallel rank 2
 """
-import torch
 import torch.distributed as dist
 
 _MODEL_PARALLEL_GROUP = None

@@ -5,7 +5,6 @@ attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one 
 """
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
 
 from tests.distributed import free_port, run_distributed
 from tests.scripts_util import REPO, logged_losses, run_script

@@ -59,7 +59,6 @@ def test_gpt2_matches_huggingface():
 
 
 def _parallel_logits():
-    import mpu
     model = build_model().eval()
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
     position_ids = torch.arange(12).unsqueeze(0).expand_as(tokens)

@@ -1,5 +1,4 @@
 """The Megatron training loop: model/data-parallel runs equal a single process; fp16 loss scaling; bad flags."""
-import math
 import os
 import subprocess
 import sys
@@ -83,7 +82,6 @@ def test_fp16_overflow_skips_and_scale_follows_hysteresis_and_window():
 
 def _fp16_optimizer_unit():
     """FP16_Optimizer alone: an inf grad leaves fp16 params, fp32 masters and Adam state untouched."""
-    import mpu
     from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4).half()

@@ -5,12 +5,11 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron import zero
 from megatron.zero import checkpoint as ckpt
 from tests.distributed import run_distributed
-from tests.zero_helpers import TinyNet, batch, max_relative_difference, param_groups
+from tests.zero_helpers import TinyNet, engine_train_step, max_relative_difference, param_groups
 
 GLOBAL_BATCH, MICRO, SAVE_AT, MORE = 8, 2, 3, 3
 
@@ -31,21 +30,7 @@ def _engine(stage=2):
 
 
 def _run(engine, start, steps):
-    rank, dp = engine.ctx.data_parallel_rank, engine.ctx.data_parallel_size
-    accumulation, losses = engine.gradient_accumulation_steps(), []
-    for step in range(start, start + steps):
-        x, y = batch(step, GLOBAL_BATCH)
-        total = torch.zeros(1, dtype=torch.float64)
-        for k in range(accumulation):
-            lo = (rank * accumulation + k) * MICRO
-            loss = engine(x[lo:lo + MICRO], y[lo:lo + MICRO])
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        if dp > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / (dp * accumulation))
-    return losses
+    return [engine_train_step(engine, step, GLOBAL_BATCH) for step in range(start, start + steps)]
 
 
 def _state(engine):

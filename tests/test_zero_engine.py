@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron import zero
 from tests.distributed import run_distributed
-from tests.zero_helpers import TinyNet, batch, ds_config, max_relative_difference, param_groups, reference_run
+from tests.zero_helpers import TinyNet, ds_config, engine_train_step, max_relative_difference, param_groups, reference_run
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 20, 8, 1e-2, 0.05
 TOLERANCE = 1e-6
@@ -25,21 +25,7 @@ def train(config, steps=STEPS, lr=LR, engine_hook=None):
     engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     if engine_hook is not None:
         engine_hook(engine)
-    dp, rank = engine.ctx.data_parallel_size, engine.ctx.data_parallel_rank
-    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, engine.train_batch_size())
-        total = torch.zeros(1, dtype=torch.float64)
-        for k in range(accumulation):
-            lo = (rank * accumulation + k) * micro
-            loss = engine(x[lo:lo + micro], y[lo:lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        if dp > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / (dp * accumulation))
+    losses = [engine_train_step(engine, step, engine.train_batch_size()) for step in range(steps)]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     return losses, state, engine
 

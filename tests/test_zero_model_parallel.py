@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import mpu
 from megatron import zero
 from tests.distributed import run_distributed
-from tests.zero_helpers import HIDDEN, IN, OUT, batch, max_relative_difference, param_groups
+from tests.zero_helpers import HIDDEN, IN, OUT, batch, engine_train_step, max_relative_difference, param_groups
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 8, 8, 1e-2, 0.05
 
@@ -67,21 +67,9 @@ def _engine_run(stage):
               "steps_per_print": 1000, "zero_optimization": {"stage": stage, "reduce_bucket_size": 150}}
     engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu,
                                       dist_init_required=False)
-    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    micro, accumulation = 2, engine.gradient_accumulation_steps()
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = batch(step, GLOBAL_BATCH)
-        total = torch.zeros(1, dtype=torch.float64)
-        for k in range(accumulation):
-            lo = (rank * accumulation + k) * micro
-            loss = engine(x[lo:lo + micro], y[lo:lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        if dp > 1:
-            dist.all_reduce(total, group=mpu.get_data_parallel_group())
-        losses.append(float(total) / (dp * accumulation))
+        losses.append(engine_train_step(engine, step, GLOBAL_BATCH))
         norms.append(engine.get_global_grad_norm())
     return losses, _full_state(engine.module), norms
 

@@ -31,6 +31,25 @@ def batch(step, size, seed=99):
     return x, torch.tanh(x @ teacher)
 
 
+def engine_train_step(engine, step, global_batch):
+    """One optimizer step of `engine` on the global batch of `step`; returns the loss averaged over the global
+    batch. Data-parallel rank r, micro-step k takes samples [(r * accumulation + k) * micro, ... + micro)."""
+    import torch.distributed as dist
+    ctx = engine.ctx
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    x, y = batch(step, global_batch)
+    total = torch.zeros(1, dtype=torch.float64)
+    for k in range(accumulation):
+        lo = (ctx.data_parallel_rank * accumulation + k) * micro
+        loss = engine(x[lo:lo + micro], y[lo:lo + micro])
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    if ctx.data_parallel_size > 1:
+        dist.all_reduce(total, group=ctx.data_parallel_group)
+    return float(total) / (ctx.data_parallel_size * accumulation)
+
+
 def param_groups(model, weight_decay=0.01):
     """Megatron-style groups: weights decay, biases and norms do not."""
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]

@@ -9,7 +9,6 @@ TFLOP/s uses Megatron's count, 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) x 2 x 3 (f
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron.zero.loss_scaler import LossScaler
 
 
 def _master_copy(param):

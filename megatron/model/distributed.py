@@ -1,6 +1,5 @@
 """Megatron's local data-parallel wrapper: gradients are all-reduced explicitly by `allreduce_params()`,
 one flat buffer per dtype, over the data-parallel group (model-parallel shards are never mixed)."""
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
