@@ -78,13 +78,19 @@ def _worker(variant, steps, warmup, zero_options):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = GPT()
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4)
-    if kind == "ddp":
-        model.to(dtype)
+    if kind in ("ddp", "ddpamp"):
+        # ddp-bf16 keeps everything in bf16; ddpamp-bf16 is the usual mixed precision: fp32 params and Adam state,
+        # bf16 compute under torch.autocast.
+        if kind == "ddp":
+            model.to(dtype)
         optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4)
         engine = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        autocast = kind == "ddpamp" and precision == "bf16"
+        device_type = next(model.parameters()).device.type
 
         def train_step(tokens, targets):
-            loss = engine(tokens, targets)
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+                loss = engine(tokens, targets)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             optimizer.step()
@@ -132,6 +138,8 @@ def _worker(variant, steps, warmup, zero_options):
 def formula_bytes(variant, params, dp):
     """The ZeRO paper's per-rank model-state bytes (K = 12 for Adam; fp32 masters alias fp32 parameters)."""
     kind, precision = variant.split("-")
+    if kind == "ddpamp":
+        return 16 * params                                         # fp32 params, grads, two fp32 moments
     stage = 0 if kind == "ddp" else int(kind[-1])
     if precision == "bf16" and kind != "ddp":
         return {0: 16 * params, 1: 4 * params + 12 * params / dp, 2: 2 * params + 14 * params / dp}[stage]
@@ -154,6 +162,7 @@ def main():
     args = parser.parse_args()
     variants = [f"{kind}-{precision}" for precision in ("fp32", "bf16")
                 for kind in ("ddp", "zero0", "zero1", "zero2")]
+    variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if importlib.util.find_spec("deepspeed") is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         variants += [f"ds{stage}-{precision}" for precision in ("fp32", "bf16") for stage in (0, 1, 2)]
