@@ -84,23 +84,25 @@ class ExitController:
         self.start_time = time.time()
         self.reason = None
         self.signal_received = False
-        self._previous_handler = None
-        if args.exit_signal_handler:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # A flag of its own: signal.signal() returns None for a handler installed outside Python, so "previous
+        # handler is None" cannot mean "no handler installed" (a rank that thought so would skip the all-reduce).
+        self.handles_signal = bool(args.exit_signal_handler)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if self.handles_signal else None
 
     def _on_sigterm(self, signum, frame):
         self.signal_received = True
 
     def close(self):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        if self.handles_signal:
+            previous = self._previous_handler
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            self.handles_signal, self._previous_handler = False, None
 
     def should_exit(self, iteration):
         if self.exit_interval and iteration % self.exit_interval == 0:
             self.reason = f"--exit-interval {self.exit_interval}"
             return True
-        if self.exit_duration_secs is None and self._previous_handler is None:
+        if self.exit_duration_secs is None and not self.handles_signal:
             return False
         time_up = self.exit_duration_secs is not None and time.time() - self.start_time > self.exit_duration_secs
         flags = torch.tensor([float(time_up), float(self.signal_received)], device=mpu.get_device())

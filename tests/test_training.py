@@ -113,6 +113,31 @@ def test_fp16_optimizer_skip_and_fp32_masters():
     assert result["master_dtypes"] == {"torch.float32"} and result["model_dtypes"] == {"torch.float16"}
 
 
+def _exit_controller_after_foreign_sigterm_handler():
+    """signal.signal() returns None when the previous SIGTERM handler was installed outside Python."""
+    import signal
+    from types import SimpleNamespace
+    from megatron.utils import ExitController
+    real = signal.signal
+    signal.signal = lambda signum, handler: (real(signum, handler), None)[1]
+    try:
+        args = SimpleNamespace(exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=True)
+        controller = ExitController(args)
+    finally:
+        signal.signal = real
+    os.kill(os.getpid(), signal.SIGTERM)
+    stopped = controller.should_exit(1), controller.reason
+    controller.close()
+    return stopped, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_exit_controller_with_foreign_previous_handler():
+    (stopped, reason), restored = run_distributed(_exit_controller_after_foreign_sigterm_handler, 1,
+                                                  model_parallel_size=1)[0]
+    assert stopped and reason == "SIGTERM (--exit-signal-handler)"
+    assert restored
+
+
 @pytest.mark.parametrize("flags,env,message", [
     (["--hidden-size", "30", "--num-attention-heads", "4"], {}, "--hidden-size (30) is not divisible by --num-attention-heads (4)"),
     (["--num-attention-heads", "3", "--hidden-size", "48", "--model-parallel-size", "2"], {"WORLD_SIZE": "2"},
