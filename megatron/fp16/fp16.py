@@ -102,7 +102,7 @@ class FP16_Optimizer:
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "fp32_master_params": [m.detach().clone() for m in self.master_params],
+                "fp32_master_params": [m.detach().to("cpu", copy=True) for m in self.master_params],  # host
                 "overflow": self.overflow}
 
     def load_state_dict(self, state):

@@ -136,8 +136,8 @@ class ZeroOptimizer:
             own_start = group.own_range[0]
             state = self.optimizer.state.get(master, {})
             groups.append({NUMEL: group.numel, START: start, END: end,
-                           MASTER: master[start - own_start:end - own_start].clone(),
-                           SLICE_STATE: {k: v[start - own_start:end - own_start].clone() for k, v in state.items()
+                           MASTER: _host_copy(master[start - own_start:end - own_start]),
+                           SLICE_STATE: {k: _host_copy(v[start - own_start:end - own_start]) for k, v in state.items()
                                          if torch.is_tensor(v) and v.shape == master.shape},
                            SCALAR_STATE: {k: v for k, v in state.items()
                                           if not (torch.is_tensor(v) and v.shape == master.shape)}})
@@ -192,6 +192,13 @@ class ZeroOptimizer:
                 partition = group.own_partition()
                 if partition.data_ptr() != master.data_ptr():
                     master.copy_(partition)
+
+
+def _host_copy(tensor):
+    """A copy in host memory: a device clone would briefly double this rank's optimizer state on the GPU during
+    a save (the partitioned state is exactly what ZeRO frees room for); a copy, not a view, so torch.save
+    writes the slice and not its whole storage."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _assemble(saved, get, numel):
