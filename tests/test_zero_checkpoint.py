@@ -140,3 +140,25 @@ def test_atomic_helpers_and_safe_load(tmp_path):
         ckpt.safe_torch_load(str(tmp_path / "unsafe.pt"))
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.safe_torch_load(str(tmp_path / "nothing.pt"))
+
+
+def _save_stage0(save_dir):
+    engine = _engine(stage=0)
+    _run(engine, 0, SAVE_AT)
+    engine.save_checkpoint(save_dir, tag="stage0")
+    return _run(engine, SAVE_AT, MORE)
+
+
+def _resume_stage0(save_dir):
+    engine = _engine(stage=0)
+    engine.load_checkpoint(save_dir)
+    return _run(engine, SAVE_AT, MORE)
+
+
+def test_stage0_resume_reads_one_optimizer_file(tmp_path):
+    """Stage 0 files are full copies: loading needs (and reads) only data-parallel rank 0's."""
+    save_dir = str(tmp_path)
+    losses = run_distributed(_save_stage0, 2, args=(save_dir,))[0]
+    os.remove(os.path.join(save_dir, "stage0", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    resumed = run_distributed(_resume_stage0, 1, args=(save_dir,))[0]
+    assert max_relative_difference(resumed, losses) <= 1e-6

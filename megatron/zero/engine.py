@@ -153,7 +153,9 @@ class ZeroEngine(torch.nn.Module):
                                        f"this run uses {self.ctx.model_parallel_size}")
         self.module.load_state_dict(state[ckpt.MODULE], strict=load_module_strict)
         if load_optimizer_states:
-            saved_ranks = list(range(state[ckpt.DATA_PARALLEL_SIZE]))
+            # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
+            # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
+            saved_ranks = [0] if state[ckpt.ZERO_STAGE] == 0 else list(range(state[ckpt.DATA_PARALLEL_SIZE]))
             missing = sorted(set(saved_ranks) - set(ckpt.optim_states_ranks(directory, mp_rank)))
             if missing:
                 raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} "
