@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from .initialize import get_model_parallel_group, get_model_parallel_rank
+from .utils import get_device
 
 
 def is_model_parallel_duplicate(param):
@@ -19,7 +20,7 @@ def clip_grad_norm(parameters, max_norm, norm_type=2.0):
         parameters = [parameters]
     parameters = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    device = parameters[0].grad.device if parameters else get_device()   # NCCL needs a device tensor
     counted = [p.grad for p in parameters if not is_model_parallel_duplicate(p)]
     if norm_type == math.inf:
         local = max([g.abs().max().float() for g in counted], default=torch.zeros((), device=device))

@@ -39,7 +39,8 @@ def _set_device_rng_state(state):
 def _manual_seed_device(seed):
     device = get_device()
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        with torch.cuda.device(device):   # the generator _get/_set_device_rng_state use, even if not current
+            torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
 

@@ -103,3 +103,10 @@ def test_single_process_engine_without_torch_distributed():
     assert max_relative_difference(losses, ref_losses) <= TOLERANCE
     assert max_relative_difference(state, ref_state) <= TOLERANCE
     assert engine.global_steps == 5 and engine.get_global_grad_norm() > 0
+
+
+def test_square_sums_live_where_the_gradients_are():
+    """An empty param group's (CPU) buffer must not put the sums that go into a collective on the CPU."""
+    from megatron.zero.grad_norm import local_square_sums
+    grads = [torch.zeros(0), torch.ones(3, device="meta")]
+    assert local_square_sums(grads, [([], []), ([(0, 3)], [])]).device.type == "meta"

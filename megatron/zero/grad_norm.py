@@ -16,7 +16,8 @@ def local_square_sums(partition_grads, ranges):
 
     `ranges[i]` is (counted, not_counted) lists of (lo, hi) ranges into `partition_grads[i]`.
     """
-    device = partition_grads[0].device if partition_grads else torch.device("cpu")
+    # An empty param group's buffers live on the CPU; the sums go into a collective (NCCL: device tensors only).
+    device = next((g.device for g in partition_grads if g.numel() > 0), torch.device("cpu"))
     sums = torch.zeros(2, dtype=torch.float32, device=device)
     for grad, (counted, other) in zip(partition_grads, ranges):
         for slot, pieces in enumerate((counted, other)):
