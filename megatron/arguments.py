@@ -206,6 +206,8 @@ def validate_args(args, parser):
         parser.error("no training data: pass --data-path PREFIX, --train-data webtext, or --mock-data")
     if args.local_rank is None:
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    else:  # an old launcher passed --local_rank: mpu.get_device() reads LOCAL_RANK
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     args.params_dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
     return args
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron.zero.checkpoint import CheckpointError, atomic_torch_save, atomic_write_text, safe_torch_load
+from megatron.zero.checkpoint import (LATEST_FILE, CheckpointError, agree_on_success, atomic_torch_save, atomic_write_text,
+                                      capture_error, safe_torch_load)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
@@ -195,19 +196,18 @@ def checkpoint_state(iteration, model, optimizer, lr_scheduler, args):
 
 def save_ds_checkpoint(iteration, model, args):
     """Save through the ZeRO engine (DESIGN.md section 6): the iteration, counters, model shape and every RNG state
-    go into client_state; the engine writes SAVE/iter_{:07d}/ and `latest`; Megatron's tracker follows last."""
+    go into client_state; the engine writes its files into SAVE/iter_{:07d}.tmp/, which is renamed into place
+    before `latest` and then Megatron's tracker are written (as atomic as the Megatron path)."""
     client_state = {**run_state(iteration, args), MODEL_SHAPE: model_shape(args)}
-    model.save_checkpoint(args.save, ds_checkpoint_tag(iteration), client_state=client_state)
-    error = None
-    if dist.get_rank() == 0:
-        error = _try(atomic_write_text, get_checkpoint_tracker_filename(args.save), str(iteration))
-    _agree(error, f"writing the tracker in {args.save}")
-    print_rank_0(f"  saved checkpoint at iteration {iteration} to {args.save}")
+
+    def write(tmp_dir):  # the engine agrees across ranks itself; every rank returns the same outcome
+        return capture_error(model.save_checkpoint, args.save, os.path.basename(tmp_dir), client_state, False)
+    _save_atomically(iteration, args, write, latest_tag=ds_checkpoint_tag(iteration))
 
 
 def ds_checkpoint_tag(iteration):
     """The engine's tag for a Megatron iteration: the same directory name as the Megatron path's."""
-    return f"iter_{iteration:07d}"
+    return os.path.basename(get_checkpoint_dir("", iteration))
 
 
 def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
@@ -216,20 +216,31 @@ def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
     if args.deepspeed:
         save_ds_checkpoint(iteration, model, args)
         return
+
+    def write(tmp_dir):
+        if mpu.get_data_parallel_rank() != 0:
+            return None
+        state = checkpoint_state(iteration, model, optimizer, lr_scheduler, args)
+        return capture_error(_write_state, state, _rank_file(tmp_dir))
+    _save_atomically(iteration, args, write)
+
+
+def _save_atomically(iteration, args, write, latest_tag=None):
+    """Rank 0 clears SAVE/iter_N.tmp; every rank runs write(tmp_dir) (returns an error or None); all agree;
+    rank 0 renames it to SAVE/iter_N and writes the tracker files (the commit point); all agree again."""
     final_dir = get_checkpoint_dir(args.save, iteration)
     tmp_dir = final_dir + ".tmp"
     error = None
     if dist.get_rank() == 0:
-        error = _try(_prepare_save_dir, args.save, tmp_dir)
+        error = capture_error(_prepare_save_dir, args.save, tmp_dir)
     _agree(error, f"preparing {tmp_dir}")
-    if mpu.get_data_parallel_rank() == 0:
-        state = checkpoint_state(iteration, model, optimizer, lr_scheduler, args)
-        error = _try(_write_state, state, _rank_file(tmp_dir))
+    error = write(tmp_dir)
     if os.environ.get(KILL_IN_SAVE_ENV) == str(iteration):
         os.kill(os.getpid(), signal.SIGKILL)
     _agree(error, f"writing {tmp_dir}")
+    error = None
     if dist.get_rank() == 0:
-        error = _try(_publish, args.save, tmp_dir, final_dir, iteration, args.save_keep_last)
+        error = capture_error(_publish, args.save, tmp_dir, final_dir, iteration, args.save_keep_last, latest_tag)
     _agree(error, f"publishing {final_dir}")
     print_rank_0(f"  saved checkpoint at iteration {iteration} to {args.save}")
 
@@ -247,7 +258,7 @@ def _write_state(state, path):
     _fsync_dir(directory)
 
 
-def _publish(save_dir, tmp_dir, final_dir, iteration, keep_last):
+def _publish(save_dir, tmp_dir, final_dir, iteration, keep_last, latest_tag=None):
     """Rename tmp_dir to final_dir, then write the tracker (the commit point), then prune old checkpoints.
     Re-saving an iteration that already exists moves the old copy to final_dir.old first; a crash between the
     two renames is recovered by load_checkpoint, which falls back to the .old copy."""
@@ -259,6 +270,8 @@ def _publish(save_dir, tmp_dir, final_dir, iteration, keep_last):
         os.replace(final_dir, old_dir)
     os.replace(tmp_dir, final_dir)
     _fsync_dir(save_dir)
+    if latest_tag is not None:  # the ZeRO engine's own pointer, then Megatron's tracker
+        atomic_write_text(os.path.join(save_dir, LATEST_FILE), latest_tag)
     atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
     _fsync_dir(save_dir)
     if os.path.exists(old_dir):
@@ -284,25 +297,9 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _try(fn, *args):
-    """Run fn; return the exception instead of raising it (the caller must first agree with the other ranks)."""
-    try:
-        fn(*args)
-    except Exception as e:  # reported on every rank by _agree
-        return e
-    return None
-
-
 def _agree(error, what):
-    """All ranks meet; if any rank had an error, every rank raises (no rank is left waiting in a collective)."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=mpu.get_device())
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
-    if failed.item():
-        raise CheckpointError(f"{what}: another rank failed (see its message)")
+    """Every rank raises when any rank failed (see megatron.zero.checkpoint.agree_on_success)."""
+    agree_on_success(error, what, mpu.get_device())
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -332,11 +329,11 @@ def load_checkpoint(model, optimizer, lr_scheduler, args):
         return 0
     result = {}
     if args.deepspeed:
-        error = _try(_load_ds_checkpoint, result, model, args, iteration)
+        error = capture_error(_load_ds_checkpoint, result, model, args, iteration)
         _agree(error, f"loading {os.path.join(args.load, ds_checkpoint_tag(iteration))}")
         print_rank_0(f"  loaded checkpoint from {args.load} at iteration {iteration}")
         return result[ITERATION]
-    error = _try(_load_into, result, model, optimizer, lr_scheduler, args, iteration, release)
+    error = capture_error(_load_into, result, model, optimizer, lr_scheduler, args, iteration, release)
     _agree(error, f"loading {get_checkpoint_dir(args.load, iteration, release)}")
     print_rank_0(f"  loaded checkpoint from {args.load} at iteration {iteration}")
     return result[ITERATION]

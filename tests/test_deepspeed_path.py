@@ -7,6 +7,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 
 from tests.distributed import free_port, run_distributed
 from tests.scripts_util import REPO, logged_losses, run_script
@@ -151,6 +153,25 @@ def test_zero_checkpoint_resume_is_exact(tmp_path):
     for s, r in zip(straight, resumed):
         assert r["iteration"] == [4, 5, 6]
         assert r["lm loss"] == s["lm loss"][3:] and r["lr"] == s["lr"][3:]
+
+    # Killed in the middle of saving iteration 4 (files written, not yet renamed): iteration 3 stays the
+    # checkpoint that `latest` and the tracker name, and the run resumes from it exactly; keep-last prunes.
+    run_dir = str(tmp_path / "killed")
+    args = RESUME + DROPOUT + zero_args + ["--save", run_dir, "--save-interval", "1", "--save-keep-last", "2"]
+    os.environ["MEGATRON_TEST_SIGKILL_IN_SAVE"] = "4"
+    try:
+        with pytest.raises(RuntimeError, match="exited with code -9|failed"):
+            run_distributed(_train, 2, args=(args,))
+    finally:
+        del os.environ["MEGATRON_TEST_SIGKILL_IN_SAVE"]
+    assert open(os.path.join(run_dir, "latest")).read() == "iter_0000003"
+    assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert sorted(os.listdir(run_dir)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp", "latest",
+                                           "latest_checkpointed_iteration.txt"]
+    resumed = run_distributed(_train, 2, args=(args + ["--load", run_dir],))
+    assert resumed[0]["iteration"] == [4, 5, 6] and resumed[0]["lm loss"] == straight[0]["lm loss"][3:]
+    assert sorted(os.listdir(run_dir)) == ["iter_0000005", "iter_0000006", "latest",
+                                           "latest_checkpointed_iteration.txt"]
 
 
 def test_zero_checkpoint_resumes_at_another_data_parallel_size(tmp_path):

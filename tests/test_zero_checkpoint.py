@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron import zero
 from megatron.zero import checkpoint as ckpt
@@ -162,3 +163,28 @@ def test_stage0_resume_reads_one_optimizer_file(tmp_path):
     os.remove(os.path.join(save_dir, "stage0", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     resumed = run_distributed(_resume_stage0, 1, args=(save_dir,))[0]
     assert max_relative_difference(resumed, losses) <= 1e-6
+
+
+def _save_with_rank_1_failing(save_dir):
+    """Rank 1's optimizer-state write fails: every rank must raise (none waits in a collective), `latest` untouched."""
+    engine = _engine()
+    _run(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="good")
+    if dist.get_rank() == 1:
+        def failing_save(obj, path):
+            raise OSError(f"No space left on device: {path}")
+        ckpt.atomic_torch_save, original = failing_save, ckpt.atomic_torch_save
+    try:
+        engine.save_checkpoint(save_dir, tag="bad")
+        return "saved"
+    except ckpt.CheckpointError as error:
+        return str(error)
+    finally:
+        if dist.get_rank() == 1:
+            ckpt.atomic_torch_save = original
+
+
+def test_a_failed_write_on_one_rank_raises_everywhere(tmp_path):
+    messages = run_distributed(_save_with_rank_1_failing, 2, args=(str(tmp_path),))
+    assert "No space left on device" in messages[1] and "another rank failed" in messages[0]
+    assert open(os.path.join(str(tmp_path), ckpt.LATEST_FILE)).read() == "good"

@@ -98,6 +98,30 @@ def safe_torch_load(path, map_location="cpu"):
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
 
 
+def capture_error(fn, *args):
+    """Run fn(*args); return its exception instead of raising it (the caller must agree with the other ranks
+    first, so that no rank is left waiting in a collective)."""
+    try:
+        fn(*args)
+    except Exception as e:  # re-raised on every rank by agree_on_success
+        return e
+    return None
+
+
+def agree_on_success(error, what, device):
+    """All ranks meet (an all-reduce on `device`); if any rank had an error, every rank raises CheckpointError."""
+    import torch.distributed as dist
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
+    if failed.item():
+        raise CheckpointError(f"{what}: another rank failed (see its message)")
+
+
 def read_latest_tag(load_dir):
     """The tag in `load_dir/latest`, or None when there is no such file."""
     path = os.path.join(load_dir, LATEST_FILE)

@@ -113,9 +113,19 @@ class ZeroEngine(torch.nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
-        """All ranks call this. Writes the files of DESIGN.md section 6, then `latest` (rank 0) last."""
+        """All ranks call this. Writes the files of DESIGN.md section 6, then `latest` (rank 0) last. When any rank
+        fails to write, every rank raises CheckpointError (none waits forever) and `latest` is not moved."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         directory = os.path.join(save_dir, tag)
+        error = ckpt.capture_error(self._write_checkpoint_files, directory, client_state)
+        ckpt.agree_on_success(error, f"saving {directory}", self.device)
+        error = None
+        if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
+            error = ckpt.capture_error(ckpt.atomic_write_text, os.path.join(save_dir, ckpt.LATEST_FILE), tag)
+        ckpt.agree_on_success(error, f"writing {os.path.join(save_dir, ckpt.LATEST_FILE)}", self.device)
+        return True
+
+    def _write_checkpoint_files(self, directory, client_state):
         os.makedirs(directory, exist_ok=True)
         mp_rank = self.ctx.model_parallel_rank
         if self.ctx.data_parallel_rank == 0:
@@ -129,11 +139,6 @@ class ZeroEngine(torch.nn.Module):
             ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank)))
         ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(),
                                os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank)))
-        _barrier()
-        if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
-            ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
-        _barrier()
-        return True
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_strict=True):
@@ -171,11 +176,6 @@ class ZeroEngine(torch.nn.Module):
         self.skipped_steps = state[ckpt.SKIPPED_STEPS]
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()   # accumulation may differ
         return path, state[ckpt.CLIENT_STATE]
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
 
 
 class _PhaseTimers:
