@@ -268,3 +268,25 @@ def test_errors(tmp_path):
         build_train_valid_test_datasets(["0.5", prefix, "0.5"], "100,0,0", [10, 0, 0], 4, 0)
     with pytest.raises(Exception, match="nothing.idx: file not found"):
         build_train_valid_test_datasets([str(tmp_path / "nothing")], "100,0,0", [10, 0, 0], 4, 0)
+
+
+def _build_with_rank0_failing(prefix):
+    """Rank 0's index build raises: every rank must raise instead of waiting for files that never appear."""
+    import torch.distributed as dist
+    from megatron.data import gpt_dataset
+    if dist.get_rank() == 0:
+        def failing(*args, **kwargs):
+            raise OSError("Read-only file system")
+        gpt_dataset._build_and_save = failing
+    try:
+        _build_in_process(prefix, _NoBarrier())
+        return "built"
+    except (OSError, RuntimeError) as error:
+        return str(error)
+
+
+def test_rank0_build_failure_reaches_every_rank(tmp_path):
+    prefix, _ = make_dataset(str(tmp_path), num_docs=300)
+    messages = run_distributed(_build_with_rank0_failing, world_size=2, args=(prefix,))
+    assert messages[0] == "Read-only file system"
+    assert "failed on rank 0" in messages[1]

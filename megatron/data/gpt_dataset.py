@@ -251,14 +251,30 @@ def _save_npy(path, array):
         np.save(f, array, allow_pickle=False)
 
 
-def _distributed_rank_and_barrier(group):
+def _distributed_rank_and_agree(group):
+    """(rank in `group`, agree(error)): agree is where the ranks meet after rank 0's build; when rank 0 failed,
+    every rank raises instead of waiting for index files that will never appear."""
     try:
+        import torch
         import torch.distributed as dist
     except ImportError:
-        return 0, lambda: None
+        return 0, _raise_if
     if not (dist.is_available() and dist.is_initialized()):
-        return 0, lambda: None
-    return dist.get_rank(group=group), lambda: dist.barrier(group=group)
+        return 0, _raise_if
+
+    def agree(error):
+        from mpu import get_device
+        failed = torch.tensor([0.0 if error is None else 1.0], device=get_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        _raise_if(error)
+        if failed.item():
+            raise RuntimeError("building the dataset index mappings failed on rank 0 (see its message)")
+    return dist.get_rank(group=group), agree
+
+
+def _raise_if(error):
+    if error is not None:
+        raise error
 
 
 def get_index_mappings(prefix, sizes, name, documents, num_samples, seq_length, seed, data_cache_path=None,
@@ -266,12 +282,16 @@ def get_index_mappings(prefix, sizes, name, documents, num_samples, seq_length, 
     """Load (or build once and cache) the split's (doc_idx, sample_idx, shuffle_idx), memory-mapped read-only."""
     description = _cache_description(prefix, name, documents, num_samples, seq_length, seed)
     paths = cache_paths(prefix, name, description, data_cache_path)
-    rank, barrier = _distributed_rank_and_barrier(group)
+    rank, agree = _distributed_rank_and_agree(group)
+    error = None
     if rank == 0 and not os.path.exists(paths["description"]):
-        if _build_and_save(paths, description, sizes, documents, num_samples, seq_length, seed):
-            print(f" > built {name} index mappings for {prefix} ({num_samples} samples): {paths['description']}",
-                  flush=True)
-    barrier()
+        try:
+            if _build_and_save(paths, description, sizes, documents, num_samples, seq_length, seed):
+                print(f" > built {name} index mappings for {prefix} ({num_samples} samples): "
+                      f"{paths['description']}", flush=True)
+        except Exception as e:  # re-raised on rank 0 by agree, after telling the other ranks
+            error = e
+    agree(error)
     if not os.path.exists(paths["description"]):  # another node without a shared file system
         _build_and_save(paths, description, sizes, documents, num_samples, seq_length, seed)
     return tuple(np.load(paths[kind], mmap_mode="r", allow_pickle=False) for kind in ("doc", "sample", "shuffle"))
