@@ -69,8 +69,11 @@ class FP16_Optimizer:
                     master.grad.mul_(1.0 / self.loss_scale)
 
     def _found_inf(self):
-        local = any(not torch.isfinite(m.grad).all() for m in self.master_params if m.grad is not None)
-        flag = torch.tensor([1.0 if local else 0.0], device=mpu.get_device())
+        """inf/nan in any master grad on any rank; one device-to-host sync per step, not one per parameter."""
+        flag = torch.zeros(1, device=mpu.get_device())
+        for master in self.master_params:
+            if master.grad is not None:
+                flag = torch.maximum(flag, (~torch.isfinite(master.grad)).any().float().reshape(1))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
