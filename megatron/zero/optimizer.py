@@ -172,7 +172,7 @@ class ZeroOptimizer:
                 master.zero_()
                 master[:end - start].copy_(full_master[start:end])
                 group.flat[:group.numel].copy_(full_master)     # every rank has it all: no gather needed
-            state = dict(saved[0][SCALAR_STATE])
+            state = _scalar_state_on_device(saved[0][SCALAR_STATE], self.optimizer.param_groups[index], master)
             for key in saved[0][SLICE_STATE]:
                 full = _assemble(saved, lambda s: s[SLICE_STATE][key], group.numel)
                 value = torch.zeros_like(master)
@@ -213,3 +213,11 @@ def _assemble(saved, get, numel):
         raise ValueError(f"checkpoint slices cover {covered} of {numel} elements: a data-parallel rank's "
                          "optimizer file is missing")
     return full
+
+
+def _scalar_state_on_device(scalar_state, param_group, master):
+    """Adam's `step` lives on the CPU for torch's default kernels, but on the parameter's device for fused or
+    capturable ones (torch's own load_state_dict makes the same choice)."""
+    on_device = param_group.get("fused") or param_group.get("capturable")
+    return {key: value.to(master.device) if on_device and torch.is_tensor(value) else value
+            for key, value in scalar_state.items()}
