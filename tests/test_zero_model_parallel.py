@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import mpu
 from megatron import zero
 from tests.distributed import run_distributed
-from tests.zero_helpers import HIDDEN, IN, OUT, batch, engine_train_step, max_relative_difference, param_groups
+from tests.zero_helpers import (HIDDEN, IN, OUT, engine_train_step, max_relative_difference, param_groups,
+                                reference_run)
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 8, 8, 1e-2, 0.05
 
@@ -46,18 +47,7 @@ def _full_state(model):
 
 def _reference():
     """Single process, plain torch AdamW + clip_grad_norm_ (mpu layers at model-parallel size 1)."""
-    model = ParallelTinyNet()
-    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, GLOBAL_BATCH)
-        loss = model(x, y)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, _full_state(model)
+    return reference_run(STEPS, GLOBAL_BATCH, lr=LR, clip=CLIP, make_model=ParallelTinyNet)
 
 
 def _engine_run(stage):
