@@ -21,21 +21,15 @@ def model_provider():
     args = get_args()
     set_deepspeed_activation_checkpointing(args)
     print_rank_0("building GPT2 model ...")
-    return GPT2Model(num_layers=args.num_layers, vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, embedding_dropout_prob=args.hidden_dropout,
-                     attention_dropout_prob=args.attention_dropout, output_dropout_prob=args.hidden_dropout,
-                     max_sequence_length=args.max_position_embeddings,
-                     checkpoint_activations=args.checkpoint_activations,
-                     checkpoint_num_layers=args.checkpoint_num_layers, parallel_output=True,
-                     init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon)
+    return GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
 
 
 def set_deepspeed_activation_checkpointing(args):
     """--deepspeed_activation_checkpointing: zero.checkpointing partitions the checkpointed activations across
-    model-parallel ranks (configured before the model's first checkpoint call)."""
+    model-parallel ranks (configured before the model is built: the model asks is_configured() once)."""
     if args.deepspeed and args.deepspeed_activation_checkpointing:
         from megatron.zero import checkpointing
-        checkpointing.configure(mpu, deepspeed_config=args.deepspeed_config, partition_activations=True)
+        checkpointing.configure(mpu, deepspeed_config=args.zero_config, partition_activations=True)
 
 
 def get_batch(data_iterator):

@@ -181,8 +181,7 @@ def validate_args(args, parser):
     if args.seq_length > args.max_position_embeddings:
         parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
                      f"({args.max_position_embeddings})")
-    if args.deepspeed:
-        _reconcile_with_deepspeed_config(args, parser)
+    args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are exclusive: choose one")
     per_step = args.batch_size * args.data_parallel_size
@@ -213,10 +212,11 @@ def validate_args(args, parser):
 
 
 def _reconcile_with_deepspeed_config(args, parser):
-    """Under --deepspeed the JSON config is the source of truth for the values it shares with the command line
-    (micro batch, global batch / accumulation, clipping, fp16/bf16, lr): the command line takes the JSON's
-    values (DeepSpeed's defaults for keys the JSON leaves out), and a flag set to something other than its
-    default that disagrees with the JSON is an error naming both values."""
+    """Parse the JSON config (the one time it is parsed: the `zero.Config` returned goes to zero.initialize and
+    zero.checkpointing.configure). Under --deepspeed the JSON is the source of truth for the values it shares
+    with the command line (micro batch, global batch / accumulation, clipping, fp16/bf16, lr): the command line
+    takes the JSON's values (DeepSpeed's defaults for keys the JSON leaves out), and a flag set to something other
+    than its default that disagrees with the JSON is an error naming both values."""
     path = args.deepspeed_config
     if not path:
         parser.error("--deepspeed needs --deepspeed_config PATH (a DeepSpeed-style JSON config)")
@@ -246,3 +246,4 @@ def _reconcile_with_deepspeed_config(args, parser):
     if ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "
               f"--lr-decay-style schedule (only optimizer.params.lr is checked against --lr)", flush=True)
+    return config

@@ -3,9 +3,9 @@
 set_global_variables(args) is called once by megatron.initialize; get_args(), get_timers(),
 get_tensorboard_writer() read them.
 """
-import time
-
 import torch
+
+from megatron.timers import Timers
 
 _GLOBAL_ARGS = None
 _GLOBAL_TIMERS = None
@@ -59,61 +59,3 @@ def _build_tensorboard_writer(args):
     except ImportError as error:
         raise SystemExit(f"--tensorboard-dir needs the tensorboard package: pip install tensorboard ({error})")
     return SummaryWriter(log_dir=args.tensorboard_dir)
-
-
-class _Timer:
-    def __init__(self, name):
-        self.name = name
-        self.elapsed_ = 0.0
-        self.started_ = False
-        self.start_time = 0.0
-
-    def start(self):
-        assert not self.started_, f"timer {self.name} has already been started"
-        _synchronize()
-        self.start_time = time.time()
-        self.started_ = True
-
-    def stop(self):
-        assert self.started_, f"timer {self.name} is not started"
-        _synchronize()
-        self.elapsed_ += time.time() - self.start_time
-        self.started_ = False
-
-    def reset(self):
-        self.elapsed_ = 0.0
-        self.started_ = False
-
-    def elapsed(self, reset=True):
-        started = self.started_
-        if started:
-            self.stop()
-        elapsed = self.elapsed_
-        if reset:
-            self.reset()
-        if started:
-            self.start()
-        return elapsed
-
-
-def _synchronize():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-class Timers:
-    """Named wall-clock timers: timers('forward').start() ... .stop(); log(names) prints ms per name."""
-
-    def __init__(self):
-        self.timers = {}
-
-    def __call__(self, name):
-        if name not in self.timers:
-            self.timers[name] = _Timer(name)
-        return self.timers[name]
-
-    def log(self, names, normalizer=1.0, reset=True):
-        parts = [f"{name}: {self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"
-                 for name in names if name in self.timers]
-        if parts and torch.distributed.get_rank() == 0:
-            print("time (ms) | " + " | ".join(parts), flush=True)

@@ -13,9 +13,10 @@ from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import AnnealingLR
+from megatron.exit_controller import ExitController
 from megatron.model import DistributedDataParallel as LocalDDP
-from megatron.utils import (load_checkpoint, print_rank_0, save_checkpoint, unwrap_model,
-                            ExitController)
+from megatron.train_state import CheckpointOptions, TrainState
+from megatron.utils import load_checkpoint, print_rank_0, save_checkpoint, unwrap_model
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -23,18 +24,19 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     """Initialize, build model/optimizer/data, train, evaluate. Returns the per-iteration history
     ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]})."""
     args = initialize_megatron(extra_args_provider, args_list)
-    model, optimizer, lr_scheduler = setup_model_and_optimizer(model_provider)
-    train_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
-    if args.iteration >= args.train_iters:
-        print_rank_0(f"nothing to train: the checkpoint is at iteration {args.iteration} and --train-iters is "
-                     f"{args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
-    history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator)
-    if args.save and history["last_saved_iteration"] != args.iteration:
-        save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
-        history["last_saved_iteration"] = args.iteration
+    model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(model_provider)
+    train_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(train_valid_test_dataset_provider,
+                                                                               train_state)
+    if train_state.iteration >= args.train_iters:
+        print_rank_0(f"nothing to train: the checkpoint is at iteration {train_state.iteration} and --train-iters "
+                     f"is {args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
+    history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state)
+    if args.save and history["last_saved_iteration"] != train_state.iteration:
+        save_checkpoint(train_state, model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
+        history["last_saved_iteration"] = train_state.iteration
     if args.do_valid and "exit_reason" not in history:  # an early exit (preemption) leaves at once
         history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
-                                                            valid_iterator, model, args.iteration)
+                                                            valid_iterator, model, train_state)
     return history
 
 
@@ -97,17 +99,18 @@ def get_learning_rate_scheduler(optimizer):
 
 
 def setup_model_and_optimizer(model_provider):
+    """(model, optimizer, lr_scheduler, TrainState): built, wrapped, and loaded from --load when given."""
     args = get_args()
     model = get_model(model_provider)
     optimizer = get_optimizer(model)
     lr_scheduler = get_learning_rate_scheduler(optimizer)
-    args.consumed_train_samples, args.consumed_valid_samples, args.skipped_iterations = 0, 0, 0
     if args.deepspeed:
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
-                                                            dist_init_required=False)
-    args.iteration = load_checkpoint(model, optimizer, lr_scheduler, args) if args.load else 0
-    return model, optimizer, lr_scheduler
+                                                            dist_init_required=False, config=args.zero_config)
+    options = CheckpointOptions.from_args(args)
+    train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if args.load else TrainState()
+    return model, optimizer, lr_scheduler, train_state
 
 
 def backward_step(optimizer, model, loss, micro_batch_index):
@@ -139,6 +142,27 @@ def backward_step(optimizer, model, loss, micro_batch_index):
 
 def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
     """One optimizer step over num_micro_batches micro-batches. Returns (losses, skipped_iter, grad_norm)."""
+    if get_args().deepspeed:
+        return _zero_train_step(forward_step_func, data_iterator, model, optimizer)
+    return _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler)
+
+
+def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
+    """The engine's recipe: forward, engine.backward and engine.step per micro-batch (the engine reduces,
+    steps the optimizer and the lr scheduler at the accumulation boundary)."""
+    args, timers = get_args(), get_timers()
+    losses = []
+    for index in range(args.num_micro_batches):
+        losses.append(_forward_backward(forward_step_func, data_iterator, model, optimizer, index)[0])
+        timers("optimizer").start()
+        model.step()  # a no-op except at the gradient-accumulation boundary
+        timers("optimizer").stop()
+    return _average(losses), int(optimizer.overflow), model.get_global_grad_norm()
+
+
+def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
+    """Megatron's recipe: forward/backward per micro-batch (torch DDP syncs on the last one only), gradients
+    reduced and clipped after the last, then the optimizer and (unless fp16 skipped the step) the lr scheduler."""
     args, timers = get_args(), get_timers()
     losses, grad_norm = [], None
     for index in range(args.num_micro_batches):
@@ -146,28 +170,32 @@ def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler)
         no_sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last \
             else contextlib.nullcontext()
         with no_sync:
-            timers("forward").start()
-            loss, reduced = forward_step_func(data_iterator, model)
-            timers("forward").stop()
-            timers("backward").start()
-            norm = backward_step(optimizer, model, loss, index)
-            timers("backward").stop()
-        grad_norm = norm if norm is not None else grad_norm
+            reduced, norm = _forward_backward(forward_step_func, data_iterator, model, optimizer, index)
         losses.append(reduced)
-        if args.deepspeed:
-            model.step()  # a no-op except at the gradient-accumulation boundary
+        grad_norm = norm if norm is not None else grad_norm
     timers("optimizer").start()
-    if args.deepspeed:
-        skipped_iter = int(optimizer.overflow)
-        grad_norm = model.get_global_grad_norm()
-    else:
-        took_step = optimizer.step()
-        skipped_iter = 0 if took_step is None or took_step else 1
-        if not skipped_iter:
-            lr_scheduler.step()
+    took_step = optimizer.step()
+    skipped_iter = 0 if took_step is None or took_step else 1
+    if not skipped_iter:
+        lr_scheduler.step()
     timers("optimizer").stop()
-    averaged = {key: sum(d[key] for d in losses) / len(losses) for key in losses[0]}
-    return averaged, skipped_iter, grad_norm
+    return _average(losses), skipped_iter, grad_norm
+
+
+def _forward_backward(forward_step_func, data_iterator, model, optimizer, micro_batch_index):
+    """(data-parallel averaged losses, gradient norm from backward_step or None) of one micro-batch."""
+    timers = get_timers()
+    timers("forward").start()
+    loss, reduced = forward_step_func(data_iterator, model)
+    timers("forward").stop()
+    timers("backward").start()
+    norm = backward_step(optimizer, model, loss, micro_batch_index)
+    timers("backward").stop()
+    return reduced, norm
+
+
+def _average(losses):
+    return {key: sum(d[key] for d in losses) / len(losses) for key in losses[0]}
 
 
 def _flops_per_iteration(args):
@@ -178,16 +206,17 @@ def _flops_per_iteration(args):
     return 8 * passes * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def training_log(loss_dict, iteration, lr, loss_scale, grad_norm, skipped_total, elapsed_ms, writer):
+def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):
     args = get_args()
+    iteration = train_state.iteration
     tokens_per_second = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
     tflops = _flops_per_iteration(args) / (elapsed_ms / 1000.0) / args.world_size / 1e12
-    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {args.consumed_train_samples:10d}"
+    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {train_state.consumed_train_samples:10d}"
             f" | learning rate: {lr:.3E}")
     for key, value in loss_dict.items():
         line += f" | {key}: {value:.6E}"
     line += (f" | loss scale: {loss_scale:.1f} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
-             f" | skipped iterations: {skipped_total:3d} | elapsed time per iteration (ms): {elapsed_ms:.1f}"
+             f" | skipped iterations: {train_state.skipped_iterations:3d} | elapsed time per iteration (ms): {elapsed_ms:.1f}"
              f" | tokens/s: {tokens_per_second:.0f} | TFLOP/s per rank: {tflops:.3f}")
     print_rank_0(line)
     if writer is not None:
@@ -197,57 +226,59 @@ def training_log(loss_dict, iteration, lr, loss_scale, grad_norm, skipped_total,
             writer.add_scalar(key, value, iteration)
 
 
-def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator):
+def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator, train_state):
+    """Train from `train_state` (advanced in place) to --train-iters; returns the per-iteration history."""
     args, timers = get_args(), get_timers()
     writer = get_tensorboard_writer()
     model.train()
     history = {"iteration": [], "lm loss": [], "loss scale": [], "skipped": [], "grad norm": [], "lr": [], "valid": [],
                "last_saved_iteration": None}
-    exit_controller = ExitController(args)
-    skipped_total = args.skipped_iterations
+    exit_controller = ExitController(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler)
+    options = CheckpointOptions.from_args(args)
     interval_losses, interval_start = {}, time.time()
-    while args.iteration < args.train_iters:
+    while train_state.iteration < args.train_iters:
         loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
                                                         lr_scheduler)
-        args.iteration += 1
-        args.consumed_train_samples += args.global_batch_size
-        skipped_total += skipped_iter
-        args.skipped_iterations = skipped_total
+        train_state.iteration += 1
+        train_state.consumed_train_samples += args.global_batch_size
+        train_state.skipped_iterations += skipped_iter
+        iteration = train_state.iteration
         loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
         for key, value in loss_dict.items():
             interval_losses[key] = interval_losses.get(key, 0.0) + value
-        history["iteration"].append(args.iteration)
+        history["iteration"].append(iteration)
         history["lm loss"].append(loss_dict["lm loss"])
         history["loss scale"].append(float(loss_scale))
         history["skipped"].append(skipped_iter)
         history["grad norm"].append(None if grad_norm is None else float(grad_norm))
         history["lr"].append(optimizer.param_groups[0]["lr"])
-        if args.iteration % args.log_interval == 0:
+        if iteration % args.log_interval == 0:
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
             averages = {key: value / args.log_interval for key, value in interval_losses.items()}
             lr = optimizer.param_groups[0]["lr"]
-            training_log(averages, args.iteration, lr, loss_scale, grad_norm, skipped_total, elapsed_ms, writer)
+            training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer)
             timers.log(["forward", "backward", "allreduce", "optimizer"], normalizer=args.log_interval)
             interval_losses, interval_start = {}, time.time()
-        if args.eval_interval and args.iteration % args.eval_interval == 0 and args.do_valid:
-            history["valid"].append(evaluate_and_print_results(f"iteration {args.iteration}", forward_step_func,
-                                                               valid_data_iterator, model, args.iteration))
-        if args.save and args.save_interval and args.iteration % args.save_interval == 0:
-            save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
-            history["last_saved_iteration"] = args.iteration
-        if exit_controller.should_exit(args.iteration):
-            if args.save and history["last_saved_iteration"] != args.iteration:
-                save_checkpoint(args.iteration, model, optimizer, lr_scheduler, args)
-                history["last_saved_iteration"] = args.iteration
-            print_rank_0(f"exiting at iteration {args.iteration} ({exit_controller.reason})")
+        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            history["valid"].append(evaluate_and_print_results(f"iteration {iteration}", forward_step_func,
+                                                               valid_data_iterator, model, train_state))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
+            history["last_saved_iteration"] = iteration
+        if exit_controller.should_exit(iteration):
+            if args.save and history["last_saved_iteration"] != iteration:
+                save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
+                history["last_saved_iteration"] = iteration
+            print_rank_0(f"exiting at iteration {iteration} ({exit_controller.reason})")
             history["exit_reason"] = exit_controller.reason
             break
     exit_controller.close()
     return history
 
 
-def evaluate(forward_step_func, data_iterator, model):
-    """Average 'lm loss' over --eval-iters batches (data-parallel averaged), with dropout off."""
+def evaluate(forward_step_func, data_iterator, model, train_state):
+    """Average 'lm loss' over --eval-iters batches (data-parallel averaged), with dropout off; counts the
+    consumed validation samples in train_state."""
     args = get_args()
     model.eval()
     totals = {}
@@ -257,20 +288,20 @@ def evaluate(forward_step_func, data_iterator, model):
                 _, reduced = forward_step_func(data_iterator, model)
                 for key, value in reduced.items():
                     totals[key] = totals.get(key, 0.0) + value
-            args.consumed_valid_samples += args.global_batch_size
+            train_state.consumed_valid_samples += args.global_batch_size
     model.train()
     return {key: value / (args.eval_iters * args.num_micro_batches) for key, value in totals.items()}
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration):
-    results = evaluate(forward_step_func, data_iterator, model)
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, train_state):
+    results = evaluate(forward_step_func, data_iterator, model, train_state)
     parts = [f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}" for key, value in results.items()]
     line = f" validation loss at {prefix} | " + " | ".join(parts)
     print_rank_0("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     writer = get_tensorboard_writer()
     if writer is not None:
         for key, value in results.items():
-            writer.add_scalar(f"{key} validation", value, iteration)
+            writer.add_scalar(f"{key} validation", value, train_state.iteration)
     return results
 
 
@@ -286,9 +317,10 @@ def _cyclic(loader):
         loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
 
 
-def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
+def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state):
     """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
-    rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group."""
+    rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group. The samplers start
+    where `train_state`'s consumed samples say."""
     from megatron.data.samplers import MegatronPretrainingSampler
     args = get_args()
     global_batch = args.global_batch_size
@@ -300,11 +332,11 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
     iterators = []
     for index, dataset in enumerate(datasets):
-        finished = index == 0 and args.iteration >= args.train_iters
+        finished = index == 0 and train_state.iteration >= args.train_iters
         if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
             iterators.append(None)
             continue
-        consumed = [args.consumed_train_samples, args.consumed_valid_samples % len(dataset), 0][index]
+        consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
         sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed,
                                              micro_batch_size=args.batch_size,
                                              data_parallel_rank=mpu.get_data_parallel_rank(),

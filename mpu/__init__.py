@@ -1,5 +1,5 @@
-"""Tensor model parallelism (Megatron-style). Imports only torch; the one exception is documented in
-transformer.py (it asks megatron.zero.checkpointing whether activation checkpointing was configured)."""
+"""Tensor model parallelism (Megatron-style). Imports only torch: the model builder hands the transformer its
+checkpoint function and RNG tracker (see transformer.py)."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
 from .grads import clip_grad_norm, is_model_parallel_duplicate

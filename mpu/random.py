@@ -52,6 +52,9 @@ class RngStatesTracker:
         self.states = {}
         self.seeds = set()
 
+    def __deepcopy__(self, memo):
+        return self  # process-wide generator state: a deep-copied model must keep drawing from the same streams
+
     def reset(self):
         self.states = {}
         self.seeds = set()

@@ -2,6 +2,10 @@
 
 Activations are [b, s, h] (batch, sequence, hidden). With p model-parallel ranks each rank holds heads/p
 attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one all-reduce per block.
+
+Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
+checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
+The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
 """
 import math
 
@@ -11,7 +15,7 @@ from torch import nn
 from .initialize import get_model_parallel_world_size
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .random import checkpoint as mpu_checkpoint
-from .random import get_cuda_rng_tracker as mpu_rng_tracker
+from .random import get_cuda_rng_tracker
 from .utils import divide, get_device
 
 
@@ -26,25 +30,11 @@ def scaled_init_method_normal(std, num_layers):
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
-def _activation_checkpointing():
-    """(checkpoint, rng tracker): zero.checkpointing's when it has been configured, else mpu's own.
-
-    Imported lazily: the only place mpu looks outside torch, because DESIGN section 5 makes the transformer ask
-    zero.checkpointing rather than have anything patch mpu from outside.
-    """
-    try:
-        from megatron.zero import checkpointing
-    except ImportError:
-        return mpu_checkpoint, mpu_rng_tracker()
-    if checkpointing.is_configured():
-        return checkpointing.checkpoint, checkpointing.get_cuda_rng_tracker()
-    return mpu_checkpoint, mpu_rng_tracker()
-
-
 class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                 init_method, output_layer_init_method):
+                 init_method, output_layer_init_method, rng_tracker=None):
         super().__init__()
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         world_size = get_model_parallel_world_size()
         self.hidden_size_per_partition = divide(hidden_size, world_size, "hidden size / model-parallel size")
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden size / attention heads")
@@ -64,9 +54,8 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = qkv.split(self.hidden_size_per_partition, dim=-1)               # 3 x [b, s, h/p]
         q, k, v = (t.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout_p = self.attention_dropout_prob if self.training else 0.0
-        _, tracker = _activation_checkpointing()
         # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream.
-        with tracker.fork():
+        with self.rng_tracker.fork():
             if attention_mask is None:
                 context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
             else:
@@ -91,12 +80,13 @@ class ParallelMLP(nn.Module):
 
 class ParallelTransformerLayer(nn.Module):
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                 layernorm_epsilon, init_method, output_layer_init_method):
+                 layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None):
         super().__init__()
         device = get_device()
         self.input_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
-                                               output_dropout_prob, init_method, output_layer_init_method)
+                                               output_dropout_prob, init_method, output_layer_init_method,
+                                               rng_tracker)
         self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method)
 
@@ -107,21 +97,33 @@ class ParallelTransformerLayer(nn.Module):
 
 class ParallelTransformer(nn.Module):
     """L layers and a final LayerNorm. With `checkpoint_activations`, every `checkpoint_num_layers` layers
-    form one checkpointed chunk whose only saved activation is its input."""
+    form one checkpointed chunk whose only saved activation is its input.
+
+    `checkpoint_function(fn, *args)` and `rng_tracker` (the model-parallel dropout stream) default to mpu's; pass
+    another pair (zero.checkpointing's) together, so that recomputation replays the tracker it checkpoints."""
 
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
-                 init_method_std=0.02):
+                 init_method_std=0.02, checkpoint_function=None, rng_tracker=None):
         super().__init__()
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
+        self.checkpoint_function = checkpoint_function if checkpoint_function is not None else mpu_checkpoint
+        rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         init_method = init_method_normal(init_method_std)
         output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
         self.layers = nn.ModuleList([
             ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                                     layernorm_epsilon, init_method, output_layer_init_method)
+                                     layernorm_epsilon, init_method, output_layer_init_method, rng_tracker)
             for _ in range(num_layers)])
         self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device())
+
+    def set_activation_checkpointing(self, checkpoint_function, rng_tracker):
+        """Use another checkpoint function and dropout RNG tracker (a pair: recomputation must replay the
+        tracker the checkpoint function captures)."""
+        self.checkpoint_function = checkpoint_function
+        for layer in self.layers:
+            layer.attention.rng_tracker = rng_tracker
 
     def _chunk(self, start, end):
         def run(hidden_states, *mask):
@@ -133,11 +135,10 @@ class ParallelTransformer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None):
         if self.checkpoint_activations and self.training:
-            checkpoint, _ = _activation_checkpointing()
             mask_args = () if attention_mask is None else (attention_mask,)
             for start in range(0, len(self.layers), self.checkpoint_num_layers):
                 end = min(start + self.checkpoint_num_layers, len(self.layers))
-                hidden_states = checkpoint(self._chunk(start, end), hidden_states, *mask_args)
+                hidden_states = self.checkpoint_function(self._chunk(start, end), hidden_states, *mask_args)
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, attention_mask)

@@ -39,7 +39,7 @@ def _train_and_sigterm_rank_1(args_list):
 
 
 def _sigterm_once_handled():
-    from megatron.utils import ExitController
+    from megatron.exit_controller import ExitController
     while not isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), ExitController):
         time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -47,6 +47,29 @@ def _sigterm_once_handled():
 
 def _run(world_size, args_list, fn=_train):
     return run_distributed(fn, world_size, args=(args_list,))
+
+
+def train_killed_in_save(args_list, iteration):
+    """Train, but SIGKILL every rank during the save of `iteration`: after the files are written into the
+    temporary directory, before it is renamed into place (rank 0 in publish_directory, the others where they
+    would wait for it). The fault is injected here, from the test, not in the save path."""
+    from megatron import atomic_io
+    from megatron.zero.checkpoint import iteration_dir_name
+    publish = atomic_io.publish_directory
+
+    def publish_or_die(tmp_dir, final_dir):
+        if os.path.basename(final_dir) == iteration_dir_name(iteration):
+            os.kill(os.getpid(), signal.SIGKILL)
+        publish(tmp_dir, final_dir)
+    atomic_io.publish_directory = publish_or_die
+    original_agree = atomic_io.agree_on_success
+
+    def agree_or_die(error, what, *args, **kwargs):  # the other ranks die where rank 0 would have published
+        if what.startswith("publishing") and what.endswith(iteration_dir_name(iteration)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_agree(error, what, *args, **kwargs)
+    atomic_io.agree_on_success = agree_or_die
+    return _train(args_list)
 
 
 def _set_tracker(save_dir, iteration):
@@ -135,10 +158,8 @@ def test_sigkill_during_save_leaves_previous_checkpoint(reference, tmp_path, mon
     reference_dir, straight = reference
     save_dir = str(tmp_path / "run")
     args = MODEL + MOCK + ["--save", save_dir, "--save-interval", "1", "--save-keep-last", "2"]
-    monkeypatch.setenv("MEGATRON_TEST_SIGKILL_IN_SAVE", str(N + 1))
     with pytest.raises(RuntimeError, match="exited with code -9|failed"):
-        _run(2, args)
-    monkeypatch.delenv("MEGATRON_TEST_SIGKILL_IN_SAVE")
+        run_distributed(train_killed_in_save, 2, args=(args, N + 1))
     assert open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read() == str(N)
     assert sorted(os.listdir(save_dir)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp",
                                             "latest_checkpointed_iteration.txt"]

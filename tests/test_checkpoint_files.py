@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,9 @@ def _fresh_load(args, **flags):
     for key, value in flags.items():
         setattr(args, key, value)
     try:
-        model, optimizer, lr_scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
-        counters = (args.iteration, args.consumed_train_samples, args.consumed_valid_samples, args.skipped_iterations)
+        model, optimizer, lr_scheduler, state = setup_model_and_optimizer(pretrain_gpt.model_provider)
+        counters = (state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
+                    state.skipped_iterations)
         return model, optimizer, lr_scheduler, counters
     finally:
         for key, value in saved.items():
@@ -59,6 +61,7 @@ def _fresh_load(args, **flags):
 
 
 def _flag_checks(save_dir):
+    from megatron.train_state import CheckpointOptions, TrainState
     from megatron.utils import CheckpointError, save_checkpoint, unwrap_model
     args = _save_once(save_dir)
     saved = torch.load(os.path.join(save_dir, f"iter_{ITERS:07d}", "mp_rank_00", "model_optim_rng.pt"),
@@ -109,7 +112,8 @@ def _flag_checks(save_dir):
     # Re-saving an existing iteration replaces it; if a crash falls between moving the old copy aside (.old) and
     # renaming the new one into place, loading falls back to the .old copy.
     model, optimizer, lr_scheduler, _ = _fresh_load(args)
-    save_checkpoint(ITERS, model, optimizer, lr_scheduler, args)
+    save_checkpoint(TrainState(iteration=ITERS, consumed_train_samples=ITERS * 2), model, optimizer, lr_scheduler,
+                    CheckpointOptions.from_args(args))
     assert sorted(os.listdir(save_dir)) == [f"iter_{ITERS:07d}", "latest_checkpointed_iteration.txt"]
     os.rename(os.path.join(save_dir, f"iter_{ITERS:07d}"), os.path.join(save_dir, f"iter_{ITERS:07d}.old"))
     model, _, _, counters = _fresh_load(args)
@@ -127,6 +131,7 @@ def _write(path, data):
 
 def _bad_input_checks(root):
     """Each bad input raises CheckpointError with its message; returns nothing (asserts here)."""
+    from megatron.train_state import CheckpointOptions
     from megatron.utils import CheckpointError, load_checkpoint
     import pretrain_gpt
     save_dir = os.path.join(root, "save")
@@ -136,26 +141,28 @@ def _bad_input_checks(root):
     good_bytes = open(good_file, "rb").read()
     from megatron.training import setup_model_and_optimizer
     args.load = None
-    model, optimizer, lr_scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
+    model, optimizer, lr_scheduler, _ = setup_model_and_optimizer(pretrain_gpt.model_provider)
+    args.num_layers, args.hidden_size = 3, 64
+    other_shape = setup_model_and_optimizer(pretrain_gpt.model_provider)[:3]
+    args.num_layers, args.hidden_size = 2, 32
 
-    def load(load_dir, **overrides):
-        run_args = types.SimpleNamespace(**{**vars(args), "load": load_dir, **overrides})
-        return load_checkpoint(model, optimizer, lr_scheduler, run_args)
+    def load(load_dir, objects=(model, optimizer, lr_scheduler)):
+        return load_checkpoint(*objects, CheckpointOptions.from_args(types.SimpleNamespace(**{**vars(args),
+                                                                                             "load": load_dir})))
 
-    def expect(message, load_dir=save_dir, **overrides):
+    def expect(message, load_dir=save_dir, objects=(model, optimizer, lr_scheduler)):
         with pytest.raises(CheckpointError, match=message):
-            load(load_dir, **overrides)
+            load(load_dir, objects)
 
     # No tracker: start from scratch with a one-line notice.
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert load(os.path.join(root, "empty")) == 0
+        assert load(os.path.join(root, "empty")).iteration == 0
     assert out.getvalue().count("\n") == 1 and "will start from random" in out.getvalue()
 
     # Another model shape or model-parallel size: the file and every mismatched field.
     expect(r"model_optim_rng.pt was saved by another model shape: num_layers 2 \(checkpoint\) != 3 \(this run\); "
-           r"hidden_size 32 \(checkpoint\) != 64 \(this run\)", num_layers=3, hidden_size=64)
-    expect(r"model_parallel_size 1 \(checkpoint\) != 2 \(this run\)", model_parallel_size=2)
+           r"hidden_size 32 \(checkpoint\) != 64 \(this run\)", objects=other_shape)
     shutil.copytree(iteration_dir, os.path.join(root, "mp2", f"iter_{ITERS:07d}"))
     os.rename(os.path.join(root, "mp2", f"iter_{ITERS:07d}", "mp_rank_00"),
               os.path.join(root, "mp2", f"iter_{ITERS:07d}", "mp_rank_01"))
@@ -197,6 +204,30 @@ def _bad_input_checks(root):
 
 def test_bad_inputs_give_clear_errors(tmp_path):
     run_distributed(_bad_input_checks, 1, args=(str(tmp_path),))
+
+
+def _load_at_model_parallel_2(save_dir):
+    """Load save_dir's mp-1 checkpoint into an mp-2 model: the shape check names the model-parallel sizes."""
+    import pretrain_gpt
+    from megatron.initialize import initialize_megatron
+    from megatron.train_state import CheckpointOptions
+    from megatron.training import setup_model_and_optimizer
+    from megatron.utils import CheckpointError, load_checkpoint
+    args = initialize_megatron(args_list=TINY + ["--model-parallel-size", "2"])
+    objects = setup_model_and_optimizer(pretrain_gpt.model_provider)[:3]
+    try:
+        load_checkpoint(*objects, CheckpointOptions(load=save_dir))
+    except CheckpointError as error:
+        return str(error), args.model_parallel_size
+    return None, args.model_parallel_size
+
+
+def test_model_parallel_size_mismatch_is_named(tmp_path):
+    save_dir = str(tmp_path / "save")
+    run_distributed(_save_once, 1, args=(save_dir,))
+    (message, _), (rank_1_message, _) = run_distributed(_load_at_model_parallel_2, 2, args=(save_dir,))
+    assert re.search(r"model_parallel_size 1 \(checkpoint\) != 2 \(this run\)", message), message
+    assert "mp_rank_01/model_optim_rng.pt does not exist" in rank_1_message, rank_1_message
 
 
 def test_bad_checkpoint_exits_nonzero_with_message(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from tests.distributed import free_port, run_distributed
 from tests.scripts_util import REPO, logged_losses, run_script
+from tests.test_checkpoint import train_killed_in_save
 from tests.test_training import NO_DROPOUT, TINY, _train
 
 
@@ -158,12 +159,8 @@ def test_zero_checkpoint_resume_is_exact(tmp_path):
     # checkpoint that `latest` and the tracker name, and the run resumes from it exactly; keep-last prunes.
     run_dir = str(tmp_path / "killed")
     args = RESUME + DROPOUT + zero_args + ["--save", run_dir, "--save-interval", "1", "--save-keep-last", "2"]
-    os.environ["MEGATRON_TEST_SIGKILL_IN_SAVE"] = "4"
-    try:
-        with pytest.raises(RuntimeError, match="exited with code -9|failed"):
-            run_distributed(_train, 2, args=(args,))
-    finally:
-        del os.environ["MEGATRON_TEST_SIGKILL_IN_SAVE"]
+    with pytest.raises(RuntimeError, match="exited with code -9|failed"):
+        run_distributed(train_killed_in_save, 2, args=(args, 4))
     assert open(os.path.join(run_dir, "latest")).read() == "iter_0000003"
     assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read() == "3"
     assert sorted(os.listdir(run_dir)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp", "latest",

@@ -8,11 +8,9 @@ CONFIG = dict(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4
 
 def build_model(seed=1234, **overrides):
     import mpu
-    from megatron.model import GPT2Model
-    config = dict(CONFIG, **overrides)
+    from megatron.model import GPT2Model, GPT2ModelConfig
     mpu.model_parallel_cuda_manual_seed(seed)
-    return GPT2Model(config["num_layers"], config["vocab_size"], config["hidden_size"], config["num_attention_heads"],
-                     0.0, 0.0, 0.0, config["max_sequence_length"], parallel_output=False)
+    return GPT2Model(GPT2ModelConfig(**dict(CONFIG, **overrides)), parallel_output=False)
 
 
 def copy_into_hf(model, hf):

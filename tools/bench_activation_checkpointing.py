@@ -66,6 +66,7 @@ def _worker(rank, mp_size, mode, args, port, queue):
     import torch.distributed as dist
 
     import mpu
+    from megatron.model.gpt2_model import activation_checkpointing_pair
     from megatron.zero import checkpointing
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // mp_size))
@@ -83,8 +84,10 @@ def _worker(rank, mp_size, mode, args, port, queue):
             options["partition_activations"] = False  # a no-op at mp=1 (configure would warn)
         checkpointing.configure(mpu, **options)
     mpu.model_parallel_cuda_manual_seed(1234)
+    checkpoint_function, rng_tracker = activation_checkpointing_pair()
     model = mpu.ParallelTransformer(args.num_layers, args.hidden_size, args.num_attention_heads, 0.1, 0.1,
-                                    checkpoint_activations=MODES[mode] is not None)
+                                    checkpoint_activations=MODES[mode] is not None,
+                                    checkpoint_function=checkpoint_function, rng_tracker=rng_tracker)
     generator = torch.Generator().manual_seed(7)
     shape = (args.micro_batch, args.seq_length, args.hidden_size)  # [b, s, h]
     x = torch.randn(*shape, generator=generator).to(device).requires_grad_()

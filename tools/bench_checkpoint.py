@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpu  # noqa: E402
 from megatron.learning_rates import AnnealingLR  # noqa: E402
-from megatron.model import GPT2Model  # noqa: E402
+from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
+from megatron.train_state import CheckpointOptions, TrainState  # noqa: E402
 from megatron.utils import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: E402
 
 SIZES = {  # name: (layers, hidden, heads, vocab, seq)
@@ -44,10 +44,8 @@ SIZES = {  # name: (layers, hidden, heads, vocab, seq)
 
 
 def build(layers, hidden, heads, vocab, seq):
-    model = GPT2Model(num_layers=layers, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
-                      embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0,
-                      max_sequence_length=seq, checkpoint_activations=False, checkpoint_num_layers=1,
-                      parallel_output=True)
+    model = GPT2Model(GPT2ModelConfig(num_layers=layers, vocab_size=vocab, hidden_size=hidden,
+                                      num_attention_heads=heads, max_sequence_length=seq))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
@@ -55,12 +53,7 @@ def build(layers, hidden, heads, vocab, seq):
     optimizer.zero_grad()
     scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_iter=0, decay_iters=100,
                             decay_style="linear")
-    args = types.SimpleNamespace(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                 padded_vocab_size=vocab, model_parallel_size=1, consumed_train_samples=0,
-                                 consumed_valid_samples=0, skipped_iterations=0, no_save_optim=False,
-                                 no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False,
-                                 save_keep_last=None, save=None, load=None, deepspeed=False)
-    return model, optimizer, scheduler, args
+    return model, optimizer, scheduler
 
 
 def timed(fn):
@@ -87,19 +80,21 @@ def plain_load_and_apply(path, model, optimizer, scheduler):
 def bench(name, repeats, root):
     """Every save writes a new file (as a new iteration's checkpoint does); plain and ours alternate which goes
     first. Returns (file size in bytes, {column: MB/s})."""
-    model, optimizer, scheduler, args = build(*SIZES[name])
-    args.save = args.load = os.path.join(root, f"ours_{name}")
+    model, optimizer, scheduler = build(*SIZES[name])
+    save_dir = os.path.join(root, f"ours_{name}")
+    options = CheckpointOptions(save=save_dir, load=save_dir)
     times = {key: [] for key in ("plain save", "plain save+fsync", "ours save", "plain load", "plain load+apply",
                                  "ours load")}
     size = None
     for repeat in range(repeats):
         iteration = repeat + 1
+        train_state = TrainState(iteration=iteration)
         plain_path = os.path.join(root, f"plain_{name}_{iteration}.pt")
 
         def run_plain():
             for fsync in (False, True):
                 times["plain save+fsync" if fsync else "plain save"].append(timed(lambda: plain_save(
-                    checkpoint_state(iteration, model, optimizer, scheduler, args), plain_path, fsync)))
+                    checkpoint_state(train_state, model, optimizer, scheduler, options), plain_path, fsync)))
                 if not fsync:
                     os.remove(plain_path)
             times["plain load"].append(timed(lambda: torch.load(plain_path, map_location="cpu", weights_only=True)))
@@ -108,15 +103,15 @@ def bench(name, repeats, root):
             os.remove(plain_path)
 
         def run_ours():
-            times["ours save"].append(timed(lambda: save_checkpoint(iteration, model, optimizer, scheduler, args)))
-            times["ours load"].append(timed(lambda: load_checkpoint(model, optimizer, scheduler, args)))
+            times["ours save"].append(timed(lambda: save_checkpoint(train_state, model, optimizer, scheduler, options)))
+            times["ours load"].append(timed(lambda: load_checkpoint(model, optimizer, scheduler, options)))
 
         for run in ((run_plain, run_ours) if repeat % 2 == 0 else (run_ours, run_plain)):
             run()
-        directory = os.path.join(args.save, f"iter_{iteration:07d}")
+        directory = os.path.join(save_dir, f"iter_{iteration:07d}")
         size = os.path.getsize(os.path.join(directory, "mp_rank_00", "model_optim_rng.pt"))
         shutil.rmtree(directory)  # retention is not what we measure
-    shutil.rmtree(args.save)
+    shutil.rmtree(save_dir)
     return size, {key: size / 1e6 / statistics.median(values) for key, values in times.items()}
 
 

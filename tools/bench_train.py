@@ -117,7 +117,7 @@ def make_ours(c, dtype):
     args.rank, args.distributed_backend = 0, "gloo"
     set_global_variables(args)
     set_random_seed(0)
-    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
+    model, optimizer, scheduler, _ = setup_model_and_optimizer(pretrain_gpt.model_provider)
 
     def step(text):
         train_step(pretrain_gpt.forward_step, iter([{"text": text}]), model, optimizer, scheduler)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import peak_rss_mb  # noqa: E402
 
-from tests.distributed import run_distributed  # noqa: E402  (the repository's gloo process launcher)
+from megatron.spawn import run_distributed  # noqa: E402  (gloo processes on this machine)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 4, 256, 4, 256, 8192, 4
 

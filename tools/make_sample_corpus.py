@@ -19,6 +19,9 @@ import sys
 import sysconfig
 import time
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron.atomic_io import atomic_path  # noqa: E402
+
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -66,10 +69,9 @@ def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_char
     """Write the corpus to `output` (atomically); returns (documents, bytes)."""
     max_bytes = int(max_mb * 1e6)
     jobs = ((label, root, path, max_doc_chars, min_doc_chars) for label, root, path in python_files(stdlib_only))
-    tmp = f"{output}.tmp{os.getpid()}"
     docs = written = 0
     ctx = multiprocessing.get_context("fork")
-    try:
+    with atomic_path(output) as tmp:
         with open(tmp, "w", encoding="utf-8") as out, ctx.Pool(max(1, workers)) as pool:
             for documents in pool.imap(module_documents, jobs, chunksize=8):
                 for url, text in documents:
@@ -79,10 +81,6 @@ def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_char
                     written += len(line.encode("utf-8"))
                 if written >= max_bytes:
                     break
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return docs, written
 
 

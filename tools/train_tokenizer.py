@@ -15,6 +15,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron.atomic_io import atomic_write_text  # noqa: E402
+
 EOD_TOKEN = "<|endoftext|>"
 
 
@@ -51,10 +54,7 @@ def train(paths, output_dir, vocab_size=8192, min_frequency=2, json_key="text"):
     vocab_path, merges_path = os.path.join(output_dir, "vocab.json"), os.path.join(output_dir, "merges.txt")
     for path, content in ((vocab_path, json.dumps(vocab, ensure_ascii=False)),
                           (merges_path, "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in kept))):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(content)
-        os.replace(tmp, path)
+        atomic_write_text(path, content)
     return vocab_path, merges_path, len(merges) - len(kept)
 
 

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from megatron.atomic_io import agree_on_success, atomic_path
+
 from .indexed_dataset import MMapIndexedDataset, index_file_path
 
 INDEX_VERSION = "megatron-v2.6-gpt-indexmap-1"
@@ -206,16 +208,6 @@ def cache_paths(prefix, name, description, data_cache_path=None):
     return paths
 
 
-def _save_atomically(path, write):
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _build_and_save(paths, description, sizes, documents, num_samples, seq_length, seed):
     """Build under an exclusive file lock, unless another process finished meanwhile. The description file is
     renamed last: its presence means the three arrays are complete."""
@@ -228,9 +220,11 @@ def _build_and_save(paths, description, sizes, documents, num_samples, seq_lengt
             start = time.time()
             arrays = build_index_arrays(sizes, documents, num_samples, seq_length, seed)
             for kind, array in zip(("doc", "sample", "shuffle"), arrays):
-                _save_atomically(paths[kind], lambda tmp, a=array: _save_npy(tmp, a))
+                with atomic_path(paths[kind]) as tmp:
+                    _save_npy(tmp, array)
             description = dict(description, build_seconds=round(time.time() - start, 3))
-            _save_atomically(paths["description"], lambda tmp: _save_json(tmp, description))
+            with atomic_path(paths["description"]) as tmp:
+                _save_json(tmp, description)
             built = True
         # The description exists now, so whoever takes any lock on this name next returns without building:
         # removing the lock file cannot let two builders run at once.
@@ -254,21 +248,14 @@ def _save_npy(path, array):
 def _distributed_rank_and_agree(group):
     """(rank in `group`, agree(error)): agree is where the ranks meet after rank 0's build; when rank 0 failed,
     every rank raises instead of waiting for index files that will never appear."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return 0, _raise_if
+    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return 0, _raise_if
 
     def agree(error):
         from mpu import get_device
-        failed = torch.tensor([0.0 if error is None else 1.0], device=get_device())
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        _raise_if(error)
-        if failed.item():
-            raise RuntimeError("building the dataset index mappings failed on rank 0 (see its message)")
+        agree_on_success(error, "building the dataset index mappings failed on rank 0", get_device(), group=group,
+                         error_class=None)
     return dist.get_rank(group=group), agree
 
 

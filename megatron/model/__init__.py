@@ -1,2 +1,2 @@
 from .distributed import DistributedDataParallel
-from .gpt2_model import GPT2Model
+from .gpt2_model import GPT2Model, GPT2ModelConfig

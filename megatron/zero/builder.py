@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
 from .engine import ZeroEngine
 from .lr_schedules import SCHEDULERS
 from .partition import ParallelContext
@@ -31,7 +31,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None):
     """Returns (engine, optimizer, training dataloader or None, lr scheduler or None).
 
-    `config`: a dict or a path; otherwise `args.deepspeed_config`. `mpu`: an object with the six
+    `config`: a dict, a path or a parsed `zero.Config`; otherwise `args.deepspeed_config`. `mpu`: an object with the six
     get_{model,data}_parallel_{rank,group,world_size} getters (None: data parallel over the whole world).
     `dist_init_required=False` trusts the caller's torch.distributed setup; otherwise torch.distributed is
     initialized from torchrun's environment when it is not yet (a single process without it runs alone).
@@ -73,8 +73,11 @@ def build_optimizer(optimizer_config, params):
 
 
 def _config_source(args, config):
+    """`config`, or the path in args.deepspeed_config; both only when `config` was parsed from that file."""
     path = getattr(args, "deepspeed_config", None) if args is not None else None
-    if path is not None and config is not None:
+    parsed_from_path = isinstance(config, Config) and config.source is not None and path is not None and \
+        os.path.abspath(config.source) == os.path.abspath(path)
+    if path is not None and config is not None and not parsed_from_path:
         raise ConfigError(f"both args.deepspeed_config ({path!r}) and config= were given; pass one")
     if path is None and config is None:
         raise ConfigError("no config: pass config= (a dict or a path) or args.deepspeed_config")

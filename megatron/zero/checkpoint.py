@@ -1,17 +1,17 @@
-"""Checkpoint files: atomic writes, safe loads, and the ZeRO engine's file names and keys.
+"""Checkpoint file names and keys of both layouts (the one place they are spelled), safe loads, checked saves.
 
-Generic helpers (also used by Megatron's own checkpoint code):
-    atomic_torch_save(obj, path)   torch.save to `path.tmp.<pid>`, fsync, then os.replace: a reader never sees a
-                                   half-written file, and a crash leaves the previous file intact.
-    atomic_write_text(path, text)  the same for small text files (tracker files: write them last).
+    atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.atomic_io
     safe_torch_load(path)          torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
                                    Store only tensors, python scalars, str, None, and lists/tuples/dicts of those.
 
-ZeRO layout (DESIGN.md section 6):
+ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/<tag>/mp_rank_{mp:02d}_model_states.pt                           module, lr scheduler, steps, client_state
     SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt         this data-parallel rank's fp32 slice,
                                                                          moments, loss scaler (unpadded)
     SAVE/latest                                                           the tag, written last
+Megatron layout (written by megatron.utils):
+    SAVE/iter_{:07d}/mp_rank_{mp:02d}/model_optim_rng.pt                  model, optimizer, lr scheduler, RNG
+    SAVE/latest_checkpointed_iteration.txt                                the iteration (both paths write it)
 """
 import os
 import pickle
@@ -19,6 +19,10 @@ import re
 
 import torch
 
+from megatron.atomic_io import atomic_torch_save as _atomic_torch_save
+from megatron.atomic_io import atomic_write_text  # noqa: F401  (re-exported: the checkpoint writers' text files)
+
+# ---- ZeRO layout -------------------------------------------------------------------------------------------
 LATEST_FILE = "latest"
 
 # Keys of the model-states file.
@@ -30,7 +34,39 @@ MICRO_STEPS = "micro_steps"
 CLIENT_STATE = "client_state"
 DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
-ZERO_STAGE = "zero_stage"
+ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
+
+# Keys of the optimizer-states file (this data-parallel rank's unpadded slice of every param group).
+DATA_PARALLEL_RANK = "data_parallel_rank"
+LOSS_SCALER = "loss_scaler"
+PARAM_GROUPS = "param_groups"          # the optimizer's hyperparameters per group (no params)
+GROUPS = "groups"                      # per group: NUMEL, START, END, MASTER, SLICE_STATE, SCALAR_STATE
+NUMEL, START, END = "numel", "start", "end"
+MASTER = "fp32_master"
+SLICE_STATE = "slice_state"            # per-element optimizer state (Adam moments), saved for [start, end)
+SCALAR_STATE = "scalar_state"          # everything else (Adam's step count)
+
+# ---- Megatron layout ---------------------------------------------------------------------------------------
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FILENAME = "model_optim_rng.pt"
+RELEASE = "release"
+
+# Keys of model_optim_rng.pt (and of the ZeRO path's client_state: ITERATION, the counters, RNG, MODEL_SHAPE).
+ITERATION = "iteration"
+MODEL = "model"
+OPTIMIZER = "optimizer"
+RNG = "rng"
+CONSUMED_TRAIN_SAMPLES = "consumed_train_samples"
+CONSUMED_VALID_SAMPLES = "consumed_valid_samples"
+SKIPPED_ITERATIONS = "skipped_iterations"
+MODEL_SHAPE = "model_shape"
+# Fields of MODEL_SHAPE, compared with the loading model's on load.
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
+
+
+def iteration_dir_name(iteration):
+    """The directory of an iteration's checkpoint (both paths; the ZeRO path's tag)."""
+    return f"iter_{iteration:07d}"
 
 
 class CheckpointError(RuntimeError):
@@ -52,27 +88,10 @@ def optim_states_ranks(directory, model_parallel_rank):
 
 
 def atomic_torch_save(obj, path):
-    """torch.save(obj, path) so that `path` is either the old file or the complete new one.
-
-    `obj` is checked first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written.
-    """
+    """torch.save(obj, path) so that `path` is either the old file or the complete new one. `obj` is checked
+    first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written."""
     check_weights_only_safe(obj, os.path.basename(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path, text):
-    """Write `text` to `path` atomically (temp file + os.replace)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_torch_save(obj, path)
 
 
 def safe_torch_load(path, map_location="cpu"):
@@ -96,30 +115,6 @@ def safe_torch_load(path, map_location="cpu"):
         if "central directory" in str(e) or "zip archive" in str(e):
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (unreadable zip archive)") from None
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
-
-
-def capture_error(fn, *args):
-    """Run fn(*args); return its exception instead of raising it (the caller must agree with the other ranks
-    first, so that no rank is left waiting in a collective)."""
-    try:
-        fn(*args)
-    except Exception as e:  # re-raised on every rank by agree_on_success
-        return e
-    return None
-
-
-def agree_on_success(error, what, device):
-    """All ranks meet (an all-reduce on `device`); if any rank had an error, every rank raises CheckpointError."""
-    import torch.distributed as dist
-    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
-    if failed.item():
-        raise CheckpointError(f"{what}: another rank failed (see its message)")
 
 
 def read_latest_tag(load_dir):

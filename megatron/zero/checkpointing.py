@@ -19,10 +19,8 @@ of a run without checkpointing, dropout included. What it keeps of each floating
 Other inputs (masks, ids, non-tensors) are kept as they are. `synchronize` synchronizes the device at both
 checkpoint boundaries (a counted no-op on CPU); `profile` times forward, recompute, gather and synchronize.
 """
-import contextlib
 import dataclasses
 import os
-import time
 import warnings
 
 import torch
@@ -32,6 +30,9 @@ from mpu.random import get_cuda_rng_tracker as _mpu_rng_tracker
 from mpu.random import get_rng_states, model_parallel_cuda_manual_seed as _mpu_manual_seed, set_rng_states
 from mpu.utils import get_device
 
+from megatron.timers import Timers
+
+from .collectives import all_gather_into_tensor
 from .config import ActivationCheckpointingConfig, Config, ConfigError, load_config, read_config_file
 
 # configure() argument -> key of the JSON `activation_checkpointing` block (DeepSpeed's names for both).
@@ -151,7 +152,7 @@ class _Checkpointing:
         self.partition = config.partition_activations and self.mp_size > 1
         self.storage_device = torch.device("cpu") if config.cpu_checkpointing else self.device
         self.slots = _ContiguousSlots(config.number_checkpoints) if config.contiguous_memory_optimization else None
-        self.timers = _Timers(self.device, enabled=config.profile)
+        self.timers = Timers(enabled=config.profile, device=self.device)
 
     def reset(self):
         if self.slots is not None:
@@ -208,7 +209,7 @@ class _Checkpointing:
                 if self.partition:
                     whole = torch.empty(padded, dtype=tensor.dtype, device=self.device)
                     with self.timers("gather"):
-                        _all_gather_single(whole, tensor, self.group)
+                        all_gather_into_tensor(whole, tensor, self.group)
                     tensor = whole
                 tensor = tensor[:shape.numel()].view(shape)  # [padded] -> original shape
             tensor = tensor.detach()
@@ -301,38 +302,6 @@ class _ContiguousSlots:
             slots = [buffer.new_empty(0).set_(storage, k * numel, (numel,)) for k in range(self.num_slots)]
             self.buffers[position] = (buffer, slots)
         return slots[slot][:numel]
-
-
-class _Timers:
-    """Counts every call; measures seconds (device synchronized) only when enabled."""
-
-    def __init__(self, device, enabled):
-        self.device, self.enabled = device, enabled
-        self.reset()
-
-    def reset(self):
-        self.counts, self.seconds = {}, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        self.counts[name] = self.counts.get(name, 0) + 1
-        if not self.enabled:
-            yield
-            return
-        _synchronize_device(self.device)
-        start = time.perf_counter()
-        yield
-        _synchronize_device(self.device)
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def summary(self):
-        return {name: {"count": count, "seconds": self.seconds.get(name, 0.0)} for name, count in self.counts.items()}
-
-
-def _all_gather_single(output, tensor, group):
-    """All-gather into one flat tensor (all_gather_single where torch has it, all_gather_into_tensor before)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
 
 
 def _synchronize_device(device):

@@ -98,6 +98,7 @@ class Config:
     gradient_clipping: float = 0.0     # 0 = no clipping
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    source: Optional[str] = field(default=None, compare=False)   # the file it was read from, if any
 
 
 # Keys DeepSpeed configs commonly carry that change nothing here; accepted so existing files load unchanged.
@@ -127,8 +128,14 @@ def read_config_file(path):
 
 
 def load_config(source, data_parallel_size=1):
-    """Parse a path or dict into a `Config`, resolving the batch triangle for `data_parallel_size`."""
-    raw = read_config_file(source) if isinstance(source, (str, os.PathLike)) else source
+    """Parse a path or dict into a `Config`, resolving the batch triangle for `data_parallel_size`. A `Config`
+    (already parsed, e.g. by Megatron's arguments) is returned as it is, after checking its batch triangle."""
+    if isinstance(source, Config):
+        resolve_batch_triangle(source.train_batch_size, source.train_micro_batch_size_per_gpu,
+                               source.gradient_accumulation_steps, data_parallel_size)
+        return source
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    raw = read_config_file(source) if path is not None else source
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
     known = set(_SCALARS) | set(_SECTIONS) | set(_ACCEPTED_NO_EFFECT) | {"optimizer", "scheduler"}
@@ -150,8 +157,8 @@ def load_config(source, data_parallel_size=1):
                                                         data_parallel_size)
     config = Config(train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                     gradient_accumulation_steps=accumulation, optimizer=optimizer, scheduler=scheduler,
-                    **sections, **{k: values[k] for k in ("gradient_clipping", "steps_per_print",
-                                                          "wall_clock_breakdown") if k in values})
+                    source=path, **sections, **{k: values[k] for k in ("gradient_clipping", "steps_per_print",
+                                                                       "wall_clock_breakdown") if k in values})
     _validate(config)
     return config
 

@@ -9,12 +9,13 @@
 
 Checkpoint layout and atomicity: checkpoint.py. The engine never reads global args.
 """
-import contextlib
 import os
-import time
 
 import torch
 import torch.distributed as dist
+
+from megatron import atomic_io
+from megatron.timers import Timers
 
 from . import checkpoint as ckpt
 from .optimizer import ZeroOptimizer
@@ -37,7 +38,7 @@ class ZeroEngine(torch.nn.Module):
         self._broadcast_parameters()
         self.optimizer = ZeroOptimizer(optimizer, ctx, config.zero_optimization.stage, config.zero_optimization,
                                        config.fp16, config.gradient_clipping, param_order=list(module.parameters()))
-        self.timers = _PhaseTimers(config.wall_clock_breakdown, self.device)
+        self.timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
 
     @property
     def device(self):
@@ -89,7 +90,7 @@ class ZeroEngine(torch.nn.Module):
         norm = self.get_global_grad_norm()
         print(f"[zero] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
               f"loss_scale={self.optimizer.cur_scale} grad_norm={norm if norm is None else round(norm, 6)}"
-              f"{self.timers.report_and_reset()}", flush=True)
+              f"{self.timers.mean_ms_text() if self.timers.enabled else ''}", flush=True)
 
     # ---- accessors (DeepSpeed names) ---------------------------------------------------------------------
     def train_batch_size(self):
@@ -113,20 +114,21 @@ class ZeroEngine(torch.nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
-        """All ranks call this. Writes the files of DESIGN.md section 6, then `latest` (rank 0) last. When any rank
-        fails to write, every rank raises CheckpointError (none waits forever) and `latest` is not moved."""
+        """All ranks call this. Atomic: every rank writes its files (DESIGN.md section 6) into SAVE/<tag>.tmp/,
+        rank 0 renames it to SAVE/<tag> and then writes `latest` (the commit point). When any rank fails, every
+        rank raises CheckpointError (none waits forever) and the previous checkpoint stays the latest."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        directory = os.path.join(save_dir, tag)
-        error = ckpt.capture_error(self._write_checkpoint_files, directory, client_state)
-        ckpt.agree_on_success(error, f"saving {directory}", self.device)
-        error = None
-        if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
-            error = ckpt.capture_error(ckpt.atomic_write_text, os.path.join(save_dir, ckpt.LATEST_FILE), tag)
-        ckpt.agree_on_success(error, f"writing {os.path.join(save_dir, ckpt.LATEST_FILE)}", self.device)
+        is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
+
+        def write_latest():
+            if save_latest:
+                ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
+        atomic_io.save_directory_atomically(os.path.join(save_dir, tag),
+                                            lambda directory: self._write_checkpoint_files(directory, client_state),
+                                            write_latest, self.device, is_rank_0, error_class=ckpt.CheckpointError)
         return True
 
     def _write_checkpoint_files(self, directory, client_state):
-        os.makedirs(directory, exist_ok=True)
         mp_rank = self.ctx.model_parallel_rank
         if self.ctx.data_parallel_rank == 0:
             state = {ckpt.MODULE: self.module.state_dict(),
@@ -149,7 +151,7 @@ class ZeroEngine(torch.nn.Module):
         tag = tag if tag is not None else ckpt.read_latest_tag(load_dir)
         if tag is None:
             return None, {}
-        directory = os.path.join(load_dir, str(tag))
+        directory = atomic_io.readable_directory(os.path.join(load_dir, str(tag)))
         mp_rank = self.ctx.model_parallel_rank
         path = os.path.join(directory, ckpt.model_states_name(mp_rank))
         state = ckpt.safe_torch_load(path)
@@ -176,37 +178,3 @@ class ZeroEngine(torch.nn.Module):
         self.skipped_steps = state[ckpt.SKIPPED_STEPS]
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()   # accumulation may differ
         return path, state[ckpt.CLIENT_STATE]
-
-
-class _PhaseTimers:
-    """Wall-clock time per phase (forward, backward, step) when `wall_clock_breakdown` is on."""
-
-    def __init__(self, enabled, device):
-        self.enabled, self.device = enabled, device
-        self.totals, self.counts = {}, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        if not self.enabled:
-            yield
-            return
-        self._synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._synchronize()
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
-            self.counts[name] = self.counts.get(name, 0) + 1
-
-    def _synchronize(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def report_and_reset(self):
-        if not self.enabled:
-            return ""
-        text = "".join(f" | {name} {1000 * total / self.counts[name]:.2f} ms"
-                       for name, total in self.totals.items())
-        self.totals, self.counts = {}, {}
-        return text

@@ -14,21 +14,11 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
 import torch
 
 from .bucketing import BoundaryReducer, BucketReducer
+from .checkpoint import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
+                         PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
 from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .loss_scaler import LossScaler, LossScalerConfig
 from .partition import FlatGroup
-
-# Keys of the per-rank optimizer checkpoint (see checkpoint.py for file names).
-STAGE = "zero_stage"
-DATA_PARALLEL_SIZE = "data_parallel_size"
-DATA_PARALLEL_RANK = "data_parallel_rank"
-LOSS_SCALER = "loss_scaler"
-PARAM_GROUPS = "param_groups"
-GROUPS = "groups"
-NUMEL, START, END = "numel", "start", "end"
-MASTER = "fp32_master"
-SLICE_STATE = "slice_state"        # per-element optimizer state (Adam moments), saved for [start, end)
-SCALAR_STATE = "scalar_state"      # everything else (Adam's step count)
 
 
 class ZeroOptimizer:
@@ -141,7 +131,7 @@ class ZeroOptimizer:
                                          if torch.is_tensor(v) and v.shape == master.shape},
                            SCALAR_STATE: {k: v for k, v in state.items()
                                           if not (torch.is_tensor(v) and v.shape == master.shape)}})
-        return {STAGE: self.stage, DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
+        return {ZERO_STAGE: self.stage, DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
                 DATA_PARALLEL_RANK: self.ctx.data_parallel_rank, LOSS_SCALER: self.loss_scaler.state_dict(),
                 PARAM_GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                 GROUPS: groups}

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_into_tensor
+
 ALIGNMENT = 32   # elements; every partition size is a multiple of it (128 bytes in fp32)
 
 
@@ -142,15 +144,10 @@ class FlatGroup:
             return
         start, end = self.own_range
         if self.partition_size <= bucket_size:
-            _all_gather_single(self.flat, self.flat[start:end], group)   # in place: input is output[rank]
+            all_gather_into_tensor(self.flat, self.flat[start:end], group)   # in place: input is output[rank]
             return
         for lo in range(0, self.partition_size, bucket_size):
             hi = min(lo + bucket_size, self.partition_size)
             outputs = [self.flat[r * self.partition_size + lo: r * self.partition_size + hi]
                        for r in range(self.num_partitions)]
             dist.all_gather(outputs, self.flat[start + lo: start + hi].clone(), group=group)
-
-
-def _all_gather_single(output, tensor, group):
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)

@@ -1,0 +1,154 @@
+"""Files that are either the old version or the complete new one, and ranks that fail together.
+
+Used by every writer that must survive a crash (both checkpoint paths, the dataset index cache, the tokenizer
+trainer, the preprocessing tools):
+
+    with atomic_path("out.npy") as tmp:     # write tmp; on success it is fsynced and renamed to out.npy,
+        np.save(tmp, array)                 # on an exception it is removed and out.npy is untouched
+    atomic_write_text(path, text)           # the same for a small text file (tracker files: write them last)
+    publish_directory(tmp_dir, final_dir)   # rename a filled directory into place, keeping final_dir.old
+    discard_old_directory(final_dir)        #   until the caller's pointer file names the new one
+    readable_directory(final_dir)           # final_dir, or final_dir.old after a crash between the renames
+    save_directory_atomically(final_dir, write, commit, ...)   # the protocol both checkpoint paths use
+
+And the collective rule for work where only some ranks can fail (writing files, building an index):
+
+    error = capture_error(write, ...)                  # never raise before the other ranks know
+    agree_on_success(error, "writing ckpt", device)    # all meet; if any rank failed, every rank raises
+"""
+import contextlib
+import os
+import shutil
+
+OLD_SUFFIX = ".old"
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """A temporary name next to `path` to write to; renamed to `path` (after fsync) when the block succeeds."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_torch_save(obj, path):
+    import torch
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def atomic_write_text(path, text, encoding="utf-8"):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding=encoding) as handle:
+            handle.write(text)
+
+
+def fsync_dir(path):
+    """Make the names in directory `path` (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path):
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def publish_directory(tmp_dir, final_dir):
+    """Rename the complete `tmp_dir` to `final_dir`. An existing `final_dir` (a re-save) moves to
+    `final_dir.old` first; call discard_old_directory() once the pointer to final_dir is written."""
+    fsync_dir(tmp_dir)
+    old_dir = final_dir + OLD_SUFFIX
+    if os.path.exists(final_dir):
+        if os.path.exists(old_dir):
+            shutil.rmtree(old_dir)
+        os.replace(final_dir, old_dir)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def discard_old_directory(final_dir):
+    old_dir = final_dir + OLD_SUFFIX
+    if os.path.exists(old_dir):
+        shutil.rmtree(old_dir)
+
+
+def readable_directory(final_dir):
+    """`final_dir`, or its `.old` copy when a re-save crashed between publish_directory's two renames."""
+    if not os.path.isdir(final_dir) and os.path.isdir(final_dir + OLD_SUFFIX):
+        print(f"WARNING: {final_dir} is missing (a re-save was interrupted); loading {final_dir}{OLD_SUFFIX}",
+              flush=True)
+        return final_dir + OLD_SUFFIX
+    return final_dir
+
+
+def prepare_empty_directory(path):
+    """Create `path` empty (removing what a crashed attempt left there)."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error_class=RuntimeError):
+    """Every rank calls this; write(tmp_dir) runs on every rank, commit() on rank 0 after the rename.
+
+        1. rank 0 empties final_dir.tmp/                              all agree
+        2. every rank: write(final_dir.tmp)                           all agree
+        3. rank 0: rename it to final_dir (publish_directory), commit() writes the pointer files (the commit
+           point), the .old copy of a re-save is discarded           all agree
+    A crash or an error anywhere leaves the previous checkpoint named by the pointers; an error on any rank
+    raises `error_class` on every rank."""
+    tmp_dir = final_dir + ".tmp"
+
+    def prepare():
+        if is_rank_0:
+            os.makedirs(os.path.dirname(os.path.abspath(final_dir)), exist_ok=True)
+            prepare_empty_directory(tmp_dir)
+
+    def publish():
+        if is_rank_0:
+            publish_directory(tmp_dir, final_dir)
+            commit()
+            fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+            discard_old_directory(final_dir)
+
+    for what, step in (("preparing", prepare), ("writing", lambda: write(tmp_dir)), ("publishing", publish)):
+        error = capture_error(step)
+        agree_on_success(error, f"{what} {final_dir if what == 'publishing' else tmp_dir}", device,
+                         error_class=error_class)
+
+
+def capture_error(fn, *args):
+    """Run fn(*args); return its exception instead of raising it (the caller must agree with the other ranks
+    first, so that no rank is left waiting in a collective)."""
+    try:
+        fn(*args)
+    except Exception as e:  # re-raised on every rank by agree_on_success
+        return e
+    return None
+
+
+def agree_on_success(error, what, device, group=None, error_class=RuntimeError):
+    """All ranks of `group` meet (one all-reduce on `device`); if any had an error, every rank raises: the
+    failing rank its own error (wrapped in `error_class` unless it already is one; as it is when error_class is
+    None), the others `error_class` (RuntimeError when None) '<what>: another rank failed (see its message)'.
+    Without torch.distributed, just raises a local error."""
+    import torch
+    import torch.distributed as dist
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        if error_class is None or isinstance(error, error_class):
+            raise error
+        raise error_class(f"{what}: {type(error).__name__}: {error}") from error
+    if failed.item():
+        raise (error_class or RuntimeError)(f"{what}: another rank failed (see its message)")

@@ -1,0 +1,87 @@
+"""Run a function on N gloo processes on this machine and collect what each rank returns (the tests' and the
+benchmarks' process launcher; training itself is always launched by torchrun).
+
+    results = run_distributed(fn, world_size=2, args=(x,), model_parallel_size=2)
+
+`fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
+torch.distributed (gloo, env://) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
+and sends back its return value serialized with torch.save (tensors are cloned, so no shared memory
+outlives the worker). A worker's exception fails the caller with that worker's traceback.
+"""
+import io
+import multiprocessing
+import os
+import socket
+import traceback
+
+import torch
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, model_parallel_size, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        import mpu
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if model_parallel_size is not None:
+            mpu.initialize_model_parallel(model_parallel_size)
+        result = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+        dist.barrier()
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=300):
+    """Returns [result of rank 0, result of rank 1, ...]."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, model_parallel_size, queue))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = _get(queue, procs, timeout)
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if errors else timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        rank, tb = next(iter(errors.items()))
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [results[rank] for rank in range(world_size)]
+
+
+def _get(queue, procs, timeout):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not queue.empty():
+            return queue.get()
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"worker exited with code {dead[0].exitcode} before reporting")
+        time.sleep(0.01)
+    raise TimeoutError(f"distributed test did not finish within {timeout}s")

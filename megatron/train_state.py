@@ -1,0 +1,43 @@
+"""What a run carries from step to step and across checkpoints (TrainState), and the flags that choose what a
+checkpoint save or load includes (CheckpointOptions). Both are explicit objects, so the training loop, the
+checkpoint functions and offline tools pass them instead of writing onto the argparse Namespace."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    """Optimizer steps taken (skipped fp16 steps included)."""
+    consumed_train_samples: int = 0
+    """Training samples consumed: the sampler resumes from here, so a resumed run sees the same batches."""
+    consumed_valid_samples: int = 0
+    """Validation samples consumed (the validation sampler cycles through its split)."""
+    skipped_iterations: int = 0
+    """Steps skipped because of an fp16 overflow."""
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    save: Optional[str] = None
+    """Directory to save to (--save)."""
+    load: Optional[str] = None
+    """Directory to load from (--load)."""
+    save_keep_last: Optional[int] = None
+    """Keep only the newest N iter_* directories (--save-keep-last)."""
+    no_save_optim: bool = False
+    """Save weights and counters without optimizer and lr-scheduler state."""
+    no_save_rng: bool = False
+    """Save without RNG states."""
+    no_load_optim: bool = False
+    """Load the counters but start a fresh optimizer and lr scheduler (as Megatron does)."""
+    no_load_rng: bool = False
+    """Keep this run's seeded RNG states."""
+    finetune: bool = False
+    """Load the weights only: counters, optimizer, lr scheduler and RNG start fresh."""
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(save=args.save, load=args.load, save_keep_last=args.save_keep_last,
+                   no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
+                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
