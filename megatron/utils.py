@@ -97,10 +97,6 @@ def get_checkpoint_dir(checkpoints_path, iteration, release=False):
     return os.path.join(checkpoints_path, RELEASE if release else iteration_dir_name(iteration))
 
 
-def get_checkpoint_name(checkpoints_path, iteration, release=False, mp_rank=None):
-    return _rank_file(get_checkpoint_dir(checkpoints_path, iteration, release), mp_rank)
-
-
 def _rank_file(directory, mp_rank=None):
     rank = mpu.get_model_parallel_rank() if mp_rank is None else mp_rank
     return os.path.join(directory, f"mp_rank_{rank:02d}", CHECKPOINT_FILENAME)

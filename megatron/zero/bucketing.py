@@ -87,13 +87,69 @@ class BoundaryReducer:
 class _Bucket:
     def __init__(self, group_index, start, end, pieces):
         self.group_index, self.start, self.end = group_index, start, end
-        self.pieces = pieces          # [(param index, flat lo, flat hi)]
-        self.arrived = [None] * len(pieces)   # contiguous mode: True; else the gradient slice
+        self.pieces = pieces                      # [(param index, flat lo, flat hi)]
+        self.received = [False] * len(pieces)     # whether piece i has a gradient in this backward
         self.pending = len(pieces)
         self.launched = False
-        self.buffer = None            # the bucket's gradients, [end - start]
-        self.base = None              # the pooled buffer `buffer` is a prefix of (contiguous mode)
         self.handles = []
+
+
+class _ContiguousStore:
+    """contiguous_gradients: each piece is copied into a bucket-sized buffer from a pool as it arrives; a bucket's
+    buffer goes back to the pool when its reduction completes."""
+
+    def __init__(self, bucket_size, dtype, device, count_bytes):
+        self.bucket_size, self.dtype, self.device, self.count_bytes = bucket_size, dtype, device, count_bytes
+        self.free, self.taken = [], {}          # taken: bucket -> pooled buffer
+
+    def _buffer(self, bucket):
+        if bucket not in self.taken:
+            if not self.free:
+                self.free.append(torch.empty(self.bucket_size, dtype=self.dtype, device=self.device))
+                self.count_bytes(self.bucket_size * self.free[-1].element_size())
+            self.taken[bucket] = self.free.pop()
+        return self.taken[bucket][:bucket.end - bucket.start]
+
+    def add(self, bucket, piece_index, piece, seen):
+        _, lo, hi = bucket.pieces[piece_index]
+        target = self._buffer(bucket)[lo - bucket.start:hi - bucket.start]
+        target.add_(piece) if seen else target.copy_(piece)
+
+    def flat(self, bucket):
+        """The bucket's gradients [end - start]; pieces without a gradient this backward are zero."""
+        buffer = self._buffer(bucket)
+        for received, (_, lo, hi) in zip(bucket.received, bucket.pieces):
+            if not received:
+                buffer[lo - bucket.start:hi - bucket.start].zero_()
+        return buffer
+
+    def release(self, bucket):
+        self.free.append(self.taken.pop(bucket))
+
+
+class _PieceStore:
+    """Without contiguous_gradients: the arriving gradient slices are kept as they are and concatenated into a
+    bucket buffer at launch (freed when the reduction completes)."""
+
+    def __init__(self, dtype, device, count_bytes):
+        self.dtype, self.device, self.count_bytes = dtype, device, count_bytes
+        self.parts, self.flats = {}, {}         # bucket -> [slice or None]; bucket -> concatenated buffer
+
+    def add(self, bucket, piece_index, piece, seen):
+        parts = self.parts.setdefault(bucket, [None] * len(bucket.pieces))
+        parts[piece_index] = parts[piece_index] + piece if seen else piece
+
+    def flat(self, bucket):
+        parts = self.parts.pop(bucket, [None] * len(bucket.pieces))
+        flat = torch.cat([part if part is not None else torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+                          for part, (_, lo, hi) in zip(parts, bucket.pieces)])
+        self.flats[bucket] = flat
+        self.count_bytes(flat.numel() * flat.element_size())
+        return flat
+
+    def release(self, bucket):
+        flat = self.flats.pop(bucket)
+        self.count_bytes(-flat.numel() * flat.element_size())
 
 
 class BucketReducer:
@@ -103,7 +159,6 @@ class BucketReducer:
         self.groups, self.ctx = groups, ctx
         self.bucket_size = config.reduce_bucket_size
         self.overlap = config.overlap_comm
-        self.contiguous = config.contiguous_gradients
         self.all_reduce = not config.reduce_scatter
         self.partition_grads = [torch.zeros(g.partition_size, dtype=g.dtype, device=g.flat.device) for g in groups]
         self.buckets = self._build_buckets(param_order)
@@ -112,7 +167,12 @@ class BucketReducer:
             for piece_index, (param_index, _, _) in enumerate(bucket.pieces):
                 param = groups[bucket.group_index].params[param_index]
                 self.pieces_of.setdefault(param, []).append((bucket, piece_index))
-        self.free_buffers = []
+        # An empty param group's buffers live on the CPU: take dtype and device from one that has parameters.
+        sample = next((g.flat for g in groups if g.numel > 0), torch.zeros(0))
+        dtype, device = sample.dtype, sample.device
+        pool_size = min(self.bucket_size, max((g.numel for g in groups), default=0))
+        self.store = (_ContiguousStore(pool_size, dtype, device, self._count) if config.contiguous_gradients
+                      else _PieceStore(dtype, device, self._count))
         self.in_flight = []
         self.next_launch = 0
         self.peak_bucket_bytes = 0
@@ -144,18 +204,11 @@ class BucketReducer:
                                    "backward pass; stage 2 needs each parameter's gradient once per backward")
             index, lo, hi = bucket.pieces[piece_index]
             param_start = self.groups[bucket.group_index].offsets[index][0]
-            piece = grad[lo - param_start:hi - param_start]
-            seen = bucket.arrived[piece_index] is not None
-            if self.contiguous:
-                if bucket.buffer is None:
-                    bucket.base = self._acquire(grad)
-                    bucket.buffer = bucket.base[:bucket.end - bucket.start]
-                target = bucket.buffer[lo - bucket.start:hi - bucket.start]
-                target.add_(piece) if seen else target.copy_(piece)
-                bucket.arrived[piece_index] = True
-            else:
-                bucket.arrived[piece_index] = bucket.arrived[piece_index] + piece if seen else piece
-            bucket.pending -= 0 if seen else 1
+            seen = bucket.received[piece_index]
+            self.store.add(bucket, piece_index, grad[lo - param_start:hi - param_start], seen)
+            if not seen:
+                bucket.received[piece_index] = True
+                bucket.pending -= 1
             self._launch_ready()          # frees the buffer (synchronous mode) before the next piece needs one
         param.grad = None
 
@@ -168,28 +221,15 @@ class BucketReducer:
             self.next_launch += 1
 
     def _launch(self, bucket):
-        group = self.groups[bucket.group_index]
         bucket.launched = True
-        if self.contiguous:
-            if bucket.buffer is None:
-                bucket.base = self._acquire(group.flat)
-                bucket.buffer = bucket.base[:bucket.end - bucket.start]
-            for piece_index, (_, lo, hi) in enumerate(bucket.pieces):
-                if bucket.arrived[piece_index] is None:      # parameter without a gradient this step
-                    bucket.buffer[lo - bucket.start:hi - bucket.start].zero_()
-        else:
-            parts = [part if part is not None else torch.zeros(hi - lo, dtype=group.dtype, device=group.flat.device)
-                     for part, (_, lo, hi) in zip(bucket.arrived, bucket.pieces)]
-            bucket.buffer = torch.cat(parts)
-            self._count(bucket.buffer.numel() * bucket.buffer.element_size())
-        bucket.arrived = [None] * len(bucket.pieces)
-        bucket.handles = reduce_range(group, bucket.buffer, bucket.start, self.ctx, self.all_reduce,
-                                      async_op=self.overlap)
-        self.in_flight.append(bucket)
+        flat = self.store.flat(bucket)
+        bucket.handles = reduce_range(self.groups[bucket.group_index], flat, bucket.start, self.ctx,
+                                      self.all_reduce, async_op=self.overlap)
+        self.in_flight.append((bucket, flat))
         while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
-            self._complete(self.in_flight.pop(0))
+            self._complete(*self.in_flight.pop(0))
 
-    def _complete(self, bucket):
+    def _complete(self, bucket, flat):
         """Wait for `bucket`'s reduction and add this rank's piece of it to the partition gradient."""
         for handle in bucket.handles:
             handle.wait()
@@ -198,26 +238,14 @@ class BucketReducer:
         lo, hi = max(bucket.start, own_start), min(bucket.end, own_end)
         if lo < hi:
             self.partition_grads[bucket.group_index][lo - own_start:hi - own_start].add_(
-                bucket.buffer[lo - bucket.start:hi - bucket.start])
-        if self.contiguous:
-            self.free_buffers.append(bucket.base)
-        else:
-            self._count(-bucket.buffer.numel() * bucket.buffer.element_size())
-        bucket.buffer = bucket.base = None
+                flat[lo - bucket.start:hi - bucket.start])
+        self.store.release(bucket)
         bucket.handles = []
 
     def _reset_buckets(self):
         for bucket in self.buckets:
             bucket.pending, bucket.launched = len(bucket.pieces), False
-
-    def _acquire(self, like):
-        """A bucket-sized buffer from the pool (allocated when the pool is empty)."""
-        if self.free_buffers:
-            return self.free_buffers.pop()
-        size = min(self.bucket_size, max(g.numel for g in self.groups))
-        buffer = torch.empty(size, dtype=like.dtype, device=like.device)
-        self._count(buffer.numel() * buffer.element_size())
-        return buffer
+            bucket.received = [False] * len(bucket.pieces)
 
     def _count(self, nbytes):
         self._live_bucket_bytes += nbytes
@@ -227,7 +255,7 @@ class BucketReducer:
         """After backward: reduce buckets still waiting (missing gradients count as zero), wait for all."""
         self._launch_ready(force=True)
         while self.in_flight:
-            self._complete(self.in_flight.pop(0))
+            self._complete(*self.in_flight.pop(0))
         self.next_launch = 0
         self._reset_buckets()
 

@@ -43,11 +43,6 @@ class ParallelContext:
             return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None, 0, 1)
         return cls(None, 0, 1, None, 0, 1)
 
-    def global_rank_of_data_parallel_rank(self, dp_rank):
-        if self.data_parallel_size == 1:
-            return dist.get_rank() if dist.is_initialized() else 0
-        return dist.get_global_rank(self.data_parallel_group, dp_rank)
-
 
 def padded_size(numel, num_partitions):
     unit = num_partitions * ALIGNMENT
