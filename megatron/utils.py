@@ -34,9 +34,11 @@ from megatron import atomic_io
 from megatron.train_state import TrainState
 from megatron.zero import ZeroEngine
 from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLES, CONSUMED_VALID_SAMPLES,
-                                      ITERATION, LR_SCHEDULER, MODEL, MODEL_SHAPE, MODEL_SHAPE_FIELDS, OPTIMIZER,
-                                      RELEASE, RNG, SKIPPED_ITERATIONS, TRACKER_FILENAME, CheckpointError,
-                                      atomic_torch_save, atomic_write_text, iteration_dir_name, safe_torch_load)
+                                      ITERATION, ITERATION_DIR_PATTERN, LR_SCHEDULER, MODEL, MODEL_SHAPE,
+                                      MODEL_SHAPE_FIELDS, OPTIMIZER, RELEASE, RNG, SKIPPED_ITERATIONS,
+                                      TRACKER_FILENAME, CheckpointError, atomic_torch_save, atomic_write_text,
+                                      holds_zero_checkpoint, iteration_dir_name, megatron_rank_dir_name,
+                                      safe_torch_load)
 
 
 def print_rank_0(message):
@@ -99,7 +101,7 @@ def get_checkpoint_dir(checkpoints_path, iteration, release=False):
 
 def _rank_file(directory, mp_rank=None):
     rank = mpu.get_model_parallel_rank() if mp_rank is None else mp_rank
-    return os.path.join(directory, f"mp_rank_{rank:02d}", CHECKPOINT_FILENAME)
+    return os.path.join(directory, megatron_rank_dir_name(rank), CHECKPOINT_FILENAME)
 
 
 def get_checkpoint_tracker_filename(checkpoints_path):
@@ -183,8 +185,8 @@ def _write_tracker_and_prune(save_dir, iteration, keep_last):
 
 def _prune(save_dir, current, keep_last):
     """Keep `current` and the newest keep_last - 1 other iter_* directories."""
-    pattern = re.compile(r"iter_(\d{7})$")
-    others = sorted((int(m.group(1)) for m in map(pattern.match, os.listdir(save_dir)) if m), reverse=True)
+    others = sorted((int(m.group(1)) for m in map(ITERATION_DIR_PATTERN.match, os.listdir(save_dir)) if m),
+                    reverse=True)
     others = [it for it in others if it != current]
     for stale in others[keep_last - 1:]:
         shutil.rmtree(get_checkpoint_dir(save_dir, stale))
@@ -299,11 +301,11 @@ def _checkpoint_path_for_load(load_dir, iteration, release):
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker file {tracker} names iteration {iteration}, but {directory} does not exist")
     path = _rank_file(directory)
-    if not os.path.isfile(path) and any(name.endswith("_model_states.pt") for name in os.listdir(directory)):
+    if not os.path.isfile(path) and holds_zero_checkpoint(directory):
         raise CheckpointError(f"{directory} holds a ZeRO checkpoint (saved with --deepspeed): load it with "
                               "--deepspeed --deepspeed_config, or pass another --load directory")
     if not os.path.isfile(path):
-        ranks = sorted(name for name in os.listdir(directory) if name.startswith("mp_rank_"))
+        ranks = sorted(name for name in os.listdir(directory) if re.fullmatch(r"mp_rank_\d+", name))
         raise CheckpointError(f"{path} does not exist: {directory} holds {ranks or 'no mp_rank_* directories'} "
                               f"(model-parallel size {len(ranks)}), this run has model-parallel size "
                               f"{mpu.get_model_parallel_world_size()}")

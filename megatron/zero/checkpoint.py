@@ -64,9 +64,21 @@ MODEL_SHAPE = "model_shape"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
 
 
+ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")
+
+
 def iteration_dir_name(iteration):
     """The directory of an iteration's checkpoint (both paths; the ZeRO path's tag)."""
     return f"iter_{iteration:07d}"
+
+
+def megatron_rank_dir_name(model_parallel_rank):
+    """The Megatron path's per-model-parallel-rank directory (holds CHECKPOINT_FILENAME)."""
+    return f"mp_rank_{model_parallel_rank:02d}"
+
+
+def holds_zero_checkpoint(directory):
+    return any(name.endswith("_model_states.pt") for name in os.listdir(directory))
 
 
 class CheckpointError(RuntimeError):
