@@ -3,7 +3,7 @@ import os
 import re
 import subprocess
 
-from tests.distributed import free_port
+from megatron.spawn import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

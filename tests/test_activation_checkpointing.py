@@ -12,7 +12,7 @@ from torch import nn
 import mpu
 from megatron.zero import checkpointing
 from megatron.zero.config import ConfigError
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 NUM_LAYERS, HIDDEN, HEADS, SEQ, BATCH, STEPS = 3, 32, 4, 16, 2, 2
 ACTIVATION_BYTES = BATCH * SEQ * HIDDEN * 4  # one fp32 [b, s, h] tensor
@@ -28,6 +28,14 @@ def _configure(options, **extra):
     checkpointing.configure(mpu, partition_activations=partition, checkpoint_in_cpu=cpu,
                             contiguous_checkpointing=contiguous,
                             num_checkpoints=NUM_LAYERS if contiguous else None, **extra)
+
+
+def _set_mode(model, checkpoint_activations):
+    """Checkpointing on or off, with the pair the model builder would hand a model built now (zero.checkpointing's
+    once configured, else mpu's): one model runs every mode."""
+    from megatron.model.gpt2_model import activation_checkpointing_pair
+    model.checkpoint_activations = checkpoint_activations
+    model.set_activation_checkpointing(*activation_checkpointing_pair())
 
 
 def _train_steps(model, x, target, mask=None, input_requires_grad=True):
@@ -76,7 +84,7 @@ def _mp2_worker():
     results = {"runs": {}, "bytes": {}}
 
     def run(name, checkpoint_activations, **kwargs):
-        model.checkpoint_activations = checkpoint_activations
+        _set_mode(model, checkpoint_activations)
         results["runs"][name] = _train_steps(model, x, target, **kwargs)
 
     checkpointing.unconfigure()
@@ -104,7 +112,7 @@ def _mp2_worker():
         checkpointing.unconfigure()
         if options is not None:
             _configure(options)
-        model.checkpoint_activations = options is not None
+        _set_mode(model, options is not None)
         results["bytes"][name] = _saved_bytes(lambda: model(leaf))
         checkpointing.reset()  # forwards without backward: free the contiguous slots
     results["bytes"]["final layernorm"] = _saved_bytes(
@@ -112,7 +120,7 @@ def _mp2_worker():
 
     # Contiguous: the partitioned chunk inputs of every step live in one buffer, allocated once.
     _configure((True, False, True))
-    model.checkpoint_activations = True
+    _set_mode(model, True)
     results["contiguous storages"] = []
     for _ in range(STEPS):
         seen, out = _saved_tensors(lambda: model(leaf))
@@ -311,13 +319,84 @@ def test_more_checkpoints_than_slots_is_an_error_until_reset():
     checkpointing.checkpoint(model, checkpointing.checkpoint(model, x)).sum().backward()
 
 
-def test_one_rng_tracker_and_mpu_seeding():
-    assert checkpointing.get_cuda_rng_tracker() is mpu.get_cuda_rng_tracker()
+SEED, MASK_SIZE, DRAWS = 4242, 256, 2
+SEEDINGS = {"mpu": mpu.model_parallel_cuda_manual_seed, "zero": checkpointing.model_parallel_cuda_manual_seed}
 
 
-def test_transformer_uses_zero_checkpointing_only_when_configured():
-    from mpu.transformer import _activation_checkpointing
-    assert _activation_checkpointing()[0] is mpu.checkpoint
+def _dropout_mask(device):
+    return nn.functional.dropout(torch.ones(MASK_SIZE, device=device), p=0.5, training=True) != 0
+
+
+def _masks_from_generator(seed, device):
+    """DRAWS dropout masks drawn from the state of a torch.Generator seeded with `seed` (nothing else seeded)."""
+    state = torch.Generator(device=device).manual_seed(seed).get_state()
+    get, put = ((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device))
+                if device.type == "cuda" else (torch.get_rng_state, torch.set_rng_state))
+    saved = get()
+    put(state)
+    try:
+        return [_dropout_mask(device) for _ in range(DRAWS)]
+    finally:
+        put(saved)
+
+
+def _seeding_worker():
+    """Per seeding function: masks drawn alternately from the default generator and inside tracker.fork(); the
+    references from independently seeded generators (mp rank = global rank: the world is one mp=2 group)."""
+    import torch.distributed as dist
+    device, rank = mpu.get_device(), dist.get_rank()
+    out = {"tracker is mpu's": checkpointing.get_cuda_rng_tracker() is mpu.get_cuda_rng_tracker()}
+    for name, seed_function in SEEDINGS.items():
+        seed_function(SEED)
+        default, forked = [], []
+        for _ in range(DRAWS):
+            default.append(_dropout_mask(device))
+            with checkpointing.get_cuda_rng_tracker().fork():
+                forked.append(_dropout_mask(device))
+        out[name] = (default, forked)
+    torch.manual_seed(SEED)
+    out["torch.manual_seed"] = [_dropout_mask(device) for _ in range(DRAWS)]
+    out["generator(seed)"] = _masks_from_generator(SEED, device)
+    out["generator(seed + 2718 + rank)"] = _masks_from_generator(SEED + 2718 + rank, device)
+    return out
+
+
+def test_model_parallel_seeding_draws_the_documented_streams():
+    """default generator = seed on every mp rank; tracker 'model-parallel-rng' = seed + 2718 + mp rank."""
+    results = run_distributed(_seeding_worker, world_size=2, model_parallel_size=2)
+    for rank, out in enumerate(results):
+        assert out["tracker is mpu's"]
+        assert all(torch.equal(a, b) for a, b in zip(out["torch.manual_seed"], out["generator(seed)"]))
+        for name in SEEDINGS:
+            default, forked = out[name]
+            assert all(torch.equal(a, b) for a, b in zip(default, out["generator(seed)"])), (rank, name)
+            assert all(torch.equal(a, b) for a, b in zip(forked, out["generator(seed + 2718 + rank)"])), \
+                (rank, name)
+            assert all(0 < int(m.sum()) < MASK_SIZE for m in default + forked)          # real dropout masks
+    for name in SEEDINGS:
+        (default0, forked0), (default1, forked1) = results[0][name], results[1][name]
+        assert all(torch.equal(a, b) for a, b in zip(default0, default1))          # replicated regions agree
+        assert not any(torch.equal(a, b) for a, b in zip(forked0, forked1))       # model-parallel regions differ
+
+
+def _checkpoint_functions_given_at_build_time():
+    from megatron.model import GPT2Model, GPT2ModelConfig
+    config = GPT2ModelConfig(num_layers=1, vocab_size=16, hidden_size=8, num_attention_heads=2,
+                             max_sequence_length=4, checkpoint_activations=True)
+    checkpointing.unconfigure()
+    plain = GPT2Model(config).transformer
     checkpointing.configure(_SingleRankMpu)
-    assert _activation_checkpointing()[0] is checkpointing.checkpoint
-    assert _activation_checkpointing()[1] is mpu.get_cuda_rng_tracker()
+    zero = GPT2Model(config).transformer
+    pairs = [(t.checkpoint_function is mpu.checkpoint, t.checkpoint_function is checkpointing.checkpoint,
+              all(layer.attention.rng_tracker is mpu.get_cuda_rng_tracker() for layer in t.layers))
+             for t in (plain, zero)]   # read while configured: the model built before keeps mpu's checkpoint
+    checkpointing.unconfigure()
+    return pairs
+
+
+def test_model_builder_hands_zero_checkpointing_to_the_transformer_only_when_configured():
+    """GPT2Model asks zero.checkpointing.is_configured() once, when built; a model built before configure()
+    keeps mpu's checkpoint. There is one RNG tracker either way."""
+    plain, zero = run_distributed(_checkpoint_functions_given_at_build_time, 1, model_parallel_size=1)[0]
+    assert plain == (True, False, True)
+    assert zero == (False, True, True)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron.zero import checkpointing
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 _PRETRAIN_ARGS = ["--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "32",
                   "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

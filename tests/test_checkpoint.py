@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from tests.distributed import free_port, run_distributed
+from megatron.spawn import free_port, run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

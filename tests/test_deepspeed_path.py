@@ -10,7 +10,7 @@ import threading
 import pytest
 
 
-from tests.distributed import free_port, run_distributed
+from megatron.spawn import free_port, run_distributed
 from tests.scripts_util import REPO, logged_losses, run_script
 from tests.test_checkpoint import train_killed_in_save
 from tests.test_training import NO_DROPOUT, TINY, _train

@@ -1,7 +1,7 @@
 """GPT2Model at model-parallel size 1 against Hugging Face transformers' GPT2LMHeadModel with the same weights."""
 import torch
 
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 CONFIG = dict(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4, max_sequence_length=16)
 

@@ -10,7 +10,7 @@ import pytest
 from megatron.data.gpt_dataset import (build_blending_indices, build_index_arrays, build_train_valid_test_datasets,
                                        get_train_valid_test_split_)
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 
 # ------------------------------------------------------------------ reference: Megatron-LM v2.6, loops kept as loops
@@ -88,12 +88,124 @@ def test_indices_equal_plain_python_reference(case):
     assert len(shuffle_idx) >= num_samples
 
 
-def test_cases_cover_both_epoch_branches():
-    flags = []
-    for num_docs, max_len, zeros, num_samples, seq_length in CASES:
-        sizes = np.random.default_rng(num_docs).integers(0 if zeros else 1, max_len + 1, size=num_docs + 5)
-        flags.append(reference_indices(sizes, np.arange(3, num_docs + 3), num_samples, seq_length, 7)[3:])
-    assert (1, False) in flags and any(e > 1 and s for e, s in flags) and any(e > 1 and not s for e, s in flags)
+def _independent_index_arrays(sizes, documents, num_samples, seq_length, seed):
+    """Megatron's recipe in closed form (FORMAT.md section 2), written apart from the reference above:
+    (num_epochs, separate, doc_idx, sample_idx, shuffle_idx)."""
+    sizes, documents = np.asarray(sizes, dtype=np.int64), np.asarray(documents, dtype=np.int32)
+    T, L = int(sizes[documents].sum()), seq_length
+    epochs = max(1, -(-(num_samples * L + 1) // T))               # smallest e with e * T >= n * L + 1
+    n_first = ((epochs - 1) * T - 1) // L
+    separate = epochs > 1 and num_samples - n_first < int(0.80 * ((T - 1) // L))
+    rng = np.random.RandomState(seed)
+    if separate:
+        head, tail = np.tile(documents, epochs - 1), documents.copy()
+        rng.shuffle(head)
+        rng.shuffle(tail)
+        doc_idx = np.concatenate((head, tail))
+    else:
+        doc_idx = np.tile(documents, epochs)
+        rng.shuffle(doc_idx)
+    n = (epochs * T - 1) // L
+    ends = np.cumsum(sizes[doc_idx])                                # stream position after each doc_idx entry
+    sample_idx = []
+    for k in range(n + 1):                                          # sample k starts at stream token k * L
+        position = int(np.argmax(ends > k * L))
+        sample_idx.append([position, k * L - int(ends[position] - sizes[doc_idx[position]])])
+    sample_idx[0] = [0, 0]
+    if separate:
+        first, last = np.arange(n_first, dtype=np.uint32), np.arange(n_first, n, dtype=np.uint32)
+        rng.shuffle(first)
+        rng.shuffle(last)
+        shuffle_idx = np.concatenate((first, last))
+    else:
+        shuffle_idx = np.arange(n, dtype=np.uint32)
+        rng.shuffle(shuffle_idx)
+    return epochs, separate, doc_idx, np.array(sample_idx), shuffle_idx
+
+
+def test_both_last_epoch_branches_against_independent_computation():
+    """The project's build_index_arrays on cases that take each branch of the separate-last-epoch decision:
+    equal to the closed-form computation, and showing the branch's signature (the last epoch shuffled on its
+    own: its doc_idx entries are each document once, its samples shuffled apart from the others)."""
+    branches, boundary = set(), []
+    # Two epochs whose last one supplies one sample less than the 80% threshold, and exactly the threshold:
+    # 40 documents, T = 40 * 10 = 400 tokens, L = 16: per epoch (400 - 1) // 16 = 24 samples, threshold
+    # int(0.8 * 24) = 19; the first epoch gives (400 - 1) // 16 = 24, so 24 + 18 = 42 samples -> separate,
+    # 24 + 19 = 43 -> not separate (both need 2 epochs: 43 * 16 + 1 = 689 <= 800).
+    boundary_cases = [(40, None, False, 42, 16), (40, None, False, 43, 16)]
+    for num_docs, max_len, zeros, num_samples, seq_length in CASES + boundary_cases:
+        if max_len is None:     # documents of 10 tokens: the arithmetic above
+            sizes = np.full(num_docs + 5, 10, dtype=np.int32)
+        else:
+            sizes = np.random.default_rng(num_docs).integers(0 if zeros else 1, max_len + 1,
+                                                             size=num_docs + 5).astype(np.int32)
+        documents = np.arange(3, num_docs + 3, dtype=np.int32)
+        doc_idx, sample_idx, shuffle_idx = build_index_arrays(sizes, documents, num_samples, seq_length, seed=7)
+        epochs, separate, want_doc, want_sample, want_shuffle = _independent_index_arrays(
+            sizes, documents, num_samples, seq_length, 7)
+        branches.add((epochs > 1, separate))
+        if max_len is None:
+            boundary.append((epochs, separate))
+        assert len(doc_idx) == epochs * num_docs
+        np.testing.assert_array_equal(doc_idx, want_doc)
+        np.testing.assert_array_equal(sample_idx, want_sample)
+        np.testing.assert_array_equal(shuffle_idx, want_shuffle)
+        if separate:
+            T = int(sizes[documents].sum())
+            n_first = ((epochs - 1) * T - 1) // seq_length
+            assert sorted(doc_idx[-num_docs:]) == list(documents)
+            assert sorted(shuffle_idx[:n_first]) == list(range(n_first))
+        elif epochs > 1:     # one shuffle over all epochs: the last D entries are not one copy of each document
+            assert sorted(doc_idx[-num_docs:]) != list(documents)
+    assert branches == {(False, False), (True, True), (True, False)}
+    assert boundary == [(2, True), (2, False)]
+
+
+def _equal_length_dataset(directory, num_docs, doc_length):
+    """num_docs documents of doc_length tokens each; token = 100 * document + position."""
+    prefix = os.path.join(directory, "equal")
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in range(num_docs):
+        builder.add_item(100 * d + np.arange(doc_length, dtype=np.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+# 5 documents of 4 tokens: T = 20 tokens per epoch, L = 5. num_samples * L is an exact number of epochs, but each
+# sample needs L + 1 tokens (the last one is the next sample's first), so one more epoch is needed:
+#   4 samples: 4 * 5 = 20 = 1 epoch -> 2 epochs (40 tokens), (40 - 1) // 5 = 7 samples
+#   8 samples: 8 * 5 = 40 = 2 epochs -> 3 epochs (60 tokens), (60 - 1) // 5 = 11 samples
+# With equal document lengths the sample starts do not depend on the shuffle: sample k starts at stream token 5k,
+# i.e. doc_idx position 5k // 4, offset 5k % 4.
+EXACT_EPOCH_CASES = [
+    (4, 2, 7, [[0, 0], [1, 1], [2, 2], [3, 3], [5, 0], [6, 1], [7, 2], [8, 3]]),
+    (8, 3, 11, [[0, 0], [1, 1], [2, 2], [3, 3], [5, 0], [6, 1], [7, 2], [8, 3], [10, 0], [11, 1], [12, 2],
+                [13, 3]]),
+]
+
+
+@pytest.mark.parametrize("num_samples,epochs,total,sample_starts", EXACT_EPOCH_CASES)
+def test_samples_times_seq_length_equal_to_whole_epochs(tmp_path, num_samples, epochs, total, sample_starts):
+    num_docs, doc_length, seq_length, seed = 5, 4, 5, 11
+    sizes, documents = np.full(num_docs, doc_length, dtype=np.int32), np.arange(num_docs, dtype=np.int32)
+    assert num_samples * seq_length % (num_docs * doc_length) == 0          # the exact case
+    doc_idx, sample_idx, shuffle_idx = build_index_arrays(sizes, documents, num_samples, seq_length, seed)
+    assert len(doc_idx) == epochs * num_docs
+    assert sorted(doc_idx.tolist()) == sorted(list(range(num_docs)) * epochs)
+    assert sample_idx.tolist() == sample_starts
+    assert len(shuffle_idx) == total >= num_samples and sorted(shuffle_idx.tolist()) == list(range(total))
+
+    prefix = _equal_length_dataset(str(tmp_path), num_docs, doc_length)
+    train = build_train_valid_test_datasets([prefix], "100,0,0", [num_samples, 0, 0], seq_length, seed)[0]
+    assert len(train) == total >= num_samples
+    stream = np.concatenate([100 * int(d) + np.arange(doc_length) for d in train.doc_idx])
+    seen = set()
+    for i in range(len(train)):
+        k = int(train.shuffle_idx[i])
+        np.testing.assert_array_equal(train[i]["text"], stream[k * seq_length: k * seq_length + seq_length + 1])
+        seen.add(k)
+    assert seen == set(range(total))
 
 
 def test_split_matches_megatron_v26():

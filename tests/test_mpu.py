@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 TOL = 1e-6
 

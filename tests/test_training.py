@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -50,13 +50,17 @@ def test_parallel_training_equals_single_process(reference, world_size, extra):
 _POISONED_ITERATIONS = (2, 3)
 
 
+_TRAINING_FORWARDS = [0]   # training forward steps of this process (one micro-batch per iteration in that test)
+
+
 def _poisoned_forward_step(data_iterator, model):
     """The real forward step, with the loss made inf on chosen iterations (an fp16 overflow in every grad)."""
     import pretrain_gpt
-    from megatron.global_vars import get_args
     loss, reduced = pretrain_gpt.forward_step(data_iterator, model)
-    if get_args().iteration + 1 in _POISONED_ITERATIONS and model.training:
-        loss = loss * float("inf")
+    if model.training:
+        _TRAINING_FORWARDS[0] += 1
+        if _TRAINING_FORWARDS[0] in _POISONED_ITERATIONS:
+            loss = loss * float("inf")
     return loss, reduced
 
 
@@ -78,6 +82,17 @@ def test_fp16_overflow_skips_and_scale_follows_hysteresis_and_window():
     # skipped steps leave the lr schedule where it was (warmup over 4 iterations: lr = n/4 * max)
     lrs = history["lr"]
     assert lrs[0] == lrs[1] == lrs[2] and lrs[3] > lrs[2]
+    # AnnealingLR by hand: --lr 1e-3, --min-lr 0, linear decay over --lr-decay-iters = --train-iters = 8,
+    # warmup int(0.5 * 8) = 4 iterations. The scheduler starts at n = 0 and steps once per applied
+    # iteration (skipped fp16 steps do not advance it); the lr logged for an iteration is the one after its step:
+    #   n <= 4: lr = 1e-3 * n / 4;  n > 4: lr = 1e-3 * (1 - (n - 4) / (8 - 4))
+    max_lr, warmup, decay = 1e-3, 4, 8
+    expected, n = [], 0
+    for skipped in [0, 1, 1, 0, 0, 0, 0, 0]:
+        n += 1 - skipped
+        expected.append(max_lr * n / warmup if n <= warmup else max_lr * (1 - (n - warmup) / (decay - warmup)))
+    assert expected == pytest.approx([2.5e-4, 2.5e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 7.5e-4, 5e-4], rel=1e-12)
+    assert lrs == pytest.approx(expected, rel=1e-12), lrs
 
 
 def _fp16_optimizer_unit():
@@ -116,13 +131,11 @@ def test_fp16_optimizer_skip_and_fp32_masters():
 def _exit_controller_after_foreign_sigterm_handler():
     """signal.signal() returns None when the previous SIGTERM handler was installed outside Python."""
     import signal
-    from types import SimpleNamespace
-    from megatron.utils import ExitController
+    from megatron.exit_controller import ExitController
     real = signal.signal
     signal.signal = lambda signum, handler: (real(signum, handler), None)[1]
     try:
-        args = SimpleNamespace(exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=True)
-        controller = ExitController(args)
+        controller = ExitController(exit_signal_handler=True)
     finally:
         signal.signal = real
     os.kill(os.getpid(), signal.SIGTERM)

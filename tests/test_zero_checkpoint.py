@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron import zero
 from megatron.zero import checkpoint as ckpt
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 from tests.zero_helpers import TinyNet, engine_train_step, max_relative_difference, param_groups
 
 GLOBAL_BATCH, MICRO, SAVE_AT, MORE = 8, 2, 3, 3

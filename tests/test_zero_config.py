@@ -16,12 +16,91 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "zero_configs")
 EXAMPLES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
-@pytest.mark.parametrize("dp", [1, 2])
-def test_example_configs_load_unchanged(path, dp):
+SCRIPT_CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                "scripts", "*.json")))
+# DeepSpeed's documented defaults for what a config leaves out.
+ZERO_DEFAULTS = {"stage": 0, "allgather_partitions": True, "allgather_bucket_size": 500_000_000,
+                 "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 500_000_000,
+                 "contiguous_gradients": False}
+FP16_DEFAULTS = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                 "hysteresis": 2, "min_loss_scale": 1}
+CHECKPOINTING_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False,
+                          "number_checkpoints": None, "cpu_checkpointing": False,
+                          "synchronize_checkpoint_boundary": False, "profile": False}
+
+
+def _expected_batch(raw, dp):
+    """(train_batch_size, micro batch per gpu, accumulation steps): global = micro x accumulation x dp."""
+    train, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    accumulation = raw.get("gradient_accumulation_steps")
+    if train is not None and micro is not None:
+        assert train % (micro * dp) == 0
+        accumulation = train // (micro * dp)
+    elif train is not None:
+        accumulation = accumulation or 1
+        assert train % (accumulation * dp) == 0
+        micro = train // (accumulation * dp)
+    else:
+        accumulation = accumulation or 1
+        train = micro * accumulation * dp
+    return train, micro, accumulation
+
+
+@pytest.mark.parametrize("path", SCRIPT_CONFIGS + EXAMPLES, ids=os.path.basename)
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_example_configs_give_the_values_they_write(path, dp):
+    """Every value the file writes (json.load'ed here), DeepSpeed's default for each one it leaves out, and the
+    batch triangle worked out for `dp`; the loss scaler starts at the scale the fp16 block asks for."""
+    with open(path) as f:
+        raw = json.load(f)
     config = load_config(path, data_parallel_size=dp)
-    assert config.train_batch_size == (config.train_micro_batch_size_per_gpu *
-                                       config.gradient_accumulation_steps * dp)
+    train, micro, accumulation = _expected_batch(raw, dp)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) \
+        == (train, micro, accumulation)
+    assert train == micro * accumulation * dp
+
+    zero_raw = raw.get("zero_optimization", {})
+    if isinstance(zero_raw, bool):                    # old DeepSpeed: "zero_optimization": true means stage 1
+        zero_raw = {"stage": int(zero_raw)}
+    for key, default in ZERO_DEFAULTS.items():
+        value = getattr(config.zero_optimization, key)
+        assert value == zero_raw.get(key, default), key
+        assert type(value) is type(default), key     # 5e8 in the file is the int 500000000
+
+    fp16_raw = raw.get("fp16", {})
+    for key, default in FP16_DEFAULTS.items():
+        assert getattr(config.fp16, key) == fp16_raw.get(key, default), key
+    assert config.bf16.enabled == raw.get("bf16", {}).get("enabled", False)
+    assert not (config.fp16.enabled and config.bf16.enabled)
+    scaler_config = config.fp16.loss_scaler_config()
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        assert getattr(scaler_config, key) == fp16_raw.get(key, FP16_DEFAULTS[key]), key
+    loss_scale = fp16_raw.get("loss_scale", 0)
+    initial = 2.0 ** fp16_raw.get("initial_scale_power", 16) if loss_scale == 0 else float(loss_scale)
+    assert zero.LossScaler(scaler_config).cur_scale == initial
+
+    assert config.gradient_clipping == raw.get("gradient_clipping", 0.0)
+    assert config.steps_per_print == raw.get("steps_per_print", 10)
+    assert config.wall_clock_breakdown == raw.get("wall_clock_breakdown", False)
+    checkpointing_raw = raw.get("activation_checkpointing", {})
+    for key, default in CHECKPOINTING_DEFAULTS.items():
+        assert getattr(config.activation_checkpointing, key) == checkpointing_raw.get(key, default), key
+    if "optimizer" in raw:
+        assert config.optimizer.type.lower() == raw["optimizer"]["type"].lower()
+        assert config.optimizer.params == raw["optimizer"].get("params", {})
+    else:
+        assert config.optimizer is None
+    if "scheduler" in raw:
+        assert (config.scheduler.type, config.scheduler.params) == (raw["scheduler"]["type"],
+                                                                    raw["scheduler"].get("params", {}))
+    else:
+        assert config.scheduler is None
+
+
+def test_example_configs_are_all_found():
+    names = [os.path.basename(p) for p in SCRIPT_CONFIGS + EXAMPLES]
+    assert {"ds_zero2_config.json", "ds_zero2_config_bf16.json", "getting_started.json",
+            "megatron_ds_zero2_config.json", "zero_tutorial_stage2.json", "bf16_zero2_warmup_decay.json"} <= set(names)
 
 
 def test_example_values_are_read():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import zero
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 from tests.zero_helpers import TinyNet, ds_config, engine_train_step, max_relative_difference, param_groups, reference_run
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 20, 8, 1e-2, 0.05

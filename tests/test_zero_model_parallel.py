@@ -3,32 +3,14 @@ process, with clipping active, so duplicated (not model-parallel) parameters mus
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 import mpu
 from megatron import zero
-from tests.distributed import run_distributed
-from tests.zero_helpers import (HIDDEN, IN, OUT, engine_train_step, max_relative_difference, param_groups,
+from megatron.spawn import run_distributed
+from tests.zero_helpers import (ParallelTinyNet, engine_train_step, max_relative_difference, param_groups,
                                 reference_run)
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 8, 8, 1e-2, 0.05
-
-
-class ParallelTinyNet(nn.Module):
-    """ColumnParallel -> GELU -> RowParallel -> LayerNorm -> Linear head (the last two are duplicated)."""
-
-    def __init__(self, seed=4321):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.fc1 = mpu.ColumnParallelLinear(IN, HIDDEN, gather_output=False)
-        self.fc2 = mpu.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True)
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, OUT)
-
-    def forward(self, x, y):
-        h = self.norm(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
-        return F.mse_loss(self.head(h), y)
 
 
 def _full_state(model):

@@ -1,6 +1,7 @@
 """fp16 overflow handling and loss scale, bf16 master slices, per-rank memory against the ZeRO formula, and
 communication overlap (all at data-parallel 2, one spawned run)."""
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.distributed as dist
 
 from megatron import zero
 from megatron.zero.partition import ALIGNMENT
-from tests.distributed import run_distributed
+from megatron.spawn import run_distributed
 from tests.zero_helpers import TinyNet, batch, param_groups
 
 OVERFLOWS = [False, True, True, False, False, True, True, True]
@@ -161,3 +162,100 @@ def test_overlap_issues_reductions_during_backward(results):
         assert len(overlapped) > 3 and len(overlapped) == len(synchronous)
         assert all(async_op and in_backward for async_op, in_backward in overlapped)
         assert all(not async_op and in_backward for async_op, in_backward in synchronous)
+
+
+# ---- an inf that only the other rank's partition receives ----------------------------------------------------
+COLLECTIVE_TIMEOUT = timedelta(seconds=20)     # a rank that steps while the other skips fails here, not hangs
+FOREIGN_INF_STEPS = [False, True, False]        # the inf goes into step 1 only
+FOREIGN_INF_SCALES = [256.0, 128.0, 128.0]      # 2**8; hysteresis 1: the overflow halves it; window 1000
+
+
+class _DataParallelGroupWithTimeout:
+    """The mpu protocol over both ranks (data parallel 2, model parallel 1), on a group with a short timeout."""
+
+    def __init__(self):
+        self.group = dist.new_group([0, 1], timeout=COLLECTIVE_TIMEOUT)
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.group)
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size(self.group)
+
+    def get_model_parallel_group(self):
+        return None
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+
+def _element_owned_by(engine, owner):
+    """(parameter, index into its flattened gradient) of an element inside `owner`'s stage-2 partition, found
+    from the flat layout: the middle of the first parameter that overlaps that partition."""
+    for group in engine.optimizer.groups:
+        start, end = group.partition_range(owner)
+        for param, (s, e) in zip(group.params, group.offsets):
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                flat = (lo + hi) // 2
+                own_start, own_end = group.own_range
+                assert start <= flat < end and (own_start <= flat < own_end) == (group.rank == owner)
+                return param, flat - s
+    raise AssertionError(f"rank {owner} owns no parameter element")
+
+
+def _foreign_inf_run():
+    helper = _DataParallelGroupWithTimeout()
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1,
+                       "min_loss_scale": 1},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET}}
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, mpu=helper,
+                                      dist_init_required=False)
+    rank = engine.ctx.data_parallel_rank
+    param, index = _element_owned_by(engine, owner=1)
+    report = []
+    for step, inject in enumerate(FOREIGN_INF_STEPS):
+        x, y = batch(step, 4)
+        loss = engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        handle = None
+        if inject and rank == 0:            # rank 0 computes the inf, but it lies in rank 1's slice
+            def poison(grad):
+                grad = grad.clone()
+                grad.view(-1)[index] = math.inf
+                return grad
+            handle = param.register_hook(poison)
+        before = _snapshot(engine)
+        engine.backward(loss)
+        if handle is not None:
+            handle.remove()
+        # what each rank's own partition holds after the reduction (before the step zeroes it)
+        local_finite = all(bool(torch.isfinite(engine.optimizer.reducer.partition_grad(i)).all())
+                           for i in range(len(engine.optimizer.groups)))
+        engine.step()
+        dist.monitored_barrier(group=helper.group, timeout=COLLECTIVE_TIMEOUT)
+        report.append((local_finite, engine.optimizer.overflow, _same(before, _snapshot(engine)),
+                       engine.optimizer.cur_scale))
+    params = [p.detach().float().clone() for p in engine.module.parameters()]
+    return report, engine.skipped_steps, params
+
+
+def test_fp16_inf_in_the_other_ranks_partition_skips_everywhere():
+    results = run_distributed(_foreign_inf_run, 2, timeout=120)
+    for rank, (report, skipped, _) in enumerate(results):
+        local_finite = [finite for finite, _, _, _ in report]
+        # premise: only rank 1's partition ever held the inf that rank 0 computed
+        assert local_finite == ([True, True, True] if rank == 0 else [True, False, True]), (rank, report)
+        assert [overflow for _, overflow, _, _ in report] == FOREIGN_INF_STEPS, (rank, report)
+        assert [unchanged for _, _, unchanged, _ in report] == FOREIGN_INF_STEPS, (rank, report)
+        assert [scale for _, _, _, scale in report] == FOREIGN_INF_SCALES, (rank, report)
+        assert skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))

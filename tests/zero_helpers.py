@@ -57,8 +57,9 @@ def param_groups(model, weight_decay=0.01):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def reference_run(steps, global_batch, lr=1e-2, clip=0.0, make_model=TinyNet):
-    """Plain single-process torch AdamW on the whole global batch: (losses, final state_dict)."""
+def reference_run(steps, global_batch, lr=1e-2, clip=0.0, make_model=TinyNet, grad_norms=None):
+    """Plain single-process torch AdamW on the whole global batch: (losses, final state_dict). `grad_norms`, a
+    list, receives clip_grad_norm_'s return value (the norm before clipping) at every step."""
     model = make_model()
     optimizer = torch.optim.AdamW(param_groups(model), lr=lr)
     losses = []
@@ -67,11 +68,31 @@ def reference_run(steps, global_batch, lr=1e-2, clip=0.0, make_model=TinyNet):
         loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip > 0 or grad_norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class ParallelTinyNet(nn.Module):
+    """ColumnParallel -> GELU -> RowParallel -> tanh -> LayerNorm -> Linear head (the last two are duplicated
+    across model-parallel ranks)."""
+
+    def __init__(self, seed=4321):
+        import mpu
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = mpu.ColumnParallelLinear(IN, HIDDEN, gather_output=False)
+        self.fc2 = mpu.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, y):
+        h = self.norm(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
+        return F.mse_loss(self.head(h), y)
 
 
 def ds_config(stage, micro, accumulation=1, **zero):
