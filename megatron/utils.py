@@ -35,7 +35,7 @@ from megatron.train_state import TrainState
 from megatron.zero import ZeroEngine
 from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLES, CONSUMED_VALID_SAMPLES,
                                       ITERATION, ITERATION_DIR_PATTERN, LR_SCHEDULER, MODEL, MODEL_SHAPE,
-                                      MODEL_SHAPE_FIELDS, OPTIMIZER, RELEASE, RNG, SKIPPED_ITERATIONS,
+                                      MODEL_SHAPE_FIELDS, OPTIMIZER, PARAM_NAMES, RELEASE, RNG, SKIPPED_ITERATIONS,
                                       TRACKER_FILENAME, CheckpointError, atomic_torch_save, atomic_write_text,
                                       holds_zero_checkpoint, iteration_dir_name, megatron_rank_dir_name,
                                       safe_torch_load)
@@ -117,7 +117,19 @@ def model_shape(model):
         return None
     return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads, "padded_vocab_size": config.vocab_size,
-            "model_parallel_size": mpu.get_model_parallel_world_size()}
+            "model_parallel_size": mpu.get_model_parallel_world_size(), "vocab_size": config.real_vocab_size}
+
+
+def optimizer_param_names(module, optimizer):
+    """Per param group of the Megatron-path optimizer (torch's, or FP16_Optimizer over fp32 masters), the names
+    of its parameters in order: what lets another topology read the optimizer state by name."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    if hasattr(optimizer, "model_params"):  # FP16_Optimizer: the groups hold masters, model_params the params
+        params, groups = iter(optimizer.model_params), []
+        for group in optimizer.param_groups:
+            groups.append([name_of[id(next(params))] for _ in group["params"]])
+        return groups
+    return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def run_state(train_state, options):
@@ -138,6 +150,7 @@ def checkpoint_state(train_state, model, optimizer, lr_scheduler, options):
     if not options.no_save_optim:
         state[OPTIMIZER] = optimizer.state_dict()
         state[LR_SCHEDULER] = lr_scheduler.state_dict()
+        state[PARAM_NAMES] = optimizer_param_names(unwrap_model(model), optimizer)
     return state
 
 

@@ -11,6 +11,7 @@ Parameter layout per model-parallel rank (p ranks, padded vocabulary V, hidden h
     transformer.layers[i]...      see mpu/transformer.py
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -44,6 +45,8 @@ class GPT2ModelConfig:
     """Std of the normal init; the projections into the residual stream use std / sqrt(2 num_layers)."""
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
+    real_vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary; word-embedding rows from it to vocab_size are padding (None: no padding)."""
 
     @classmethod
     def from_args(cls, args):
@@ -53,7 +56,7 @@ class GPT2ModelConfig:
                    embedding_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                    hidden_dropout=args.hidden_dropout, checkpoint_activations=args.checkpoint_activations,
                    checkpoint_num_layers=args.checkpoint_num_layers, init_method_std=args.init_method_std,
-                   layernorm_epsilon=args.layernorm_epsilon)
+                   layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size)
 
 
 def activation_checkpointing_pair():

@@ -59,8 +59,9 @@ RNG = "rng"
 CONSUMED_TRAIN_SAMPLES = "consumed_train_samples"
 CONSUMED_VALID_SAMPLES = "consumed_valid_samples"
 SKIPPED_ITERATIONS = "skipped_iterations"
-MODEL_SHAPE = "model_shape"
-# Fields of MODEL_SHAPE, compared with the loading model's on load.
+MODEL_SHAPE = "model_shape"           # MODEL_SHAPE_FIELDS, plus "vocab_size" (the real, unpadded vocabulary)
+PARAM_NAMES = "param_names"           # per optimizer param group, the parameter names in the group's order
+# Fields of MODEL_SHAPE, compared with the loading model's on load at the saving topology.
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
 
 
@@ -106,9 +107,10 @@ def atomic_torch_save(obj, path):
     _atomic_torch_save(obj, path)
 
 
-def safe_torch_load(path, map_location="cpu"):
+def safe_torch_load(path, map_location="cpu", mmap=False):
     """torch.load(path, weights_only=True), with one-line errors for missing, empty, truncated, corrupt or
-    unsafe files (a checkpoint can never run code)."""
+    unsafe files (a checkpoint can never run code). `mmap`: tensors stay in the file until touched, so slicing
+    reads only the slice (how every loader reads the pieces it will own)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     if os.path.getsize(path) == 0:
@@ -117,7 +119,7 @@ def safe_torch_load(path, map_location="cpu"):
         if handle.read(4) != b"PK\x03\x04":
             raise CheckpointError(f"checkpoint file {path} is corrupt: not a torch.save zip archive")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed| Please|\n|$)", str(e))
         found = reason.group(1).strip() if reason else "objects other than tensors and plain python values"

@@ -137,10 +137,16 @@ class ZeroEngine(torch.nn.Module):
                      ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
                      ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
                      ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
-                     ckpt.ZERO_STAGE: self.zero_optimization_stage()}
+                     ckpt.ZERO_STAGE: self.zero_optimization_stage(),
+                     ckpt.PARAM_NAMES: self._param_names()}
             ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank)))
         ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(),
                                os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank)))
+
+    def _param_names(self):
+        """Per flat group, the module's names of its parameters in flat order (how other topologies find them)."""
+        name_of = {id(p): name for name, p in self.module.named_parameters()}
+        return [[name_of.get(id(p), "") for p in group.params] for group in self.optimizer.groups]
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_strict=True):
@@ -167,8 +173,8 @@ class ZeroEngine(torch.nn.Module):
             if missing:
                 raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} "
                                            f"(of {len(saved_ranks)}) are missing")
-            self.optimizer.load_partitioned_state_dicts(
-                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank)))
+            self.optimizer.load_partitioned_state_dicts(  # memory-mapped: only this rank's pieces are read
+                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank)), mmap=True)
                  for r in saved_ranks])
         else:
             self.optimizer.refresh_masters_from_parameters()

@@ -146,7 +146,9 @@ class ZeroOptimizer:
         self.load_partitioned_state_dicts(state if isinstance(state, list) else [state])
 
     def load_partitioned_state_dicts(self, states):
-        """Load from the files of *all* saved data-parallel ranks (any data-parallel size) of this mp rank."""
+        """Load this rank's range from the files of *all* saved data-parallel ranks (any data-parallel size) of this
+        mp rank. Only the pieces that overlap this rank's range are copied, so with memory-mapped loads a process
+        reads its own share only. The parameters themselves come from the module weights (loaded before)."""
         if len(states[0][GROUPS]) != len(self.groups):
             raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
                              f"the optimizer has {len(self.groups)}")
@@ -155,19 +157,19 @@ class ZeroOptimizer:
             if saved[0][NUMEL] != group.numel:
                 raise ValueError(f"optimizer param group {index}: checkpoint has {saved[0][NUMEL]} elements, "
                                  f"the model has {group.numel}")
-            own_start, own_end = group.own_range
+            covered = sum(s[END] - s[START] for s in saved)
+            if covered < group.numel:
+                raise ValueError(f"checkpoint slices cover {covered} of {group.numel} elements: a data-parallel "
+                                 "rank's optimizer file is missing")
             start, end = group.own_unpadded_range()
-            full_master = _assemble(saved, lambda s: s[MASTER], group.numel)
+            state = _scalar_state_on_device(saved[0][SCALAR_STATE], self.optimizer.param_groups[index], master)
             with torch.no_grad():
                 master.zero_()
-                master[:end - start].copy_(full_master[start:end])
-                group.flat[:group.numel].copy_(full_master)     # every rank has it all: no gather needed
-            state = _scalar_state_on_device(saved[0][SCALAR_STATE], self.optimizer.param_groups[index], master)
-            for key in saved[0][SLICE_STATE]:
-                full = _assemble(saved, lambda s: s[SLICE_STATE][key], group.numel)
-                value = torch.zeros_like(master)
-                value[:end - start].copy_(full[start:end])
-                state[key] = value
+                _copy_own_range(saved, lambda s: s[MASTER], master, start, end)
+                for key in saved[0][SLICE_STATE]:
+                    value = torch.zeros_like(master)
+                    _copy_own_range(saved, lambda s, key=key: s[SLICE_STATE][key], value, start, end)
+                    state[key] = value
             self.optimizer.state.pop(master, None)
             if state:
                 self.optimizer.state[master] = state
@@ -191,18 +193,13 @@ def _host_copy(tensor):
     return tensor.detach().to("cpu", copy=True)
 
 
-def _assemble(saved, get, numel):
-    """The full unpadded tensor from per-rank [start, end) slices."""
-    first = get(saved[0])
-    full = torch.zeros(numel, dtype=first.dtype, device=first.device)
-    covered = 0
+def _copy_own_range(saved, get, target, start, end):
+    """target[:end - start] = the unpadded flat range [start, end), from the saved per-rank [START, END) slices
+    (only the overlapping pieces are touched)."""
     for s in saved:
-        full[s[START]:s[END]] = get(s)
-        covered += s[END] - s[START]
-    if covered < numel:
-        raise ValueError(f"checkpoint slices cover {covered} of {numel} elements: a data-parallel rank's "
-                         "optimizer file is missing")
-    return full
+        lo, hi = max(start, s[START]), min(end, s[END])
+        if lo < hi:
+            target[lo - start:hi - start].copy_(get(s)[lo - s[START]:hi - s[START]])
 
 
 def _scalar_state_on_device(scalar_state, param_group, master):
