@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron import atomic_io
+from megatron import atomic_io, reshard, reshard_load
 from megatron.train_state import TrainState
 from megatron.zero import ZeroEngine
 from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLES, CONSUMED_VALID_SAMPLES,
                                       ITERATION, ITERATION_DIR_PATTERN, LR_SCHEDULER, MODEL, MODEL_SHAPE,
                                       MODEL_SHAPE_FIELDS, OPTIMIZER, PARAM_NAMES, RELEASE, RNG, SKIPPED_ITERATIONS,
                                       TRACKER_FILENAME, CheckpointError, atomic_torch_save, atomic_write_text,
-                                      holds_zero_checkpoint, iteration_dir_name, megatron_rank_dir_name,
+                                      iteration_dir_name, megatron_rank_dir_name,
                                       safe_torch_load)
 
 
@@ -117,7 +117,8 @@ def model_shape(model):
         return None
     return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads, "padded_vocab_size": config.vocab_size,
-            "model_parallel_size": mpu.get_model_parallel_world_size(), "vocab_size": config.real_vocab_size}
+            "model_parallel_size": mpu.get_model_parallel_world_size(), "vocab_size": config.real_vocab_size,
+            "layernorm_epsilon": config.layernorm_epsilon}
 
 
 def optimizer_param_names(module, optimizer):
@@ -235,15 +236,33 @@ def load_checkpoint(model, optimizer, lr_scheduler, options):
                      "will not load any checkpoints and will start from random")
         return TrainState()
     result = {}
-    if isinstance(model, ZeroEngine):  # --deepspeed
-        error = atomic_io.capture_error(_load_ds_checkpoint, result, model, options, iteration)
-        _agree(error, f"loading {get_checkpoint_dir(options.load, iteration)}")
-    else:
-        error = atomic_io.capture_error(_load_into, result, model, optimizer, lr_scheduler, options, iteration,
-                                        release)
-        _agree(error, f"loading {get_checkpoint_dir(options.load, iteration, release)}")
+    error = atomic_io.capture_error(_load_any_topology, result, model, optimizer, lr_scheduler, options, iteration,
+                                    release)
+    _agree(error, f"loading {get_checkpoint_dir(options.load, iteration, release)}")
     print_rank_0(f"  loaded checkpoint from {options.load} at iteration {iteration}")
     return result["train_state"]
+
+
+def _load_any_topology(result, model, optimizer, lr_scheduler, options, iteration, release):
+    """At the saving path and model-parallel size, that path's own loader (bitwise resume; the ZeRO engine also
+    re-partitions for another data-parallel size); anything else through megatron.reshard."""
+    directory = atomic_io.readable_directory(get_checkpoint_dir(options.load, iteration, release))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker file {get_checkpoint_tracker_filename(options.load)} names iteration "
+                              f"{iteration}, but {directory} does not exist")
+    zero = isinstance(model, ZeroEngine)  # --deepspeed
+    saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
+    config = getattr(unwrap_model(model), "config", None)
+    same_padding = config is None or saved.padded_vocab_size() == config.vocab_size
+    if saved.path == ("zero" if zero else "megatron") and \
+            saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding:
+        if zero:
+            _load_ds_checkpoint(result, model, options, iteration, release)
+        else:
+            _load_into(result, model, optimizer, lr_scheduler, options, iteration, release)
+        return
+    result["train_state"] = reshard_load.load_resharded(model, optimizer, lr_scheduler, saved, options,
+                                                        fresh=release or options.finetune)
 
 
 def _load_into(result, model, optimizer, lr_scheduler, options, iteration, release):
@@ -270,16 +289,12 @@ def _load_into(result, model, optimizer, lr_scheduler, options, iteration, relea
     result["train_state"] = restore_run_state(state, options, path, fresh)
 
 
-def _load_ds_checkpoint(result, model, options, iteration):
+def _load_ds_checkpoint(result, model, options, iteration, release):
     """The ZeRO engine loads module, optimizer partitions (re-partitioned for this data-parallel size) and lr
     scheduler; client_state gives back the counters and RNG states."""
-    fresh = options.finetune
+    fresh = release or options.finetune
     load_optimizer = not (fresh or options.no_load_optim)
-    directory = get_checkpoint_dir(options.load, iteration)
-    if os.path.isfile(_rank_file(directory)):
-        raise CheckpointError(f"{directory} holds a Megatron-path checkpoint (saved without --deepspeed): load it "
-                              "without --deepspeed, or pass another --load directory")
-    tag = iteration_dir_name(iteration)
+    tag = os.path.basename(get_checkpoint_dir("", iteration, release))
     try:
         path, client_state = model.load_checkpoint(options.load, tag, load_optimizer_states=load_optimizer,
                                                    load_lr_scheduler_states=load_optimizer)
@@ -310,13 +325,7 @@ def restore_run_state(state, options, path, fresh):
 def _checkpoint_path_for_load(load_dir, iteration, release):
     """This rank's file, with errors that say what is there instead."""
     directory = atomic_io.readable_directory(get_checkpoint_dir(load_dir, iteration, release))
-    tracker = get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"tracker file {tracker} names iteration {iteration}, but {directory} does not exist")
     path = _rank_file(directory)
-    if not os.path.isfile(path) and holds_zero_checkpoint(directory):
-        raise CheckpointError(f"{directory} holds a ZeRO checkpoint (saved with --deepspeed): load it with "
-                              "--deepspeed --deepspeed_config, or pass another --load directory")
     if not os.path.isfile(path):
         ranks = sorted(name for name in os.listdir(directory) if re.fullmatch(r"mp_rank_\d+", name))
         raise CheckpointError(f"{path} does not exist: {directory} holds {ranks or 'no mp_rank_* directories'} "

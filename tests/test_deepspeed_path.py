@@ -188,15 +188,18 @@ def test_zero_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
     assert max(abs(a - b) for a, b in zip(resumed["lm loss"], straight["lm loss"][3:])) <= 1e-5
 
 
-def test_checkpoint_of_the_other_path_is_named(tmp_path):
-    """A Megatron-path checkpoint loaded with --deepspeed (and the reverse) stops with a one-line message."""
+def test_checkpoint_of_the_other_path_loads(tmp_path):
+    """A Megatron-path checkpoint loads with --deepspeed and a ZeRO checkpoint without it (resharded, one line)."""
     tiny = TINY[:TINY.index("--train-iters")] + ["--train-iters", "1", "--eval-iters", "0", "--batch-size", "2"]
     zero_args = ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
     env = {"MASTER_PORT": str(free_port())}
     megatron_dir, zero_dir = str(tmp_path / "megatron"), str(tmp_path / "zero")
     assert _run_cli(tiny[1:] + ["--save", megatron_dir], env).returncode == 0
     assert _run_cli(tiny[1:] + zero_args + ["--save", zero_dir], env).returncode == 0
-    result = _run_cli(tiny[1:] + zero_args + ["--load", megatron_dir], env)
-    assert result.returncode == 1 and "holds a Megatron-path checkpoint (saved without --deepspeed)" in result.stderr
-    result = _run_cli(tiny[1:] + ["--load", zero_dir], env)
-    assert result.returncode == 1 and "holds a ZeRO checkpoint (saved with --deepspeed)" in result.stderr
+    more = ["--train-iters", "2", "--override-lr-scheduler"]
+    result = _run_cli(tiny[1:] + zero_args + more + ["--load", megatron_dir], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resharding checkpoint saved at mp1 (megatron) for mp1 x dp1 (zero-2)" in result.stdout
+    result = _run_cli(tiny[1:] + more + ["--load", zero_dir], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resharding checkpoint saved at mp1 x dp1 (zero-2) for mp1 x dp1 (megatron)" in result.stdout

@@ -60,6 +60,7 @@ CONSUMED_TRAIN_SAMPLES = "consumed_train_samples"
 CONSUMED_VALID_SAMPLES = "consumed_valid_samples"
 SKIPPED_ITERATIONS = "skipped_iterations"
 MODEL_SHAPE = "model_shape"           # MODEL_SHAPE_FIELDS, plus "vocab_size" (the real, unpadded vocabulary)
+                                      # and "layernorm_epsilon"
 PARAM_NAMES = "param_names"           # per optimizer param group, the parameter names in the group's order
 # Fields of MODEL_SHAPE, compared with the loading model's on load at the saving topology.
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
@@ -76,10 +77,6 @@ def iteration_dir_name(iteration):
 def megatron_rank_dir_name(model_parallel_rank):
     """The Megatron path's per-model-parallel-rank directory (holds CHECKPOINT_FILENAME)."""
     return f"mp_rank_{model_parallel_rank:02d}"
-
-
-def holds_zero_checkpoint(directory):
-    return any(name.endswith("_model_states.pt") for name in os.listdir(directory))
 
 
 class CheckpointError(RuntimeError):

@@ -177,6 +177,34 @@ class ZeroOptimizer:
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.loss_scaler.load_state_dict(states[0][LOSS_SCALER])
 
+    def load_full_state(self, tensor_of, scalar_states, hyperparameters, loss_scaler_state):
+        """Load from a checkpoint of another topology or path (megatron.reshard): `tensor_of(param, kind)` is this
+        model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
+        (None: not saved). Only the parameters that overlap this rank's range are asked for."""
+        for index, (group, master) in enumerate(zip(self.groups, self.masters)):
+            start, end = group.own_unpadded_range()
+            values = {kind: torch.zeros_like(master) for kind in ("exp_avg", "exp_avg_sq")}
+            with torch.no_grad():
+                master.zero_()
+                for param_index, lo, hi in group.segments(start, end):
+                    param, param_start = group.params[param_index], group.offsets[param_index][0]
+                    for kind, target in (("master", master), *values.items()):
+                        tensor = tensor_of(param, kind)
+                        if tensor is None:
+                            values.pop(kind, None)
+                            continue
+                        target[lo - start:hi - start].copy_(tensor.reshape(-1)[lo - param_start:hi - param_start])
+            state = _scalar_state_on_device(scalar_states[index] if index < len(scalar_states) else {},
+                                            self.optimizer.param_groups[index], master)
+            self.optimizer.state.pop(master, None)
+            if len(values) == 2:
+                self.optimizer.state[master] = {**{k: v.clone() if torch.is_tensor(v) else v
+                                                   for k, v in state.items()}, **values}
+        for group, saved in zip(self.optimizer.param_groups, hyperparameters or []):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if loss_scaler_state is not None and self.fp16:
+            self.loss_scaler.load_state_dict(loss_scaler_state)
+
     def refresh_masters_from_parameters(self):
         """After loading module weights only: the fp32 master slices follow the parameters."""
         with torch.no_grad():

@@ -1,0 +1,380 @@
+"""Any-topology checkpoints: a checkpoint of either path (Megatron or ZeRO, any stage), saved at any
+model-parallel and data-parallel size, read as full (unsharded) tensors by parameter name, and loaded into a model
+of any other topology or path. Files are memory-mapped: a process touches only the tensors it asks for.
+
+    saved = SavedCheckpoint(load_dir)                      # layout, sizes, names (follows tracker / latest)
+    saved.full_tensor("word_embeddings.weight")            # [real vocab, h]: the padding rows dropped
+    saved.full_tensor(name, "exp_avg")                     # also "exp_avg_sq" and "master" (fp32 masters)
+    load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (megatron.utils calls it)
+    read_full_checkpoint(dir) / write_full_checkpoint(...)  # the tools' entry points (zero_to_fp32, HF, resize)
+
+How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it
+against the attributes mpu gives the real parameters):
+
+    word_embeddings.weight                 rows (dim 0): the vocabulary, padded to the loading run's multiple
+    attention.query_key_value.weight/bias  rows with stride 3: rank r holds [q_r; k_r; v_r]
+    mlp.dense_h_to_4h.weight/bias          rows
+    attention.dense.weight, mlp.dense_4h_to_h.weight    columns (dim 1)
+    everything else                        replicated (checked equal across the saved ranks)
+
+Example, query_key_value.weight at mp 2 with h = 2 (rows q0 q1 k0 k1 v0 v1 of the full [3h, h] master):
+rank 0 holds [q0, k0, v0], rank 1 holds [q1, k1, v1]; at mp 1 the one rank holds all six in the full order.
+"""
+import os
+import re
+
+import torch
+
+from megatron.train_state import TrainState
+from megatron.zero import checkpoint as ckpt
+
+_ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$")
+_COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.weight$")
+VOCAB_PARAMETER = "word_embeddings.weight"
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def partitioning(name):
+    """(partition dim or None for replicated, stride, whether the dim is the padded vocabulary) of a GPT2Model
+    parameter name."""
+    if name.endswith(VOCAB_PARAMETER):
+        return 0, 1, True
+    match = _ROW_SPLIT.search(name)
+    if match:
+        return 0, 3 if match.group(1) == "query_key_value" else 1, False
+    if _COLUMN_SPLIT.search(name):
+        return 1, 1, False
+    return None, 1, False
+
+
+def join_shards(shards, dim, stride):
+    """The full tensor from the model-parallel shards (inverse of split_full)."""
+    pieces = [shard.chunk(stride, dim) for shard in shards]       # pieces[r][j]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
+
+
+def split_full(full, dim, stride, world_size, rank):
+    """Rank `rank`'s shard of `full`: cut into world_size x stride blocks, take blocks rank, rank + world, ..."""
+    blocks = full.chunk(world_size * stride, dim)
+    return torch.cat(blocks[rank::world_size], dim)
+
+
+def shard_for(name, full, world_size, rank, padded_rows=None):
+    """This rank's shard of the full tensor of parameter `name`; the vocabulary re-padded with zero rows to
+    `padded_rows` (the loading model's padded vocabulary)."""
+    dim, stride, vocab = partitioning(name)
+    if vocab and padded_rows is not None and padded_rows != full.shape[0]:
+        if padded_rows < full.shape[0]:
+            raise ckpt.CheckpointError(f"{name}: the checkpoint's vocabulary ({full.shape[0]}) does not fit this "
+                                       f"model's padded vocabulary ({padded_rows})")
+        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    if dim is None or world_size == 1:
+        return full
+    if full.shape[dim] % (world_size * stride):
+        raise ckpt.CheckpointError(f"{name}: size {full.shape[dim]} along dim {dim} does not split into "
+                                   f"{world_size} model-parallel ranks x stride {stride}")
+    return split_full(full, dim, stride, world_size, rank)
+
+
+def default_param_names(names):
+    """Megatron's optimizer groups by name, for checkpoints saved without ckpt.PARAM_NAMES: weights decay;
+    biases and LayerNorm parameters do not (in module order)."""
+    no_decay = [n for n in names if n.endswith(".bias") or "layernorm" in n]
+    return [[n for n in names if n not in no_decay], no_decay]
+
+
+class SavedCheckpoint:
+    """One checkpoint directory of either layout. `path` is 'megatron' or 'zero'."""
+
+    def __init__(self, load_dir, tag=None):
+        self.load_dir = load_dir
+        self.tag, self.release = tag, tag == ckpt.RELEASE
+        if tag is None:
+            self.tag, self.release = _tracked_tag(load_dir)
+        from megatron import atomic_io
+        self.directory = atomic_io.readable_directory(os.path.join(load_dir, self.tag))
+        if not os.path.isdir(self.directory):
+            raise ckpt.CheckpointError(f"{self.directory} does not exist (named by {load_dir}'s tracker)")
+        self.path, ranks = _layout_and_ranks(self.directory)
+        first = ckpt.safe_torch_load(self._model_file(ranks[0]), mmap=True)
+        recorded = first[ckpt.MODEL_PARALLEL_SIZE] if self.path == "zero" else \
+            (first.get(ckpt.MODEL_SHAPE) or {}).get("model_parallel_size")
+        self.model_parallel_size = max(recorded or 0, max(ranks) + 1)
+        missing = sorted(set(range(self.model_parallel_size)) - set(ranks))
+        if missing:
+            raise ckpt.CheckpointError(f"{self.directory}: the shards of model-parallel ranks {missing} are missing "
+                                       f"(found {ranks})")
+        self.files = [first] + [ckpt.safe_torch_load(self._model_file(r), mmap=True)
+                                for r in range(1, self.model_parallel_size)]
+        self.run_state = first[ckpt.CLIENT_STATE] if self.path == "zero" else first
+        self.model_shape = self.run_state.get(ckpt.MODEL_SHAPE) or {}
+        self.weights_of = [f[ckpt.MODULE] if self.path == "zero" else f[ckpt.MODEL] for f in self.files]
+        self.param_names = first.get(ckpt.PARAM_NAMES) or default_param_names(list(self.weights_of[0]))
+        self.zero_stage = first[ckpt.ZERO_STAGE] if self.path == "zero" else None
+        self.data_parallel_size = first[ckpt.DATA_PARALLEL_SIZE] if self.path == "zero" else None
+        self._optim_files = {}
+
+    # ---- description --------------------------------------------------------------------------------------
+    def _model_file(self, mp_rank):
+        if self.path == "zero":
+            return os.path.join(self.directory, ckpt.model_states_name(mp_rank))
+        return os.path.join(self.directory, ckpt.megatron_rank_dir_name(mp_rank), ckpt.CHECKPOINT_FILENAME)
+
+    def describe(self):
+        if self.path == "zero":
+            return f"mp{self.model_parallel_size} x dp{self.data_parallel_size} (zero-{self.zero_stage})"
+        return f"mp{self.model_parallel_size} (megatron)"
+
+    def padded_vocab_size(self):
+        weights = self.weights_of[0]
+        return weights[VOCAB_PARAMETER].shape[0] * self.model_parallel_size if VOCAB_PARAMETER in weights else None
+
+    @property
+    def real_vocab_size(self):
+        return self.model_shape.get("vocab_size")
+
+    def has_optimizer_state(self):
+        if self.path == "zero":
+            return bool(ckpt.optim_states_ranks(self.directory, 0))
+        return ckpt.OPTIMIZER in self.files[0]
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def full_tensor(self, name, kind="weight"):
+        """The full tensor of parameter `name` ("weight", or an optimizer kind: "master", "exp_avg",
+        "exp_avg_sq"); vocabulary padding rows dropped when the real vocabulary is known. None when the
+        checkpoint has no such state."""
+        shards = [self._shard(rank, name, kind) for rank in range(self.model_parallel_size)]
+        if any(shard is None for shard in shards):
+            return None
+        dim, stride, vocab = partitioning(name)
+        if dim is None:
+            for rank, shard in enumerate(shards[1:], 1):
+                if not torch.equal(shard, shards[0]):
+                    raise ckpt.CheckpointError(f"{self.directory}: the replicated parameter {name} ({kind}) differs "
+                                               f"between model-parallel ranks 0 and {rank}")
+            full = shards[0]
+        else:
+            full = join_shards(shards, dim, stride)
+        if vocab and self.real_vocab_size is not None:
+            full = full[:self.real_vocab_size]
+        return full
+
+    def _shard(self, rank, name, kind):
+        weights = self.weights_of[rank]
+        if name not in weights:
+            raise ckpt.CheckpointError(f"{self.directory}: model-parallel rank {rank} has no parameter {name}: the "
+                                       "checkpoint is of another model")
+        if kind == "weight":
+            return weights[name]
+        if self.path == "zero":
+            return self._zero_shard(rank, name, kind, weights)
+        return self._megatron_shard(rank, name, kind, weights)
+
+    def _flat_index(self, name):
+        index = 0
+        for group_index, names in enumerate(self.param_names):
+            if name in names:
+                return group_index, index + names.index(name), names.index(name)
+            index += len(names)
+        raise ckpt.CheckpointError(f"{self.directory}: parameter {name} is in no optimizer param group")
+
+    def _megatron_shard(self, rank, name, kind, weights):
+        optimizer = self.files[rank].get(ckpt.OPTIMIZER)
+        if optimizer is None:
+            return None
+        _, index, _ = self._flat_index(name)
+        if kind == "master":
+            masters = optimizer.get("fp32_master_params")
+            return masters[index] if masters is not None else weights[name].float()
+        inner = optimizer.get("optimizer", optimizer)
+        return inner["state"].get(index, {}).get(kind)
+
+    def _zero_optim_files(self, rank):
+        if rank not in self._optim_files:
+            ranks = [0] if self.zero_stage == 0 else list(range(self.data_parallel_size))
+            found = ckpt.optim_states_ranks(self.directory, rank)
+            if not found:
+                return None
+            missing = sorted(set(ranks) - set(found))
+            if missing:
+                raise ckpt.CheckpointError(f"{self.directory}: optimizer-states files of data-parallel ranks "
+                                           f"{missing} (model-parallel rank {rank}) are missing")
+            self._optim_files[rank] = [ckpt.safe_torch_load(
+                os.path.join(self.directory, ckpt.optim_states_name(r, rank)), mmap=True) for r in ranks]
+        return self._optim_files[rank]
+
+    def _zero_shard(self, rank, name, kind, weights):
+        files = self._zero_optim_files(rank)
+        if files is None:
+            return None
+        group_index, _, position = self._flat_index(name)
+        names = self.param_names[group_index]
+        start = sum(weights[n].numel() for n in names[:position])
+        shape = weights[name].shape
+        end = start + shape.numel()
+        out = None
+        for saved in (f[ckpt.GROUPS][group_index] for f in files):
+            source = saved[ckpt.MASTER] if kind == "master" else saved[ckpt.SLICE_STATE].get(kind)
+            if source is None:
+                return None
+            if out is None:
+                out = torch.zeros(shape.numel(), dtype=source.dtype)
+            lo, hi = max(start, saved[ckpt.START]), min(end, saved[ckpt.END])
+            if lo < hi:
+                out[lo - start:hi - start] = source[lo - saved[ckpt.START]:hi - saved[ckpt.START]]
+        return out.view(shape)
+
+    # ---- the rest of the state ------------------------------------------------------------------------------
+    def optimizer_scalars(self, group_index):
+        """Per-group scalar optimizer state (Adam's step), or {}."""
+        if self.path == "zero":
+            files = self._zero_optim_files(0)
+            return dict(files[0][ckpt.GROUPS][group_index][ckpt.SCALAR_STATE]) if files else {}
+        optimizer = self.files[0].get(ckpt.OPTIMIZER)
+        if optimizer is None:
+            return {}
+        inner = optimizer.get("optimizer", optimizer)
+        first = sum(len(names) for names in self.param_names[:group_index])
+        state = inner["state"].get(first, {})
+        return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+    def optimizer_hyperparameters(self):
+        """The saved param groups' hyperparameters (lr, betas, weight decay, ...), one dict per group."""
+        if self.path == "zero":
+            files = self._zero_optim_files(0)
+            return files[0][ckpt.PARAM_GROUPS] if files else None
+        optimizer = self.files[0].get(ckpt.OPTIMIZER)
+        inner = optimizer.get("optimizer", optimizer) if optimizer is not None else None
+        return None if inner is None else [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
+
+    def loss_scaler_state(self):
+        if self.path == "zero":
+            files = self._zero_optim_files(0)
+            return files[0][ckpt.LOSS_SCALER] if files else None
+        optimizer = self.files[0].get(ckpt.OPTIMIZER)
+        return optimizer.get("loss_scaler") if isinstance(optimizer, dict) else None
+
+    def lr_scheduler_state(self):
+        return self.files[0].get(ckpt.LR_SCHEDULER)
+
+    def rng_state(self, mp_rank):
+        """The RNG states of model-parallel rank `mp_rank` (data-parallel rank 0), or None."""
+        if mp_rank >= self.model_parallel_size:
+            return None
+        state = self.files[mp_rank][ckpt.CLIENT_STATE] if self.path == "zero" else self.files[mp_rank]
+        return state.get(ckpt.RNG)
+
+    def train_state(self):
+        state = self.run_state
+        return TrainState(iteration=int(state.get(ckpt.ITERATION, 0)),
+                          consumed_train_samples=int(state.get(ckpt.CONSUMED_TRAIN_SAMPLES, 0)),
+                          consumed_valid_samples=int(state.get(ckpt.CONSUMED_VALID_SAMPLES, 0)),
+                          skipped_iterations=int(state.get(ckpt.SKIPPED_ITERATIONS, 0)))
+
+
+def _layout_and_ranks(directory):
+    names = os.listdir(directory)
+    if any(n.endswith("_model_states.pt") for n in names):
+        path, pattern = "zero", re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+    elif any(re.fullmatch(r"mp_rank_\d+", n) for n in names):
+        path, pattern = "megatron", re.compile(r"mp_rank_(\d+)$")
+    else:
+        raise ckpt.CheckpointError(f"{directory} is not a checkpoint: it holds neither mp_rank_*/"
+                                   f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
+    return path, sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
+def _tracked_tag(load_dir):
+    """(tag, release) named by Megatron's tracker, else by the engine's `latest`."""
+    tracker = os.path.join(load_dir, ckpt.TRACKER_FILENAME)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        if text == ckpt.RELEASE:
+            return ckpt.RELEASE, True
+        if not text.isdigit():
+            raise ckpt.CheckpointError(f"tracker file {tracker} holds {text!r}: expected an iteration number or "
+                                       "'release'")
+        return ckpt.iteration_dir_name(int(text)), False
+    tag = ckpt.read_latest_tag(load_dir)
+    if tag is None:
+        raise ckpt.CheckpointError(f"{load_dir} is not a checkpoint directory: it has neither "
+                                   f"{ckpt.TRACKER_FILENAME} nor {ckpt.LATEST_FILE}")
+    return tag, tag == ckpt.RELEASE
+
+
+# ---------------------------------------------------------------------------------------------------- tools
+
+class FullCheckpoint:
+    """The model of a checkpoint, whatever its topology: `model_config` (num_layers, hidden_size,
+    num_attention_heads, max_sequence_length, vocab_size = the real vocabulary, layernorm_epsilon) and full tensors
+    by parameter name."""
+
+    def __init__(self, saved):
+        self.saved = saved
+        weights = saved.weights_of[0]
+        shape = saved.model_shape
+        padded = weights[VOCAB_PARAMETER].shape[0] * saved.model_parallel_size
+        self.model_config = {
+            "num_layers": shape.get("num_layers", _count_layers(weights)),
+            "hidden_size": weights[VOCAB_PARAMETER].shape[1],
+            "num_attention_heads": shape.get("num_attention_heads"),
+            "max_sequence_length": weights["position_embeddings.weight"].shape[0],
+            "vocab_size": saved.real_vocab_size or padded,
+            "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
+
+    def names(self):
+        return list(self.saved.weights_of[0])
+
+    def weights(self):
+        return {name: self.saved.full_tensor(name) for name in self.names()}
+
+    def fp32_weights(self):
+        """The fp32 master weights when the checkpoint has them (mixed precision, ZeRO), else the weights."""
+        has_masters = self.saved.has_optimizer_state()
+        return {name: (self.saved.full_tensor(name, "master") if has_masters else self.saved.full_tensor(name)).float()
+                for name in self.names()}
+
+
+def _count_layers(weights):
+    return len({name.split(".")[2] for name in weights if name.startswith("transformer.layers.")})
+
+
+def read_full_checkpoint(load_dir, tag=None):
+    return FullCheckpoint(SavedCheckpoint(load_dir, tag))
+
+
+def write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=False,
+                          make_vocab_size_divisible_by=128):
+    """Write full `weights` (real vocabulary rows) as a 'release' checkpoint at `model_parallel_size` in the Megatron
+    layout (or the ZeRO layout with `deepspeed`), weights only: training loads it as --finetune does."""
+    from megatron import atomic_io
+    from megatron.tokenizer.tokenizer import vocab_size_with_padding
+    vocab = model_config["vocab_size"]
+    padded = vocab_size_with_padding(vocab, make_vocab_size_divisible_by, model_parallel_size)
+    shape = {"num_layers": model_config["num_layers"], "hidden_size": model_config["hidden_size"],
+             "num_attention_heads": model_config["num_attention_heads"], "padded_vocab_size": padded,
+             "model_parallel_size": model_parallel_size, "vocab_size": vocab,
+             "layernorm_epsilon": model_config.get("layernorm_epsilon", 1e-5)}
+    final_dir = os.path.join(save_dir, ckpt.RELEASE)
+    os.makedirs(save_dir, exist_ok=True)
+    atomic_io.prepare_empty_directory(final_dir + ".tmp")
+    for rank in range(model_parallel_size):
+        shards = {name: shard_for(name, full, model_parallel_size, rank, padded).contiguous().clone()
+                  for name, full in weights.items()}
+        run_state = {ckpt.ITERATION: 0, ckpt.MODEL_SHAPE: shape}
+        if deepspeed:
+            state = {ckpt.MODULE: shards, ckpt.LR_SCHEDULER: None, ckpt.GLOBAL_STEPS: 0, ckpt.SKIPPED_STEPS: 0,
+                     ckpt.MICRO_STEPS: 0, ckpt.CLIENT_STATE: run_state, ckpt.DATA_PARALLEL_SIZE: 1,
+                     ckpt.MODEL_PARALLEL_SIZE: model_parallel_size, ckpt.ZERO_STAGE: 0}
+            path = os.path.join(final_dir + ".tmp", ckpt.model_states_name(rank))
+        else:
+            state = {ckpt.MODEL: shards, **run_state}
+            path = os.path.join(final_dir + ".tmp", ckpt.megatron_rank_dir_name(rank), ckpt.CHECKPOINT_FILENAME)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        ckpt.atomic_torch_save(state, path)
+    atomic_io.publish_directory(final_dir + ".tmp", final_dir)
+    if deepspeed:
+        ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), ckpt.RELEASE)
+    ckpt.atomic_write_text(os.path.join(save_dir, ckpt.TRACKER_FILENAME), ckpt.RELEASE)
+    atomic_io.discard_old_directory(final_dir)
+    return final_dir

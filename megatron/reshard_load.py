@@ -1,0 +1,107 @@
+"""Loading a checkpoint of any topology or path into this rank's model, optimizer and lr scheduler, from the full
+tensors megatron.reshard reads (megatron.utils.load_checkpoint calls it whenever the saving path or
+model-parallel size differs from this run's)."""
+import torch
+
+import mpu
+from megatron.reshard import partitioning, shard_for
+from megatron.train_state import TrainState
+from megatron.zero import checkpoint as ckpt
+
+
+def check_same_model(saved, config):
+    """The saved model and `config` (a GPT2ModelConfig) differ only in how they are split."""
+    shape = saved.model_shape
+    fields = [("num_layers", config.num_layers), ("hidden_size", config.hidden_size),
+              ("num_attention_heads", config.num_attention_heads)]
+    if saved.real_vocab_size is not None and config.real_vocab_size is not None:
+        fields.append(("vocab_size", config.real_vocab_size))
+    diffs = [f"{field} {shape.get(field)} (checkpoint) != {ours} (this run)" for field, ours in fields
+             if field in shape and shape[field] != ours]
+    if diffs:
+        raise ckpt.CheckpointError(f"{saved.directory} was saved by another model shape: {'; '.join(diffs)}")
+
+
+def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
+    """Load `saved` (any layout, any topology) into this rank's `model` and (unless fresh / no_load_optim) its
+    optimizer, lr scheduler and loss scaler. Returns the TrainState to continue from. RNG states are restored
+    only at the saving model-parallel size (dropout streams are per model-parallel rank anyway)."""
+    from megatron.utils import print_rank_0, set_rng_state, unwrap_model
+    from megatron.zero import ZeroEngine
+    module = unwrap_model(model)
+    check_same_model(saved, module.config)
+    world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    target = (f"mp{world} x dp{mpu.get_data_parallel_world_size()} "
+              + (f"(zero-{model.zero_optimization_stage()})" if isinstance(model, ZeroEngine) else "(megatron)"))
+    print_rank_0(f"resharding checkpoint saved at {saved.describe()} for {target}")
+
+    params = dict(module.named_parameters())
+
+    def shard(name, kind):
+        """This rank's piece of `name`'s full tensor: the parameter's dtype for weights, fp32 otherwise."""
+        full = saved.full_tensor(name, kind)
+        if full is None:
+            return None
+        like = params[name]
+        padded_rows = like.shape[0] * world if partitioning(name)[2] else None
+        return shard_for(name, full, world, rank, padded_rows).to(like.dtype if kind == "weight" else torch.float32)
+
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(shard(name, "weight"))
+    load_optimizer = not (fresh or options.no_load_optim)
+    if load_optimizer and not saved.has_optimizer_state():
+        raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "
+                                   "--no-load-optim or --finetune to start it fresh")
+    if isinstance(model, ZeroEngine):
+        if load_optimizer:
+            name_of = {id(p): n for n, p in params.items()}
+            model.optimizer.load_full_state(lambda param, kind: shard(name_of[id(param)], kind),
+                                            [saved.optimizer_scalars(i) for i in range(len(saved.param_names))],
+                                            saved.optimizer_hyperparameters(), saved.loss_scaler_state())
+        else:
+            model.optimizer.refresh_masters_from_parameters()
+    elif load_optimizer:
+        _load_megatron_optimizer(optimizer, module, saved, shard)
+    elif hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
+    if fresh:
+        return TrainState()
+    train_state = saved.train_state()
+    if load_optimizer and saved.lr_scheduler_state() is not None:
+        try:
+            lr_scheduler.load_state_dict(saved.lr_scheduler_state())
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{saved.directory}: {e}") from None
+    if isinstance(model, ZeroEngine):
+        model.global_steps, model.skipped_steps = train_state.iteration, train_state.skipped_iterations
+        model.micro_steps = model.global_steps * model.gradient_accumulation_steps()
+    rng = saved.rng_state(rank) if saved.model_parallel_size == world else None
+    if rng is not None and not options.no_load_rng:
+        set_rng_state(rng)
+    return train_state
+
+
+def _load_megatron_optimizer(optimizer, module, saved, shard):
+    """torch Adam/AdamW, or FP16_Optimizer around it: its state dict rebuilt from the full tensors by name."""
+    from megatron.utils import optimizer_param_names
+    inner = getattr(optimizer, "optimizer", optimizer)
+    names = [n for group in optimizer_param_names(module, optimizer) for n in group]
+    state = inner.state_dict()
+    saved_groups = {n: i for i, group in enumerate(saved.param_names) for n in group}
+    for index, name in enumerate(names):
+        moments = {kind: shard(name, kind) for kind in ("exp_avg", "exp_avg_sq")}
+        if any(value is None for value in moments.values()):
+            continue
+        scalars = saved.optimizer_scalars(saved_groups[name])
+        state["state"][index] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()},
+                                 **moments}
+    hyperparameters = saved.optimizer_hyperparameters() or []
+    for group, saved_group in zip(state["param_groups"], hyperparameters):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    if hasattr(optimizer, "master_params"):  # FP16_Optimizer
+        masters = [shard(name, "master") for name in names]
+        optimizer.load_state_dict({"optimizer": state, "loss_scaler": saved.loss_scaler_state(),
+                                   "fp32_master_params": masters, "overflow": False})
+    else:
+        inner.load_state_dict(state)
