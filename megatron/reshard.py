@@ -6,7 +6,7 @@ of any other topology or path. Files are memory-mapped: a process touches only t
     saved.full_tensor("word_embeddings.weight")            # [real vocab, h]: the padding rows dropped
     saved.full_tensor(name, "exp_avg")                     # also "exp_avg_sq" and "master" (fp32 masters)
     load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (megatron.utils calls it)
-    read_full_checkpoint(dir) / write_full_checkpoint(...)  # the tools' entry points (zero_to_fp32, HF, resize)
+    megatron.full_checkpoint                               # the tools' entry points (zero_to_fp32, HF, resize)
 
 How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it
 against the attributes mpu gives the real parameters):
@@ -300,81 +300,3 @@ def _tracked_tag(load_dir):
         raise ckpt.CheckpointError(f"{load_dir} is not a checkpoint directory: it has neither "
                                    f"{ckpt.TRACKER_FILENAME} nor {ckpt.LATEST_FILE}")
     return tag, tag == ckpt.RELEASE
-
-
-# ---------------------------------------------------------------------------------------------------- tools
-
-class FullCheckpoint:
-    """The model of a checkpoint, whatever its topology: `model_config` (num_layers, hidden_size,
-    num_attention_heads, max_sequence_length, vocab_size = the real vocabulary, layernorm_epsilon) and full tensors
-    by parameter name."""
-
-    def __init__(self, saved):
-        self.saved = saved
-        weights = saved.weights_of[0]
-        shape = saved.model_shape
-        padded = weights[VOCAB_PARAMETER].shape[0] * saved.model_parallel_size
-        self.model_config = {
-            "num_layers": shape.get("num_layers", _count_layers(weights)),
-            "hidden_size": weights[VOCAB_PARAMETER].shape[1],
-            "num_attention_heads": shape.get("num_attention_heads"),
-            "max_sequence_length": weights["position_embeddings.weight"].shape[0],
-            "vocab_size": saved.real_vocab_size or padded,
-            "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
-
-    def names(self):
-        return list(self.saved.weights_of[0])
-
-    def weights(self):
-        return {name: self.saved.full_tensor(name) for name in self.names()}
-
-    def fp32_weights(self):
-        """The fp32 master weights when the checkpoint has them (mixed precision, ZeRO), else the weights."""
-        has_masters = self.saved.has_optimizer_state()
-        return {name: (self.saved.full_tensor(name, "master") if has_masters else self.saved.full_tensor(name)).float()
-                for name in self.names()}
-
-
-def _count_layers(weights):
-    return len({name.split(".")[2] for name in weights if name.startswith("transformer.layers.")})
-
-
-def read_full_checkpoint(load_dir, tag=None):
-    return FullCheckpoint(SavedCheckpoint(load_dir, tag))
-
-
-def write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=False,
-                          make_vocab_size_divisible_by=128):
-    """Write full `weights` (real vocabulary rows) as a 'release' checkpoint at `model_parallel_size` in the Megatron
-    layout (or the ZeRO layout with `deepspeed`), weights only: training loads it as --finetune does."""
-    from megatron import atomic_io
-    from megatron.tokenizer.tokenizer import vocab_size_with_padding
-    vocab = model_config["vocab_size"]
-    padded = vocab_size_with_padding(vocab, make_vocab_size_divisible_by, model_parallel_size)
-    shape = {"num_layers": model_config["num_layers"], "hidden_size": model_config["hidden_size"],
-             "num_attention_heads": model_config["num_attention_heads"], "padded_vocab_size": padded,
-             "model_parallel_size": model_parallel_size, "vocab_size": vocab,
-             "layernorm_epsilon": model_config.get("layernorm_epsilon", 1e-5)}
-    final_dir = os.path.join(save_dir, ckpt.RELEASE)
-    os.makedirs(save_dir, exist_ok=True)
-    atomic_io.prepare_empty_directory(final_dir + ".tmp")
-    for rank in range(model_parallel_size):
-        shards = {name: shard_for(name, full, model_parallel_size, rank, padded).contiguous().clone()
-                  for name, full in weights.items()}
-        run_state = {ckpt.ITERATION: 0, ckpt.MODEL_SHAPE: shape}
-        if deepspeed:
-            state = {ckpt.MODULE: shards, ckpt.LR_SCHEDULER: None, ckpt.GLOBAL_STEPS: 0, ckpt.SKIPPED_STEPS: 0,
-                     ckpt.MICRO_STEPS: 0, ckpt.CLIENT_STATE: run_state, ckpt.DATA_PARALLEL_SIZE: 1,
-                     ckpt.MODEL_PARALLEL_SIZE: model_parallel_size, ckpt.ZERO_STAGE: 0}
-            path = os.path.join(final_dir + ".tmp", ckpt.model_states_name(rank))
-        else:
-            state = {ckpt.MODEL: shards, **run_state}
-            path = os.path.join(final_dir + ".tmp", ckpt.megatron_rank_dir_name(rank), ckpt.CHECKPOINT_FILENAME)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        ckpt.atomic_torch_save(state, path)
-    atomic_io.publish_directory(final_dir + ".tmp", final_dir)
-    if deepspeed:
-        ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), ckpt.RELEASE)
-    ckpt.atomic_write_text(os.path.join(save_dir, ckpt.TRACKER_FILENAME), ckpt.RELEASE)
-    atomic_io.discard_old_directory(final_dir)
-    return final_dir

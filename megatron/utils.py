@@ -81,7 +81,8 @@ def _numpy_state():
 
 
 def set_rng_state(state):
-    """Restore what get_rng_state() returned."""
+    """Restore what get_rng_state() returned (without a "tracker" entry, e.g. from a checkpoint resized to another
+    model-parallel size, the model-parallel tracker keeps its seeded states)."""
     random.setstate((state["python_version"], tuple(int(x) for x in state["python"].tolist()),
                      state["python_gauss"]))
     numpy_state = state["numpy"]
@@ -90,7 +91,8 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    mpu.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "tracker" in state:
+        mpu.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 # ---------------------------------------------------------------------------------------------------- file names

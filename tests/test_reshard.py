@@ -320,3 +320,29 @@ def test_bad_checkpoints_name_the_problem(saved_mp2_dp2, tmp_path):
     os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     message = run_distributed(_load_expecting_error, 1, args=(mp1,))[0]
     assert f"{tag_dir} is not a checkpoint" in message, message
+
+
+def test_checkpoint_util_resizes_offline_with_the_full_state(saved_mp2_dp2, tmp_path):
+    """tools/checkpoint_util.py writes the mp2 x dp2 ZeRO-2 checkpoint at mp1 (ZeRO layout); the engine's own
+    loader (no load-time resharding: same path and size) then gives bitwise the saved state and continues alike."""
+    import subprocess
+    import sys
+    root, save_dir, straight, saved_state = saved_mp2_dp2
+    resized = str(tmp_path / "mp1")
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checkpoint_util.py")
+    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", resized,
+                             "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "resized checkpoint saved at mp2 x dp2 (zero-2) to mp1 (zero)" in result.stdout
+    flags = ["--deepspeed", "--deepspeed_config", os.path.join(root, "ds_config.json"), "--load", resized]
+    (resumed, loaded_state), = run_distributed(_load_gather_and_train, 1, args=(BASE + flags,))
+    for name, kinds in saved_state.items():
+        for kind, tensor in kinds.items():
+            assert torch.equal(loaded_state[name][kind], tensor), (name, kind)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed["lm loss"], straight["lm loss"][SAVE_AT:]))
+    assert resumed["iteration"][0] == SAVE_AT + 1 and worst <= 1e-5, (resumed["lm loss"], straight["lm loss"])
+    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path / "mp3"),
+                             "--target-tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "--target-tensor-parallel-size 3 does not divide the model's 4 attention heads" in result.stderr

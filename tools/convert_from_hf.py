@@ -5,7 +5,7 @@
 
 Reads config.json and model.safetensors (or a sharded model.safetensors.index.json, or pytorch_model.bin, loaded
 with weights_only=True); no hub access. Maps the names back (Conv1D weights transposed, the fused c_attn to
-query_key_value's rows) and writes a 'release' checkpoint through megatron.reshard.write_full_checkpoint: the
+query_key_value's rows) and writes a 'release' checkpoint through megatron.full_checkpoint.write_full_checkpoint: the
 Megatron layout, or the ZeRO layout with --deepspeed, split for --model-parallel-size, the vocabulary padded to a
 multiple of --make-vocab-size-divisible-by x model-parallel size (train with the same flag). Any vocabulary size
 is accepted. Bad input: one line, exit status 1.
@@ -106,7 +106,7 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
         weights, model_config = from_hf_state_dict(read_hf_weights(hf_dir), hf_config)
     except InterchangeError as error:
         raise ConversionError(f"{hf_dir}: {error}") from None
-    from megatron.reshard import write_full_checkpoint
+    from megatron.full_checkpoint import write_full_checkpoint
     try:
         write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=deepspeed,
                               make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -115,16 +115,16 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
     return model_config, sum(t.numel() for t in weights.values())
 
 
-def training_flags(model_config, args):
+def training_flags(model_config, options):
     """The pretrain_gpt.py flags that build the converted model."""
-    flags = ["--model-parallel-size", str(args.model_parallel_size), "--num-layers", str(model_config["num_layers"]),
+    flags = ["--model-parallel-size", str(options.model_parallel_size), "--num-layers", str(model_config["num_layers"]),
              "--hidden-size", str(model_config["hidden_size"]), "--num-attention-heads",
              str(model_config["num_attention_heads"]), "--max-position-embeddings",
              str(model_config["max_sequence_length"]), "--make-vocab-size-divisible-by",
-             str(args.make_vocab_size_divisible_by)]
+             str(options.make_vocab_size_divisible_by)]
     if model_config["layernorm_epsilon"] != 1e-5:
         flags += ["--layernorm-epsilon", repr(model_config["layernorm_epsilon"])]
-    return flags + (["--deepspeed"] if args.deepspeed else [])
+    return flags + (["--deepspeed"] if options.deepspeed else [])
 
 
 def parse_args(argv=None):
@@ -141,19 +141,19 @@ def parse_args(argv=None):
 
 def main(argv=None):
     """Returns the exit status (0, or 1 after printing one line to stderr)."""
-    args = parse_args(argv)
+    options = parse_args(argv)
     try:
-        model_config, parameters = convert(args.hf, args.save, args.model_parallel_size, args.deepspeed,
-                                           args.make_vocab_size_divisible_by)
+        model_config, parameters = convert(options.hf, options.save, options.model_parallel_size, options.deepspeed,
+                                           options.make_vocab_size_divisible_by)
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
-    layout = "ZeRO (--deepspeed)" if args.deepspeed else "Megatron"
-    print(f"wrote {args.save}: {layout} release checkpoint at model-parallel size {args.model_parallel_size} "
+    layout = "ZeRO (--deepspeed)" if options.deepspeed else "Megatron"
+    print(f"wrote {options.save}: {layout} release checkpoint at model-parallel size {options.model_parallel_size} "
           f"({model_config['num_layers']} layers, hidden {model_config['hidden_size']}, "
           f"{model_config['num_attention_heads']} heads, vocabulary {model_config['vocab_size']} padded to a multiple "
-          f"of {args.make_vocab_size_divisible_by * args.model_parallel_size}; {parameters:,} parameters). Train "
-          f"with --load {args.save} --finetune {' '.join(training_flags(model_config, args))}", flush=True)
+          f"of {options.make_vocab_size_divisible_by * options.model_parallel_size}; {parameters:,} parameters). Train "
+          f"with --load {options.save} --finetune {' '.join(training_flags(model_config, options))}", flush=True)
     return 0
 
 

@@ -60,9 +60,9 @@ def check_checkpoint_dir(load_dir):
 
 
 def read_checkpoint(load_dir):
-    """megatron.reshard.read_full_checkpoint with one-line errors."""
+    """megatron.full_checkpoint.read_full_checkpoint with one-line errors."""
     check_checkpoint_dir(load_dir)
-    from megatron.reshard import read_full_checkpoint
+    from megatron.full_checkpoint import read_full_checkpoint
     try:
         return read_full_checkpoint(load_dir)
     except (CheckpointError, OSError, ValueError, KeyError) as error:

@@ -34,7 +34,7 @@ def _tags(checkpoint_dir):
 
 
 def _read(checkpoint_dir, tag=None):
-    from megatron.reshard import read_full_checkpoint
+    from megatron.full_checkpoint import read_full_checkpoint
     try:
         return read_full_checkpoint(checkpoint_dir, tag)
     except (CheckpointError, OSError, ValueError, KeyError) as error:
