@@ -159,6 +159,43 @@ class SavedCheckpoint:
             full = full[:self.real_vocab_size]
         return full
 
+    def shard(self, name, kind, world_size, rank, padded_rows=None):
+        """Rank `rank`'s (of `world_size`) piece of `name`'s full tensor, read from only the overlapping parts of
+        the saved shards; the vocabulary re-padded with zero rows to `padded_rows`. None when not saved."""
+        dim, stride, vocab = partitioning(name)
+        if dim is None:
+            return self.full_tensor(name, kind)
+        saved_world = self.model_parallel_size
+        if saved_world == world_size and (not vocab or padded_rows in (None, self.padded_vocab_size())):
+            return self._shard(rank, name, kind)
+        shards = [self._shard(q, name, kind) for q in range(saved_world)]
+        if any(shard is None for shard in shards):
+            return None
+        saved_size = shards[0].shape[dim] * saved_world
+        limit = min(self.real_vocab_size or saved_size, saved_size) if vocab else saved_size
+        target_size = padded_rows if vocab and padded_rows is not None else saved_size
+        if vocab and target_size < limit:
+            raise ckpt.CheckpointError(f"{name}: the checkpoint's vocabulary ({limit}) does not fit this model's "
+                                       f"padded vocabulary ({target_size})")
+        if target_size % (world_size * stride) or saved_size % (saved_world * stride):
+            raise ckpt.CheckpointError(f"{name}: size {target_size} along dim {dim} does not split into "
+                                       f"{world_size} model-parallel ranks x stride {stride}")
+        saved_block, target_block = saved_size // stride, target_size // stride   # equal unless vocab (stride 1)
+        saved_piece, target_piece = saved_block // saved_world, target_block // world_size
+        pieces = []
+        for j in range(stride):
+            lo, hi = j * target_block + rank * target_piece, j * target_block + (rank + 1) * target_piece
+            shape = list(shards[0].shape)
+            shape[dim] = hi - lo
+            out = shards[0].new_zeros(shape)
+            for q, shard in enumerate(shards):
+                q_lo = j * saved_block + q * saved_piece
+                a, b = max(lo, q_lo), min(hi, q_lo + saved_piece, j * saved_block + limit)
+                if a < b:
+                    out.narrow(dim, a - lo, b - a).copy_(shard.narrow(dim, j * saved_piece + a - q_lo, b - a))
+            pieces.append(out)
+        return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+
     def _shard(self, rank, name, kind):
         weights = self.weights_of[rank]
         if name not in weights:

@@ -4,7 +4,7 @@ model-parallel size differs from this run's)."""
 import torch
 
 import mpu
-from megatron.reshard import partitioning, shard_for
+from megatron.reshard import partitioning
 from megatron.train_state import TrainState
 from megatron.zero import checkpoint as ckpt
 
@@ -39,12 +39,10 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
 
     def shard(name, kind):
         """This rank's piece of `name`'s full tensor: the parameter's dtype for weights, fp32 otherwise."""
-        full = saved.full_tensor(name, kind)
-        if full is None:
-            return None
         like = params[name]
         padded_rows = like.shape[0] * world if partitioning(name)[2] else None
-        return shard_for(name, full, world, rank, padded_rows).to(like.dtype if kind == "weight" else torch.float32)
+        piece = saved.shard(name, kind, world, rank, padded_rows)
+        return None if piece is None else piece.to(like.dtype if kind == "weight" else torch.float32)
 
     with torch.no_grad():
         for name, param in params.items():
@@ -83,25 +81,36 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
 
 
 def _load_megatron_optimizer(optimizer, module, saved, shard):
-    """torch Adam/AdamW, or FP16_Optimizer around it: its state dict rebuilt from the full tensors by name."""
+    """torch Adam/AdamW, or FP16_Optimizer around it: each parameter's fp32 master and moments copied into the
+    optimizer's own tensors one parameter at a time (no second copy of the state is ever built)."""
     from megatron.utils import optimizer_param_names
     inner = getattr(optimizer, "optimizer", optimizer)
-    names = [n for group in optimizer_param_names(module, optimizer) for n in group]
-    state = inner.state_dict()
+    params = dict(module.named_parameters())
+    masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params)) \
+        if hasattr(optimizer, "master_params") else {}
     saved_groups = {n: i for i, group in enumerate(saved.param_names) for n in group}
-    for index, name in enumerate(names):
-        moments = {kind: shard(name, kind) for kind in ("exp_avg", "exp_avg_sq")}
-        if any(value is None for value in moments.values()):
-            continue
-        scalars = saved.optimizer_scalars(saved_groups[name])
-        state["state"][index] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()},
-                                 **moments}
-    hyperparameters = saved.optimizer_hyperparameters() or []
-    for group, saved_group in zip(state["param_groups"], hyperparameters):
+    with torch.no_grad():
+        for name in (n for group in optimizer_param_names(module, optimizer) for n in group):
+            param = params[name]
+            stepped = masters.get(id(param), param)          # what the inner optimizer updates
+            if stepped is not param:
+                stepped.copy_(shard(name, "master"))
+                param.copy_(stepped)
+            state = inner.state.setdefault(stepped, {})
+            for kind in ("exp_avg", "exp_avg_sq"):
+                value = shard(name, kind)
+                if value is None:
+                    inner.state.pop(stepped, None)
+                    break
+                if kind in state:
+                    state[kind].copy_(value)
+                else:
+                    state[kind] = value
+            else:
+                state.update({k: v.clone() if torch.is_tensor(v) else v
+                              for k, v in saved.optimizer_scalars(saved_groups[name]).items()})
+    for group, saved_group in zip(inner.param_groups, saved.optimizer_hyperparameters() or []):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    if hasattr(optimizer, "master_params"):  # FP16_Optimizer
-        masters = [shard(name, "master") for name in names]
-        optimizer.load_state_dict({"optimizer": state, "loss_scaler": saved.loss_scaler_state(),
-                                   "fp32_master_params": masters, "overflow": False})
-    else:
-        inner.load_state_dict(state)
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and saved.loss_scaler_state() is not None:
+        scaler.load_state_dict(saved.loss_scaler_state())

@@ -14,6 +14,14 @@ ways alternate which runs first, so page-cache state and machine load affect bot
     ours load         load_checkpoint: checks, weights_only load, and copying into model, optimizer, scheduler, RNG
 Ratios: ours save / plain save (and / plain save+fsync); ours load / plain load+apply.
 Target: >= 0.8x (atomicity must not cost more).
+
+`--reshard` adds a second table: the same mp-1 checkpoint loaded by fresh processes at model-parallel 1 (the
+saving size: the path's own loader) and at 2 and 4 (megatron.reshard, reading only the overlapping pieces of the
+memory-mapped shards): seconds per process (median over repeats), and per process its anonymous resident memory
+(RssAnon; the touched pages of a memory-mapped file are page cache), the bytes it owns (weights + Adam moments of
+its shard), the peak growth during the load (sampled every 2 ms), and the largest tensor.
+Targets: resharding <= 1.5x the plain load's time; growth <= the largest tensor (the share itself was allocated
+when the model and optimizer were built).
 """
 import argparse
 import contextlib
@@ -115,11 +123,77 @@ def bench(name, repeats, root):
     return size, {key: size / 1e6 / statistics.median(values) for key, values in times.items()}
 
 
+def _reshard_worker(name, load_dir, repeats):
+    """In a fresh process at this model-parallel size: build, then time load_checkpoint of load_dir and sample its
+    anonymous memory (RssAnon: the file pages a memory-mapped load touches are page cache, not counted)."""
+    import threading
+    times, growth = [], []
+    model, optimizer, scheduler = build(*SIZES[name])
+    share = sum(p.numel() * 4 * 3 for p in model.parameters())          # weights + exp_avg + exp_avg_sq, fp32
+    largest = max(p.numel() * 4 for p in model.parameters()) * mpu.get_model_parallel_world_size()
+    for _ in range(repeats):
+        before, peak, done = _rss_anon_mb(), [0.0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_anon_mb())
+                time.sleep(0.002)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        with contextlib.redirect_stdout(io.StringIO()):
+            times.append(timed(lambda: load_checkpoint(model, optimizer, scheduler, CheckpointOptions(load=load_dir))))
+        done.set()
+        sampler.join()
+        growth.append(max(peak[0], _rss_anon_mb()) - before)
+    return {"seconds": statistics.median(times), "anon": _rss_anon_mb(), "share": share / 1e6,
+            "growth": max(growth), "largest": largest / 1e6}
+
+
+def _rss_anon_mb():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def bench_reshard(name, repeats, root):
+    """Save once at mp 1; load it at mp 1, 2 and 4 in fresh processes. Returns rows for the table."""
+    from megatron.spawn import run_distributed
+    model, optimizer, scheduler = build(*SIZES[name])
+    load_dir = os.path.join(root, f"reshard_{name}")
+    with contextlib.redirect_stdout(io.StringIO()):
+        save_checkpoint(TrainState(iteration=1), model, optimizer, scheduler, CheckpointOptions(save=load_dir))
+    del model, optimizer, scheduler
+    rows = []
+    for world in (1, 2, 4):
+        results = run_distributed(_reshard_worker, world, args=(name, load_dir, repeats), model_parallel_size=world,
+                                  timeout=1800)
+        rows.append((world, results))
+    shutil.rmtree(load_dir)
+    return rows
+
+
+def print_reshard_table(name, rows):
+    columns = ["state", "loaded at", "seconds/process", "vs plain", "anon RSS MB/process", "owned MB/process",
+               "anon growth in load MB/process", "largest tensor MB"]
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
+    plain = rows[0][1][0]["seconds"]
+    for world, results in rows:
+        seconds = max(r["seconds"] for r in results)
+        how = "mp1 (own loader)" if world == 1 else f"mp{world} (resharded)"
+        cells = [name, how, f"{seconds:.2f}", f"{seconds / plain:.2f}x", f"{max(r['anon'] for r in results):.0f}",
+                 f"{results[0]['share']:.0f}", f"{max(r['growth'] for r in results):.0f}",
+                 f"{results[0]['largest']:.0f}"]
+        print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,1gb", help=f"comma-separated from {sorted(SIZES)}")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)")
+    parser.add_argument("--reshard", action="store_true",
+                        help="also load each size at model-parallel 1, 2, 4 in fresh processes (resharding table)")
     options = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as sock:
@@ -144,6 +218,9 @@ def main():
                      f"{rate['ours load'] / rate['plain load+apply']:.2f}x"]
             print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |",
                   flush=True)
+        if options.reshard:
+            for name in options.sizes.split(","):
+                print_reshard_table(name, bench_reshard(name, options.repeats, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()

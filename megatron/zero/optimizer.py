@@ -183,7 +183,9 @@ class ZeroOptimizer:
         (None: not saved). Only the parameters that overlap this rank's range are asked for."""
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
-            values = {kind: torch.zeros_like(master) for kind in ("exp_avg", "exp_avg_sq")}
+            held = self.optimizer.state.get(master, {})   # reuse this rank's moment buffers when they exist
+            values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master)
+                      for kind in ("exp_avg", "exp_avg_sq")}
             with torch.no_grad():
                 master.zero_()
                 for param_index, lo, hi in group.segments(start, end):
