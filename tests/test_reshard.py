@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.spawn import run_distributed
+from tests.test_deepspeed_path import write_config
 from tests.test_training import NO_DROPOUT, TINY
 
 SAVE_AT, TOTAL = 3, 8
@@ -22,11 +23,13 @@ BASE = BASE + NO_DROPOUT
 
 
 def _config(directory, **overrides):
-    config = {"train_batch_size": 4, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                    "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}}
-    config.update(overrides)
-    path = os.path.join(directory, "ds_config.json")
+    """test_deepspeed_path's ZeRO-2 config with the batch given as train_batch_size 4 only, so the micro batch
+    follows the data-parallel size and the global batch stays 4 at every topology."""
+    path = write_config(directory, **overrides)
+    with open(path) as handle:
+        config = json.load(handle)
+    del config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    config.setdefault("train_batch_size", 4)
     with open(path, "w") as handle:
         json.dump(config, handle)
     return path
