@@ -349,3 +349,22 @@ def test_checkpoint_util_resizes_offline_with_the_full_state(saved_mp2_dp2, tmp_
                              "--target-tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
     assert "--target-tensor-parallel-size 3 does not divide the model's 4 attention heads" in result.stderr
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stage0_and_stage1_checkpoints_load_on_the_megatron_path(tmp_path, stage):
+    """Saved by ZeRO stage 0 (every data-parallel file a full copy) or 1 (partitioned masters and moments) at
+    dp2, loaded by the Megatron path at dp1: bitwise the saved state, and the same continuation."""
+    config = _config(str(tmp_path), zero_optimization={"stage": stage, "reduce_bucket_size": 3000,
+                                                       "allgather_bucket_size": 3000})
+    save_dir = str(tmp_path / "ckpt")
+    args = BASE + ["--deepspeed", "--deepspeed_config", config, "--save", save_dir, "--save-interval", str(SAVE_AT)]
+    (straight, saved_state), _ = run_distributed(_train_capturing_saved_state, 2, args=(args, SAVE_AT))
+    _set_tracker(save_dir, SAVE_AT)
+    (resumed, loaded_state), = run_distributed(_load_gather_and_train, 1,
+                                               args=(BASE + ["--batch-size", "4", "--load", save_dir],))
+    for name, kinds in saved_state.items():
+        for kind, tensor in kinds.items():
+            assert torch.equal(loaded_state[name][kind], tensor), (stage, name, kind)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed["lm loss"], straight["lm loss"][SAVE_AT:]))
+    assert worst <= 1e-5, (stage, resumed["lm loss"], straight["lm loss"])
