@@ -6,9 +6,14 @@ attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one 
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
 The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
+
+Incremental decoding: pass one `InferenceCache` through `ParallelTransformer.forward(..., inference_cache=cache)`
+(GPT2Model.forward does). Each attention layer appends this step's keys/values (its own heads/p heads) to its slot,
+so a step feeds only the new tokens; `cache.sequence_length` is how many positions are already cached.
 """
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -30,6 +35,30 @@ def scaled_init_method_normal(std, num_layers):
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+class LayerPast:
+    """One attention layer's cached keys and values, [b, heads/p, t, head_dim] each (None before the first step)."""
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    @property
+    def length(self):
+        return 0 if self.key is None else self.key.size(2)
+
+
+class InferenceCache:
+    """Keys/values of every layer for the tokens already processed (inference only; never used in training)."""
+
+    def __init__(self, num_layers):
+        self.layers = [LayerPast() for _ in range(num_layers)]
+
+    @property
+    def sequence_length(self):
+        """Positions already cached: the next token's position id."""
+        return self.layers[0].length if self.layers else 0
+
+
 class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  init_method, output_layer_init_method, rng_tracker=None):
@@ -47,19 +76,32 @@ class ParallelSelfAttention(nn.Module):
                                        init_method=output_layer_init_method)
         self.output_dropout = nn.Dropout(output_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None):
-        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, s], True = masked out.
+    def forward(self, hidden_states, attention_mask=None, layer_past=None):
+        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, t], True = masked out,
+        # t = past + s keys. layer_past: a LayerPast to read the cached keys/values from and append this step's to.
         b, s, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states)                                # [b, s, 3h/p]
         q, k, v = qkv.split(self.hidden_size_per_partition, dim=-1)               # 3 x [b, s, h/p]
         q, k, v = (t.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        past = 0
+        if layer_past is not None:
+            past = layer_past.length
+            if past:
+                k = torch.cat([layer_past.key, k], dim=2)                         # [b, heads/p, past + s, d]
+                v = torch.cat([layer_past.value, v], dim=2)
+            layer_past.key, layer_past.value = k, v
         dropout_p = self.attention_dropout_prob if self.training else 0.0
         # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream.
         with self.rng_tracker.fork():
-            if attention_mask is None:
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            else:
+            if attention_mask is not None:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
+            elif past == 0:  # query length == key length: SDPA's own causal mask
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            elif s == 1:     # one new token sees every cached key and itself
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+            else:            # all past keys, causal over the s new ones (is_causal would align top-left)
+                allowed = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
         context = context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
         return self.output_dropout(self.dense(context))                           # [b, s, h]
 
@@ -90,8 +132,9 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method)
 
-    def forward(self, hidden_states, attention_mask=None):
-        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask)
+    def forward(self, hidden_states, attention_mask=None, layer_past=None):
+        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask,
+                                                       layer_past)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -133,8 +176,17 @@ class ParallelTransformer(nn.Module):
             return hidden_states
         return run
 
-    def forward(self, hidden_states, attention_mask=None):
-        if self.checkpoint_activations and self.training:
+    def new_inference_cache(self):
+        """An empty InferenceCache for this stack (one slot per layer)."""
+        return InferenceCache(len(self.layers))
+
+    def forward(self, hidden_states, attention_mask=None, inference_cache=None):
+        """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
+        checkpointed."""
+        if inference_cache is not None:
+            for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
+                hidden_states = layer(hidden_states, attention_mask, layer_past)
+        elif self.checkpoint_activations and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
             for start in range(0, len(self.layers), self.checkpoint_num_layers):
                 end = min(start + self.checkpoint_num_layers, len(self.layers))

@@ -93,16 +93,27 @@ class GPT2Model(nn.Module):
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker)
 
-    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
-        """input_ids, position_ids, labels: [b, s]; attention_mask: None (causal) or bool [b|1, 1, s, s].
+    def new_inference_cache(self):
+        """An empty KV cache to pass as forward(..., inference_cache=cache) step after step."""
+        return self.transformer.new_inference_cache()
 
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, inference_cache=None):
+        """input_ids, position_ids, labels: [b, s]; attention_mask: None (causal) or bool [b|1, 1, s, t]
+        (t = cached + s positions).
+
+        position_ids=None: cached length + 0..s-1 (0..s-1 without a cache). inference_cache (from
+        new_inference_cache()): incremental decoding; this call's keys/values are appended to it.
         Returns per-token losses [b, s] when labels are given, else logits [b, s, V/p] (parallel_output) or
         [b, s, V] (gathered).
         """
+        if position_ids is None:
+            start = inference_cache.sequence_length if inference_cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.size(1), device=input_ids.device).unsqueeze(0)
+            position_ids = position_ids.expand_as(input_ids)
         words = self.word_embeddings(input_ids)                               # [b, s, h]
         positions = self.position_embeddings(position_ids)                    # [b, s, h]
         hidden = self.embedding_dropout(words + positions)
-        hidden = self.transformer(hidden, attention_mask)                     # [b, s, h]
+        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
         hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
         logits_parallel = torch.nn.functional.linear(hidden_parallel, self.word_embeddings.weight)  # [b, s, V/p]
         if labels is not None:

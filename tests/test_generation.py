@@ -1,0 +1,152 @@
+"""Text generation: the KV cache, sampling on model-parallel rank 0, the real-vocabulary clamp, and
+tools/generate_samples_gpt.py. Greedy tokens are compared with Hugging Face GPT2LMHeadModel.generate on the same
+weights; at model-parallel 2 the model (built from the same seed) holds the same full weights as at mp 1."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.spawn import free_port, run_distributed
+from tests.test_gpt2_model import copy_into_hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = dict(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4, max_sequence_length=24,
+              init_method_std=0.1)
+PROMPTS = [[5, 9, 3, 17, 40, 2, 8], [11], [60, 61, 7, 33]]
+NEW = 10
+
+
+def build_model(seed=1234, **overrides):
+    import mpu
+    from megatron.model import GPT2Model, GPT2ModelConfig
+    mpu.model_parallel_cuda_manual_seed(seed)
+    return GPT2Model(GPT2ModelConfig(**dict(CONFIG, **overrides)), parallel_output=False).eval()
+
+
+def _hf_greedy(model):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=CONFIG["vocab_size"], n_positions=CONFIG["max_sequence_length"],
+                                    n_embd=CONFIG["hidden_size"], n_layer=CONFIG["num_layers"],
+                                    n_head=CONFIG["num_attention_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=None, pad_token_id=0)).eval()
+    copy_into_hf(model, hf)
+    out = []
+    for prompt in PROMPTS:   # one prompt at a time: no padding on the reference side
+        ids = torch.tensor([prompt])
+        generated = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                                min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+def _greedy(with_hf):
+    from megatron.text_generation import generate
+    model = build_model()
+    result = {"cache": generate(model, PROMPTS, NEW, greedy=True),
+              "recompute": generate(model, PROMPTS, NEW, greedy=True, use_cache=False),
+              "alone": [generate(model, [p], NEW, greedy=True)[0] for p in PROMPTS]}
+    # Chunks of several new tokens after a cached prefix (causal over the new ones) == one full forward.
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_inference_cache()
+    with torch.no_grad():
+        chunks = torch.cat([model(tokens[:, a:b], inference_cache=cache) for a, b in ((0, 3), (3, 4), (4, 12))], 1)
+        result["chunk_error"] = (chunks - model(tokens)).abs().max().item()
+    if with_hf:
+        result["hf"] = _hf_greedy(model)
+        with pytest.raises(ValueError, match=r"prompt 1 has 25 tokens, longer than the position table "
+                                             r"\(max_sequence_length 24\)"):
+            generate(model, [[1], [2] * 25], NEW, greedy=True)
+    return result
+
+
+def test_greedy_cache_matches_recompute_and_huggingface_at_mp_1_and_2():
+    reference = run_distributed(_greedy, 1, args=(True,), model_parallel_size=1)[0]
+    assert all(len(t) == NEW for t in reference["hf"])
+    assert reference["cache"] == reference["recompute"] == reference["alone"] == reference["hf"]
+    assert reference["chunk_error"] <= 1e-5
+    for rank_result in run_distributed(_greedy, 2, args=(False,), model_parallel_size=2):
+        assert rank_result["cache"] == rank_result["recompute"] == reference["hf"]
+        assert rank_result["chunk_error"] <= 1e-5
+
+
+def _sampled():
+    import mpu
+    from megatron.text_generation import generate
+    model = build_model()
+    rank = mpu.get_model_parallel_rank()
+    # Each rank passes another seed: only model-parallel rank 0's generator draws, the others get its ids.
+    kwargs = dict(temperature=1.0, top_k=20, top_p=0.95)
+    first = generate(model, PROMPTS, NEW, seed=7 + rank, **kwargs)
+    again = generate(model, PROMPTS, NEW, seed=7 + rank, **kwargs)
+    other = generate(model, PROMPTS, NEW, seed=8 + rank, **kwargs)
+    recompute = generate(model, PROMPTS, NEW, seed=7 + rank, use_cache=False, **kwargs)
+    eod = generate(model, PROMPTS, NEW, seed=7 + rank, eod_id=first[0][2], **kwargs)
+    return first, again, other, recompute, eod
+
+
+def test_sampling_is_seeded_and_identical_on_every_model_parallel_rank():
+    results = run_distributed(_sampled, 2, model_parallel_size=2)
+    first, again, other, recompute, eod = results[0]
+    assert results[1] == results[0]
+    assert first == again == recompute
+    assert other != first
+    assert eod[0] == first[0][:3]           # stops right after producing end-of-document
+    assert all(len(t) == NEW for t in first)
+
+
+def _padded_vocab():
+    import mpu
+    from megatron.text_generation import generate
+    real = 50
+    model = build_model(real_vocab_size=real)
+    world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    weight = model.word_embeddings.weight
+    rows = torch.arange(weight.size(0)) + rank * (CONFIG["vocab_size"] // world)
+    with torch.no_grad():  # the final hidden state is all ones: a padded id's logit is 32 * 10
+        model.transformer.final_layernorm.weight.zero_()
+        model.transformer.final_layernorm.bias.fill_(1.0)
+        weight[rows >= real] = 10.0
+        logits = model(torch.tensor(PROMPTS[:1]))
+    assert int(logits[0, -1].argmax()) >= real  # unclamped, a padded id would win
+    prompts = [[t % real for t in p] for p in PROMPTS]
+    greedy = generate(model, prompts, NEW, greedy=True)
+    sampled = generate(model, prompts, NEW, temperature=2.0, seed=3)
+    return greedy + sampled
+
+
+def test_padded_vocabulary_ids_are_never_generated():
+    for tokens in run_distributed(_padded_vocab, 2, model_parallel_size=2):
+        assert all(0 <= t < 50 for row in tokens for t in row) and all(len(row) == NEW for row in tokens)
+
+
+MODEL = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--make-vocab-size-divisible-by", "8"]
+
+
+def _pretrain(save_dir):
+    import pretrain_gpt
+    pretrain_gpt.main(MODEL + ["--batch-size", "2", "--train-iters", "2", "--log-interval", "100",
+                               "--eval-iters", "0", "--lr-decay-iters", "100", "--warmup", "0.1",
+                               "--save", save_dir])
+
+
+def test_generate_samples_cli_at_model_parallel_2(tmp_path):
+    save = str(tmp_path / "save")
+    run_distributed(_pretrain, 1, args=(save,))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("5 9 3\n11\n60 61 7 33 2\n")
+    out = tmp_path / "samples.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+               "--master_port", str(free_port()), "tools/generate_samples_gpt.py", *MODEL,
+               "--model-parallel-size", "2", "--load", save, "--sample-input-file", str(prompts),
+               "--sample-output-file", str(out), "--out-seq-length", "6", "--top_k", "5", "--batch-size", "2"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    blocks = out.read_text().strip().split("\n\n")
+    assert blocks[0] == "Context: 5 9 3" and blocks[2] == "Context: 11" and blocks[4] == "Context: 60 61 7 33 2"
+    for block in blocks[1::2]:
+        ids = [int(t) for t in block.removeprefix("Megatron-LM: ").split()]
+        assert len(ids) == 6 and all(0 <= t < 64 for t in ids)
