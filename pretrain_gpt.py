@@ -11,6 +11,7 @@ import torch
 import mpu
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
+from megatron.operations import NonFiniteError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0, reduce_losses
 from megatron.zero import ConfigError
@@ -94,7 +95,7 @@ def shutdown():
 if __name__ == "__main__":
     try:
         main()
-    except (CheckpointError, ConfigError) as error:  # bad input: one line naming the file and the fix
+    except (CheckpointError, ConfigError, NonFiniteError) as error:  # one line naming the file (value) and fix
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     shutdown()

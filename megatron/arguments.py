@@ -74,6 +74,9 @@ def _add_training_args(parser):
     group.add_argument("--checkpoint-num-layers", type=int, default=1)
     group.add_argument("--DDP-impl", dest="DDP_impl", choices=["local", "torch"], default="local")
     group.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes")
+    group.add_argument("--skip-nonfinite-steps", action="store_true",
+                       help="fp32/bf16: when the loss or the global gradient norm is NaN/inf, skip that step "
+                            "(parameters and optimizer state unchanged) instead of stopping the run")
     return parser
 
 
@@ -159,6 +162,9 @@ def _add_data_args(parser):
 def _add_logging_args(parser):
     group = parser.add_argument_group("logging")
     group.add_argument("--tensorboard-dir", type=str, default=None)
+    group.add_argument("--log-jsonl", type=str, default=None, metavar="FILE",
+                       help="append one JSON object per log interval (rank 0): every field of the log line, the "
+                            "phase timers and memory")
     return parser
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 import mpu
-from megatron import zero
+from megatron import memory, operations, zero
 from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.initialize import initialize_megatron
@@ -108,6 +108,7 @@ def setup_model_and_optimizer(model_provider):
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
                                                             dist_init_required=False, config=args.zero_config)
+        optimizer.skip_nonfinite = not args.fp16   # a NaN/inf step is never applied; train() stops or skips
     options = CheckpointOptions.from_args(args)
     train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if args.load else TrainState()
     return model, optimizer, lr_scheduler, train_state
@@ -157,7 +158,12 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
         timers("optimizer").start()
         model.step()  # a no-op except at the gradient-accumulation boundary
         timers("optimizer").stop()
-    return _average(losses), int(optimizer.overflow), model.get_global_grad_norm()
+    grad_norm = model.get_global_grad_norm()
+    if not args.fp16 and operations.is_nonfinite(losses, grad_norm):
+        param = optimizer.last_nonfinite_param
+        name = next((n for n, p in model.module.named_parameters() if p is param), None)
+        raise operations.NonFiniteStep(_average(losses), grad_norm, operations.gather_first_name(name))  # skipped
+    return _average(losses), int(optimizer.overflow), grad_norm
 
 
 def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
@@ -173,6 +179,10 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
             reduced, norm = _forward_backward(forward_step_func, data_iterator, model, optimizer, index)
         losses.append(reduced)
         grad_norm = norm if norm is not None else grad_norm
+    if not args.fp16 and operations.is_nonfinite(losses, grad_norm):   # fp16: the loss scaler skips overflows
+        name = operations.gather_first_name(operations.first_nonfinite_gradient(unwrap_model(model)))
+        optimizer.zero_grad()
+        raise operations.NonFiniteStep(_average(losses), grad_norm, name)
     timers("optimizer").start()
     took_step = optimizer.step()
     skipped_iter = 0 if took_step is None or took_step else 1
@@ -207,6 +217,7 @@ def _flops_per_iteration(args):
 
 
 def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):
+    """Print the log line (rank 0); returns the same fields as a dict (the --log-jsonl record's core)."""
     args = get_args()
     iteration = train_state.iteration
     tokens_per_second = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
@@ -224,6 +235,29 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
         writer.add_scalar("loss_scale", loss_scale, iteration)
         for key, value in loss_dict.items():
             writer.add_scalar(key, value, iteration)
+        if grad_norm is not None:
+            writer.add_scalar("grad_norm", float(grad_norm), iteration)
+        writer.add_scalar("skipped_iterations", train_state.skipped_iterations, iteration)
+        writer.add_scalar("ms_per_iteration", elapsed_ms, iteration)
+        writer.add_scalar("tokens_per_second", tokens_per_second, iteration)
+        writer.add_scalar("tflops_per_rank", tflops, iteration)
+    return {"iteration": iteration, "train_iters": args.train_iters,
+            "consumed_samples": train_state.consumed_train_samples, "learning_rate": lr,
+            "losses": dict(loss_dict), "loss_scale": float(loss_scale),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped_iterations": train_state.skipped_iterations, "ms_per_iteration": elapsed_ms,
+            "tokens_per_second": tokens_per_second, "tflops_per_rank": tflops}
+
+
+def _print_model_state_estimate(model, args):
+    """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
+    zero_config = args.zero_config.zero_optimization if args.zero_config is not None else None
+    counts = [sum(p.numel() for p in group["params"])
+              for group in _param_groups_for_weight_decay(unwrap_model(model))]
+    estimate = operations.model_state_estimate(counts, args, zero_config)
+    setting = operations.memory_setting(args, zero_config)
+    print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
+    return estimate, setting
 
 
 def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator, train_state):
@@ -236,9 +270,22 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     exit_controller = ExitController(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler)
     options = CheckpointOptions.from_args(args)
     interval_losses, interval_start = {}, time.time()
+    first_iteration = train_state.iteration + 1
+    estimate, setting = _print_model_state_estimate(model, args)
     while train_state.iteration < args.train_iters:
-        loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
-                                                        lr_scheduler)
+        try:
+            loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
+                                                            lr_scheduler)
+        except operations.NonFiniteStep as step:
+            message = step.describe(train_state.iteration + 1)
+            if not args.skip_nonfinite_steps:
+                saved = history["last_saved_iteration"]
+                exit_controller.close()
+                raise operations.NonFiniteError(f"{message}; stopping without saving (the latest checkpoint stays "
+                                     f"{'the one loaded' if saved is None else f'iteration {saved}'}; "
+                                     f"--skip-nonfinite-steps skips such steps instead)") from None
+            print_rank_0(f" skipped step: {message} (--skip-nonfinite-steps)")
+            loss_dict, skipped_iter, grad_norm = step.losses, 1, step.grad_norm
         train_state.iteration += 1
         train_state.consumed_train_samples += args.global_batch_size
         train_state.skipped_iterations += skipped_iter
@@ -252,12 +299,25 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
         history["skipped"].append(skipped_iter)
         history["grad norm"].append(None if grad_norm is None else float(grad_norm))
         history["lr"].append(optimizer.param_groups[0]["lr"])
+        if iteration == first_iteration:
+            history["model_state_measured"] = operations.measured_model_state(model, optimizer, args)
+            print_rank_0(f" > model-state memory measured after step {iteration} (bytes, {setting}): "
+                         f"{memory.format_bytes(history['model_state_measured'])}")
+            history["model_state_estimate"] = estimate
         if iteration % args.log_interval == 0:
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
             averages = {key: value / args.log_interval for key, value in interval_losses.items()}
             lr = optimizer.param_groups[0]["lr"]
-            training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer)
-            timers.log(["forward", "backward", "allreduce", "optimizer"], normalizer=args.log_interval)
+            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer)
+            phases = operations.phase_ms(timers, args.log_interval)
+            if writer is not None:
+                for name, value in phases.items():
+                    if value is not None:
+                        writer.add_scalar(f"{name}_ms", value, iteration)
+            timers.log([name for name in operations.PHASES if phases[name] is not None], normalizer=args.log_interval)
+            if args.log_jsonl and args.rank == 0:
+                operations.write_jsonl_record(args.log_jsonl, {**record, "timers_ms": phases,
+                                                               "memory": operations.memory_now()})
             interval_losses, interval_start = {}, time.time()
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
             history["valid"].append(evaluate_and_print_results(f"iteration {iteration}", forward_step_func,

@@ -5,7 +5,9 @@ rank's fp32 master slice of that group's flat buffer, so a learning-rate schedul
 keeps working. In fp32 the master slice is a view of the parameters' own flat buffer (no copy).
 
     step():  1. norm + overflow over all partitions, data- and model-parallel ranks
-             2. loss-scaler update; on overflow: zero gradients, return False (every rank skips)
+             2. loss-scaler update; on overflow: zero gradients, return False (every rank skips); in fp32/bf16 the
+                same for a NaN/inf gradient when `skip_nonfinite` is set (the training loop sets it, then stops
+                the run or counts the skip)
              3. master.grad = partition gradient x (clip coefficient / loss scale)
              4. inner optimizer step on the fp32 master slices
              5. copy slices into the low-precision parameters; all-gather the slices
@@ -34,6 +36,11 @@ class ZeroOptimizer:
         self.loss_scaler = LossScaler(scaler_config)
         self.overflow = False
         self.last_grad_norm = None
+        # fp32/bf16 (no loss scaler): with skip_nonfinite a NaN/inf gradient skips the step like an fp16 overflow
+        # (parameters and optimizer state untouched); last_nonfinite_param is this rank's first parameter (group
+        # order, flat order) whose own-partition gradient was non-finite, or None.
+        self.skip_nonfinite = False
+        self.last_nonfinite_param = None
         num_partitions = ctx.data_parallel_size if stage >= 1 else 1
         self.groups = [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
                        for g in optimizer.param_groups]
@@ -90,6 +97,11 @@ class ZeroOptimizer:
         if self.fp16:
             self.loss_scaler.update(found_inf)
         self.last_grad_norm = norm
+        self.last_nonfinite_param = None
+        if found_inf and not self.fp16 and self.skip_nonfinite:
+            self.last_nonfinite_param = self._first_nonfinite_param(partition_grads)
+            self.reducer.zero()
+            return False
         if self.overflow:
             self.reducer.zero()
             return False
@@ -107,6 +119,15 @@ class ZeroOptimizer:
             group.all_gather(self.ctx.data_parallel_group, self.zero_config.allgather_bucket_size)
         self.reducer.zero()
         return True
+
+    def _first_nonfinite_param(self, partition_grads):
+        for group, grad in zip(self.groups, partition_grads):
+            bad = (~torch.isfinite(grad)).nonzero()
+            if bad.numel():
+                offset = group.own_range[0] + int(bad[0])
+                for index, _, _ in group.segments(offset, offset + 1):
+                    return group.params[index]
+        return None
 
     # ---- memory accounting (tests, benchmark) --------------------------------------------------------------
     def partitioned_state_bytes(self):

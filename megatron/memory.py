@@ -1,0 +1,154 @@
+"""Model-state and activation memory per rank, computed from shapes alone (no hardware, no global args).
+
+Model states (the ZeRO paper, Rajbhandari et al. 2020, mixed precision + Adam, K = 12 bytes of fp32 optimizer state
+per parameter: master weights 4 + two Adam moments 8), for P parameters on this model-parallel rank and
+data-parallel size dp, in the 2-byte case:
+
+    stage 0:  2P params + 2P grads + 12P          stage 1:  2P + 2P + 12P/dp          stage 2:  2P + (2 + 12)P/dp
+
+What our engine (megatron/zero) really allocates, which `model_state_bytes` reproduces to the byte:
+  * one flat buffer per optimizer param group, padded to a multiple of (partitions x 32) elements (partition.py);
+    partitions = dp for stages 1-2, 1 for stage 0; every rank holds the whole flat buffer of 16-bit params;
+  * gradients in the params' dtype: the whole padded flat buffer in stages 0-1, this rank's partition in stage 2;
+  * fp32 master = this rank's partition, a copy only when the params are not fp32 (in fp32 it is a view: 0 bytes);
+  * Adam's exp_avg and exp_avg_sq: fp32, this rank's partition (allocated by the first optimizer step);
+  * stage 2 reduce buckets (not part of `total`, an upper bound): with contiguous_gradients a pool of buffers of
+    min(reduce_bucket_size, largest group) elements, at most one per param group being filled plus MAX_IN_FLIGHT
+    in flight with overlap_comm; stages 0-1 reduce in place (0).
+`offload=True` (DeepSpeed's offload_optimizer, not implemented by our engine) moves master and moments to host
+memory: they are reported under "host" and leave the device total.
+
+The Megatron path (no --deepspeed) is `alignment=1, dp=1, stage=0` plus, in fp16/bf16, FP16_Optimizer's fp32 master
+gradients (`master_grads=True`).
+"""
+import torch
+
+from megatron.zero.bucketing import MAX_IN_FLIGHT
+from megatron.zero.partition import ALIGNMENT
+
+KINDS = ("parameters", "gradients", "master", "moments")
+
+
+def _dtype(dtype):
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+    return names[str(dtype).replace("torch.", "")]
+
+
+def _padded(numel, partitions, alignment):
+    unit = partitions * alignment
+    return -(-numel // unit) * unit
+
+
+def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=False, reduce_bucket_size=None,
+                      contiguous_gradients=True, overlap_comm=False, alignment=ALIGNMENT, master_grads=False):
+    """Bytes per rank by kind: {"parameters", "gradients", "master", "moments", "total", "buckets", "host"}.
+
+    `num_params_on_this_mp_rank`: an int (one param group) or the element counts of each optimizer param group
+    (exact to the byte: each group is padded on its own). `dtype`: the training dtype of the parameters
+    (torch dtype or "fp16"/"bf16"/"fp32"). "total" = parameters + gradients + master + moments (+ master gradients
+    with `master_grads`); "buckets" is the stage-2 bucket bound (None when reduce_bucket_size is not given);
+    "host" is what `offload` keeps in host memory.
+    """
+    counts = [int(num_params_on_this_mp_rank)] if isinstance(num_params_on_this_mp_rank, int) \
+        else [int(n) for n in num_params_on_this_mp_rank]
+    if stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage {stage}: this estimate covers stages 0, 1 and 2")
+    dtype = _dtype(dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    partitions = dp if stage >= 1 else 1
+    padded = [_padded(n, partitions, alignment) for n in counts]
+    own = [p // partitions for p in padded]
+    result = {"parameters": sum(padded) * size,
+              "gradients": (sum(own) if stage == 2 else sum(padded)) * size,
+              "master": 0 if dtype == torch.float32 else sum(own) * 4,
+              "moments": 2 * sum(own) * 4}
+    if master_grads and dtype != torch.float32:
+        result["master_gradients"] = sum(own) * 4
+    host = 0
+    if offload:
+        host = result["master"] + result["moments"]
+        result["master"] = result["moments"] = 0
+    result["total"] = sum(result.values())
+    result["host"] = host
+    if stage == 2 and reduce_bucket_size is not None and counts:
+        pool = min(reduce_bucket_size, max(counts))
+        buffers = len(counts) + (MAX_IN_FLIGHT if overlap_comm else 0)
+        result["buckets"] = buffers * pool * size if contiguous_gradients else buffers * reduce_bucket_size * size
+    else:
+        result["buckets"] = 0 if stage < 2 else None
+    return result
+
+
+def measured_model_state_bytes(zero_optimizer):
+    """The same kinds summed over the engine's real tensors (ZeroOptimizer.partitioned_state_bytes), with
+    "buckets" the peak bucket bytes seen (stage 2)."""
+    held = zero_optimizer.partitioned_state_bytes()
+    result = {kind: held[kind] for kind in KINDS}
+    result["total"] = sum(result.values())
+    result["buckets"] = getattr(zero_optimizer.reducer, "peak_bucket_bytes", 0)
+    return result
+
+
+def tensors_bytes(tensors):
+    """Bytes of distinct storages among `tensors` (views of one flat buffer are counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+# ---- GPT-2 shapes -----------------------------------------------------------------------------------------------
+def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_embeddings, model_parallel_size=1):
+    """(weight-decay elements, no-decay elements) per model-parallel rank of our GPT2Model (megatron/model,
+    mpu/transformer.py): the word embedding [V/p, h] (tied LM head) and position embedding [s, h] replicated;
+    per layer two LayerNorms (2h each, replicated), QKV column-parallel [3h/p, h] + bias 3h/p, attention output
+    row-parallel [h, h/p] + bias h (replicated), MLP h->4h [4h/p, h] + 4h/p, 4h->h [h, 4h/p] + h; final
+    LayerNorm 2h. Megatron's grouping: biases and LayerNorm parameters are not decayed."""
+    h, p = hidden_size, model_parallel_size
+    decay = padded_vocab_size // p * h + max_position_embeddings * h + num_layers * (
+        3 * h // p * h + h * (h // p) + 4 * h // p * h + h * (4 * h // p))
+    no_decay = num_layers * (2 * h + 2 * h + 3 * h // p + h + 4 * h // p + h) + 2 * h
+    return decay, no_decay
+
+
+def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
+                               model_parallel_size=1, checkpoint_activations=False, bytes_per_element=2):
+    """Activation memory of one transformer layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+    Large Transformer Models", 16-bit activations, no sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes without
+    recomputation, of which s*b*h*10 (LayerNorm inputs, dropout masks and the layer input) is replicated across
+    tensor-parallel ranks and s*b*h*(24 + 5*a*s/h) is split by mp:  s*b*h*(10 + (24 + 5*a*s/h)/mp).
+    With full activation checkpointing a layer keeps only its input, 2*s*b*h bytes (the recomputed layer's
+    activations live one layer at a time: add one layer's figure once). Scaled by bytes_per_element/2 for fp32."""
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, model_parallel_size
+    scale = bytes_per_element / 2
+    if checkpoint_activations:
+        return int(2 * s * b * h * scale)
+    return int(s * b * h * (10 + (24 + 5 * a * s / h) / t) * scale)
+
+
+def activation_bytes(num_layers, seq_length, micro_batch_size, hidden_size, num_attention_heads,
+                     model_parallel_size=1, checkpoint_activations=False, bytes_per_element=2):
+    """All layers' activations at the peak (with checkpointing: every layer's input plus one layer recomputed)."""
+    per_layer = activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
+                                           model_parallel_size, checkpoint_activations, bytes_per_element)
+    total = num_layers * per_layer
+    if checkpoint_activations:
+        total += activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
+                                            model_parallel_size, False, bytes_per_element)
+    return total
+
+
+def format_bytes(result):
+    """'parameters=1234 gradients=... total=... (12.3 MiB)': exact bytes by kind, parseable."""
+    parts = [f"{key}={value}" for key, value in result.items() if value is not None]
+    total = result.get("total")
+    return " ".join(parts) + (f" ({total / 2 ** 20:.2f} MiB)" if total is not None else "")

@@ -1,0 +1,133 @@
+"""Operations support for the training loop (DESIGN.md section 10): non-finite losses and gradients in
+fp32/bf16 (named by iteration and parameter), the --log-jsonl records with the phase timers and memory, and the
+model-state memory estimate printed at start-up next to the measured figures after the first step."""
+import json
+import math
+import os
+
+import torch
+
+import mpu
+from megatron import memory
+from megatron.utils import unwrap_model
+
+
+# ---- non-finite values in fp32/bf16 ------------------------------------------------------------------------
+class NonFiniteError(RuntimeError):
+    """The run stops: a NaN/inf loss or gradient norm in fp32/bf16 (without --skip-nonfinite-steps)."""
+
+
+class NonFiniteStep(Exception):
+    """Raised by train_step before any update is applied (the gradients are dropped): the averaged losses, the
+    global gradient norm and the first parameter (by name, 'name (rank r)') whose gradient is non-finite."""
+
+    def __init__(self, losses, grad_norm, parameter):
+        super().__init__(parameter)
+        self.losses, self.grad_norm, self.parameter = losses, grad_norm, parameter
+
+    def describe(self, iteration):
+        values = ", ".join(f"{k}={v:.6g}" for k, v in self.losses.items())
+        norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
+        return (f"non-finite values at iteration {iteration}: {values}, grad norm={norm:.6g}; first non-finite "
+                f"gradient: {self.parameter or 'none (only the loss)'}")
+
+
+def is_nonfinite(losses, grad_norm):
+    values = [v for d in losses for v in d.values()] + ([] if grad_norm is None else [float(grad_norm)])
+    return not all(math.isfinite(v) for v in values)
+
+
+def first_nonfinite_gradient(module):
+    for name, param in module.named_parameters():
+        if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+            return name
+    return None
+
+
+def gather_first_name(name):
+    """The first rank's (rank order) name: every rank agrees on the failure (the norm and losses are global)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        names = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(names, name)
+        return next((f"{n} (rank {r})" for r, n in enumerate(names) if n is not None), None)
+    return None if name is None else f"{name} (rank 0)"
+
+
+# ---- --log-jsonl records, phase timers, memory -----------------------------------------------------------------
+PHASES = ("forward", "backward", "allreduce", "optimizer")
+
+
+def phase_ms(timers, normalizer):
+    """Mean ms per iteration of each phase since the last log; None for a phase that did not run on this path
+    (under --deepspeed the gradient reduction happens inside the engine's backward: 'allreduce' is None there
+    and its time is part of 'backward')."""
+    result = {}
+    for name in PHASES:
+        timer = timers.timers.get(name)
+        result[name] = None if timer is None or timer.count == 0 else timer.seconds * 1000.0 / normalizer
+    return result
+
+
+def memory_now():
+    """{'kind': 'cuda_max_allocated' | 'cpu_rss', 'bytes': ...}: torch.cuda.max_memory_allocated on CUDA, the
+    process's resident set size on CPU."""
+    device = mpu.get_device()
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
+    try:
+        with open("/proc/self/statm") as handle:
+            return {"kind": "cpu_rss", "bytes": int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
+    except (OSError, ValueError, IndexError):
+        import resource
+        return {"kind": "cpu_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _finite_or_none(value):
+    return value if value is None or not isinstance(value, float) or math.isfinite(value) else None
+
+
+def write_jsonl_record(path, record):
+    """Append one JSON object (non-finite floats as null: strict JSON) and flush."""
+    clean = {key: ({k: _finite_or_none(v) for k, v in value.items()} if isinstance(value, dict)
+                   else _finite_or_none(value)) for key, value in record.items()}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(clean, allow_nan=False) + "\n")
+        handle.flush()
+
+
+def memory_setting(args, zero_config):
+    return (f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}, "
+            f"{'Megatron optimizer' if zero_config is None else f'ZeRO stage {zero_config.stage}'}, "
+            f"{args.params_dtype}")
+
+
+def model_state_estimate(counts, args, zero_config=None):
+    """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups
+    (`zero_config`: the engine's zero_optimization block, None on the Megatron path)."""
+    if zero_config is not None:
+        return memory.model_state_bytes(counts, args.data_parallel_size, zero_config.stage, args.params_dtype,
+                                        reduce_bucket_size=zero_config.reduce_bucket_size,
+                                        contiguous_gradients=zero_config.contiguous_gradients,
+                                        overlap_comm=zero_config.overlap_comm)
+    return memory.model_state_bytes(counts, 1, 0, args.params_dtype, alignment=1,
+                                    master_grads=args.fp16 or args.bf16)
+
+
+def measured_model_state(model, optimizer, args):
+    """After a step: on CUDA torch.cuda.max_memory_allocated; on CPU the sum of the real model-state tensors
+    (the engine's partitioned_state_bytes; on the Megatron path params, grads, masters and optimizer state)."""
+    if mpu.get_device().type == "cuda":
+        return {"cuda_max_allocated": int(torch.cuda.max_memory_allocated(mpu.get_device()))}
+    if hasattr(optimizer, "partitioned_state_bytes"):   # the ZeRO engine's optimizer
+        return memory.measured_model_state_bytes(optimizer)
+    params = list(unwrap_model(model).parameters())
+    masters = list(getattr(optimizer, "master_params", []))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    result = {"parameters": memory.tensors_bytes(params), "gradients": memory.tensors_bytes(p.grad for p in params),
+              "master": memory.tensors_bytes(masters) if masters and masters[0] is not params[0] else 0,
+              "moments": memory.tensors_bytes(state)}
+    if masters and masters[0] is not params[0]:
+        result["master_gradients"] = memory.tensors_bytes(m.grad for m in masters)
+    result["total"] = sum(result.values())
+    return result

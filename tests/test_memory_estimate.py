@@ -1,0 +1,131 @@
+"""megatron/memory.py: the model-state estimate equals the engine's real tensors to the byte (stages 0-2, mp 1
+and 2, dp 2); GPT-2 parameter counts match a real GPT2Model; tools/estimate_memory.py prints the same numbers
+as the training script's start-up line."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron import memory
+from megatron.spawn import run_distributed
+from tests.test_training import NO_DROPOUT, TINY
+from tests.zero_helpers import ParallelTinyNet, TinyNet, engine_train_step, ds_config, param_groups
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKET = 300
+
+
+def _engine_memory(model_parallel):
+    import mpu
+    from megatron import zero
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for stage in (0, 1, 2):
+            model = ParallelTinyNet() if model_parallel else TinyNet()
+            groups = param_groups(model)
+            counts = [sum(p.numel() for p in g["params"]) for g in groups]
+            config = ds_config(stage, 2, reduce_bucket_size=BUCKET, overlap_comm=stage == 2,
+                               contiguous_gradients=True)
+            if dtype == "bfloat16":
+                config["bf16"] = {"enabled": True}
+            engine, optimizer, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                                      config=config, mpu=mpu, dist_init_required=False)
+            dp = mpu.get_data_parallel_world_size()
+            estimate = memory.model_state_bytes(counts, dp, stage, dtype, reduce_bucket_size=BUCKET,
+                                                overlap_comm=stage == 2)
+            engine_train_step(engine, 0, 2 * dp)
+            out.append((dtype, stage, counts, estimate, memory.measured_model_state_bytes(optimizer)))
+    return out
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_estimate_equals_engine_tensors_to_the_byte(mp):
+    results = run_distributed(_engine_memory, 2 * mp, args=(mp > 1,), model_parallel_size=mp)
+    for rank_results in results:
+        for dtype, stage, counts, estimate, measured in rank_results:
+            where = (mp, dtype, stage)
+            for kind in memory.KINDS + ("total",):
+                assert estimate[kind] == measured[kind], (where, kind, estimate, measured)
+            assert 0 <= measured["buckets"] <= estimate["buckets"], (where, estimate, measured)
+            P = sum(counts)
+            if dtype == "bfloat16" and stage == 2:     # the ZeRO paper's 2P + (2 + 12)P/dp, plus padding
+                assert 2 * P + 14 * P / 2 <= estimate["total"] <= 2 * P + 14 * P / 2 + 16 * 2 * 32 * len(counts)
+
+
+def _gpt2_counts(num_layers, hidden, heads, vocab, seq):
+    import mpu
+    from megatron.model import GPT2Model
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    from megatron.training import _param_groups_for_weight_decay
+    model = GPT2Model(GPT2ModelConfig(num_layers=num_layers, vocab_size=vocab, hidden_size=hidden,
+                                      num_attention_heads=heads, max_sequence_length=seq))
+    return ([sum(p.numel() for p in g["params"]) for g in _param_groups_for_weight_decay(model)],
+            mpu.get_model_parallel_world_size())
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_gpt2_parameter_count_matches_real_model(mp):
+    shape = dict(num_layers=3, hidden=48, heads=4, vocab=256, seq=40)
+    for counts, size in run_distributed(_gpt2_counts, mp, args=tuple(shape.values()), model_parallel_size=mp):
+        assert list(memory.gpt2_param_groups(3, 48, 256, 40, size)) == counts
+
+
+def _printed(text, what):
+    match = re.search(rf"model-state memory {what}[^(]*\(bytes, [^)]*\): (.*)", text)
+    assert match, text
+    return dict(kv.split("=") for kv in match.group(1).split(" (")[0].split())
+
+
+def _train_capturing(args_list):
+    from tests.test_metrics import _train_capturing as capture
+    return capture(args_list)
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp32")])
+def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stage, precision):
+    from tests.test_deepspeed_path import write_config
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    config = write_config(str(tmp_path), zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET,
+                                                            "contiguous_gradients": True}, **extra)
+    history, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + [
+        "--train-iters", "2", "--deepspeed", "--deepspeed_config", config],))[0]
+    estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
+    for kind in memory.KINDS + ("total",):
+        assert estimate[kind] == measured[kind], (kind, estimate, measured)
+    assert history["model_state_estimate"]["total"] == history["model_state_measured"]["total"]
+    # TINY: 2 layers, h 32, 4 heads, s 16, vocab 64 padded to a multiple of 8
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2",
+                           "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET),
+                           *([f"--{precision}"] if precision != "fp32" else [])],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0, tool.stderr
+    assert _printed(tool.stdout, "estimate") == estimate
+    assert "activations per rank" in tool.stdout
+
+
+def test_activation_formula():
+    # Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer, tensor-parallel parts divided by mp
+    s, b, h, a = 1024, 4, 1024, 16
+    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2) == s * b * h * (10 + (24 + 5 * a * s / h) / 2)
+    assert memory.activation_bytes_per_layer(s, b, h, a, checkpoint_activations=True) == 2 * s * b * h
+    assert memory.model_state_bytes(64, 2, 2, "fp16") == {"parameters": 128, "gradients": 64, "master": 128,
+                                                          "moments": 256, "total": 576, "host": 0, "buckets": None}
+
+
+def test_megatron_path_estimate_equals_measurement_and_tool():
+    history, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + [
+        "--train-iters", "2", "--batch-size", "2", "--bf16"],))[0]
+    estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
+    for kind in memory.KINDS + ("master_gradients", "total"):
+        assert estimate[kind] == measured[kind], (kind, estimate, measured)
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2", "--bf16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert _printed(tool.stdout, "estimate") == estimate

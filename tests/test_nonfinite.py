@@ -1,0 +1,130 @@
+"""fp32/bf16 non-finite values: a NaN gradient in one parameter stops the run with a one-line message naming the
+parameter and iteration, without saving (the tracker keeps the last good checkpoint); --skip-nonfinite-steps
+skips that step instead (parameters and Adam state equal those before it)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.spawn import free_port, run_distributed
+from tests.test_training import NO_DROPOUT, REPO, TINY
+
+POISONED = "transformer.layers.1.mlp.dense_4h_to_h.weight"
+CONSTANT_LR = ["--lr-decay-style", "constant", "--warmup", "0", "--log-interval", "1"]
+
+_CLI = f"""
+import runpy, sys, torch
+import megatron.model as model_module
+Base = model_module.GPT2Model
+class Poisoned(Base):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        calls = [0]
+        def hook(grad):
+            calls[0] += 1
+            return grad * float("nan") if calls[0] == 3 else grad
+        dict(self.named_parameters())["{POISONED}"].register_hook(hook)
+model_module.GPT2Model = Poisoned
+sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def test_nan_gradient_stops_without_saving(tmp_path):
+    save = tmp_path / "checkpoints"
+    flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--train-iters", "6", "--save", str(save), "--save-interval", "2"]
+    result = subprocess.run([sys.executable, "-c", _CLI] + flags, cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, MASTER_PORT=str(free_port())))
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert errors[0].startswith("error: non-finite values at iteration 3:")
+    assert f"first non-finite gradient: {POISONED} (rank 0)" in errors[0]
+    assert "stopping without saving (the latest checkpoint stays iteration 2" in errors[0]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000002"]
+
+
+_STASH = []
+
+
+def _train_poisoned(args_list, poison_iteration, poison_rank):
+    """pretrain with a NaN in one parameter's gradient at one iteration on one rank; returns (history, parameters,
+    optimizer state tensors) at the end."""
+    import pretrain_gpt
+    from megatron import training
+    original = training.setup_model_and_optimizer
+
+    def stash(model_provider):
+        result = original(model_provider)
+        _STASH[:] = result[:2]
+        return result
+    training.setup_model_and_optimizer = stash
+    try:
+        if poison_iteration:
+            base = pretrain_gpt.model_provider
+
+            def provider():
+                model = base()
+                calls = [0]
+
+                def hook(grad):
+                    calls[0] += 1
+                    bad = calls[0] == poison_iteration and torch.distributed.get_rank() == poison_rank
+                    return grad * float("nan") if bad else grad
+                dict(model.named_parameters())[POISONED].register_hook(hook)
+                return model
+        else:
+            provider = pretrain_gpt.model_provider
+        history = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, provider,
+                                    pretrain_gpt.forward_step, args_list=args_list)
+    finally:
+        training.setup_model_and_optimizer = original
+    model, optimizer = _STASH
+    module = training.unwrap_model(model)
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in inner.state.values()]
+    return history, params, state
+
+
+@pytest.mark.parametrize("path", ["megatron", "deepspeed"])
+def test_skip_nonfinite_steps_leaves_parameters_and_adam_state(tmp_path, path):
+    flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--batch-size", "2"]
+    if path == "deepspeed":
+        from tests.test_deepspeed_path import write_config
+        flags += ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
+    skipped = run_distributed(_train_poisoned, 2, args=(flags + ["--train-iters", "3", "--skip-nonfinite-steps"],
+                                                        3, 1))[0]
+    reference = run_distributed(_train_poisoned, 2, args=(flags + ["--train-iters", "2"], 0, 0))[0]
+    history, params, state = skipped
+    assert history["skipped"] == [0, 0, 1]
+    assert history["lm loss"][:2] == reference[0]["lm loss"]
+    assert params.keys() == reference[1].keys()
+    for name, value in params.items():
+        assert torch.equal(value, reference[1][name]), name
+    assert len(state) == len(reference[2]) > 0
+    for mine, theirs in zip(state, reference[2]):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(theirs[key])), key
+
+
+def _train_until_stopped(args_list):
+    from megatron.operations import NonFiniteError
+    try:
+        _train_poisoned(args_list, 2, 1)
+    except NonFiniteError as error:
+        return str(error)
+    return None
+
+
+def test_deepspeed_path_names_the_parameter_and_stops(tmp_path):
+    from tests.test_deepspeed_path import write_config
+    flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path)),
+                                               "--train-iters", "4"]
+    messages = run_distributed(_train_until_stopped, 2, args=(flags,))
+    assert messages[0] == messages[1] and messages[0].startswith("non-finite values at iteration 2:"), messages
+    assert f"first non-finite gradient: {POISONED} (rank " in messages[0]
