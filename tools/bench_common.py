@@ -9,3 +9,34 @@ def peak_rss_mb():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_flags(cpuinfo="/proc/cpuinfo"):
+    """The CPU flags that give native bf16 matmuls (empty: bf16 is emulated, ~100x slower than fp32 here)."""
+    try:
+        with open(cpuinfo) as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in BF16_CPU_FLAGS if flag in flags]
+
+
+def precision_header():
+    """One line for a benchmark's header: where bf16 is native, and which precisions run by default."""
+    import torch
+    if torch.cuda.is_available():
+        return "# bf16: CUDA (native); default precisions fp32, bf16"
+    flags = cpu_bf16_flags()
+    if flags:
+        return f"# bf16: native on this CPU ({', '.join(flags)}); default precisions fp32, bf16"
+    return ("# bf16: emulated on this CPU (no avx512_bf16/amx_bf16: bf16 matmul ~100x slower than fp32); "
+            "default precision fp32 only (pass bf16 explicitly to measure it anyway)")
+
+
+def default_precisions():
+    """fp32, plus bf16 where it is native (CUDA, or a CPU with avx512_bf16/amx_bf16)."""
+    import torch
+    return ["fp32", "bf16"] if torch.cuda.is_available() or cpu_bf16_flags() else ["fp32"]

@@ -174,12 +174,16 @@ def peak_rss_mb(config_name, dtype, impl):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
+                        help="default: fp32, plus bf16 where it is native (see the header line)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-rss", action="store_true", help="skip the per-cell peak RSS subprocesses")
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     args = parser.parse_args()
+    from bench_common import default_precisions, precision_header
+    print(precision_header())
+    args.dtypes = args.dtypes or default_precisions()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     _init_process_group()
     rows = []

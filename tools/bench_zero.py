@@ -160,12 +160,15 @@ def main():
     parser.add_argument("--no-overlap-comm", action="store_true")
     parser.add_argument("--no-contiguous-gradients", action="store_true")
     args = parser.parse_args()
-    variants = [f"{kind}-{precision}" for precision in ("fp32", "bf16")
-                for kind in ("ddp", "zero0", "zero1", "zero2")]
-    variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
+    from bench_common import default_precisions, precision_header
+    print(precision_header())
+    precisions = default_precisions()
+    variants = [f"{kind}-{precision}" for precision in precisions for kind in ("ddp", "zero0", "zero1", "zero2")]
+    if "bf16" in precisions:
+        variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if importlib.util.find_spec("deepspeed") is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        variants += [f"ds{stage}-{precision}" for precision in ("fp32", "bf16") for stage in (0, 1, 2)]
+        variants += [f"ds{stage}-{precision}" for precision in precisions for stage in (0, 1, 2)]
     if args.variants:
         variants = args.variants.split(",")
     zero_options = {"overlap_comm": not args.no_overlap_comm, "contiguous_gradients": not args.no_contiguous_gradients,
