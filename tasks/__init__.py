@@ -1,0 +1,1 @@
+"""Downstream evaluation tasks (Megatron's tasks/): zero-shot WikiText-103 perplexity and LAMBADA accuracy."""
