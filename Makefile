@@ -1,5 +1,6 @@
 # The README's two commands:
-#   make pretrain   create .venv, install, build the embedded default data, train GPT-2 with ZeRO-2 (--deepspeed)
+#   make pretrain   create .venv, install, build the embedded default data, train GPT-2 with ZeRO-2 (--deepspeed),
+#                   then print a greedy continuation of a fixed prompt
 #   make test       create .venv, install with test extras, run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -21,6 +22,7 @@ data: install
 
 pretrain: data
 	PYTHON=$(VPY) bash scripts/ds_pretrain_gpt.sh
+	PYTHON=$(VPY) bash scripts/generate_text.sh
 
 test: install-test
 	$(VPY) -m pytest -q tests

@@ -25,8 +25,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]})."""
     args = initialize_megatron(extra_args_provider, args_list)
     model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(model_provider)
-    train_iterator, valid_iterator, _ = build_train_valid_test_data_iterators(train_valid_test_dataset_provider,
-                                                                               train_state)
+    train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider, train_state)
     if train_state.iteration >= args.train_iters:
         print_rank_0(f"nothing to train: the checkpoint is at iteration {train_state.iteration} and --train-iters "
                      f"is {args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
@@ -37,6 +37,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     if args.do_valid and "exit_reason" not in history:  # an early exit (preemption) leaves at once
         history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
                                                             valid_iterator, model, train_state)
+    if args.do_test and "exit_reason" not in history:  # the test split, once (its samples are not counted)
+        history["final_test"] = evaluate_and_print_results("the end of training for test data", forward_step_func,
+                                                           test_iterator, model,
+                                                           TrainState(iteration=train_state.iteration))
     return history
 
 
@@ -390,6 +394,7 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
     datasets = train_valid_test_dataset_provider(num_samples)
     # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
     args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
+    args.do_test = datasets[2] is not None and len(datasets[2]) > 0 and args.eval_iters > 0
     iterators = []
     for index, dataset in enumerate(datasets):
         finished = index == 0 and train_state.iteration >= args.train_iters

@@ -65,9 +65,14 @@ SHORT = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_
 
 
 def test_ds_pretrain_gpt_sh(tmp_path, webtext_data):
+    """`make pretrain`'s two steps: train through ZeRO-2 (validation and test-split perplexity at the end), then a
+    greedy continuation of a fixed prompt from the checkpoint."""
     stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     losses = logged_losses(stdout)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+    assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL", stdout)
+    stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUT_SEQ_LENGTH="4"))
+    assert "Context: Return the number of" in stdout and "Megatron-LM:" in stdout, stdout
 
 
 def test_ds_zero2_model_parallel_sh_four_processes(tmp_path, webtext_data):

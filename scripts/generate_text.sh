@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Greedy continuation of a prompt by a trained checkpoint, with the launch scripts' model flags and tokenizer.
+#
+#   bash scripts/generate_text.sh                                   # "Return the number of" from checkpoints/gpt2_zero2
+#   PROMPT="import numpy as np" CHECKPOINT_PATH=checkpoints/gpt2 OUT_SEQ_LENGTH=48 bash scripts/generate_text.sh
+#
+# Reads: PYTHON, PROMPT, CHECKPOINT_PATH, OUT_SEQ_LENGTH, the model shape and VOCAB_FILE/MERGE_FILE as the launch
+# scripts do (see scripts/_common.sh). Either path's checkpoint, any model-parallel size (loaded weights-only).
+source "$(dirname "$0")/_common.sh"
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2}
+PROMPT=${PROMPT:-Return the number of}
+workdir=$(mktemp -d)
+trap 'rm -rf "$workdir"' EXIT
+printf '%s\n' "$PROMPT" > "$workdir/prompt.txt"
+launch 1 tools/generate_samples_gpt.py $MODEL_ARGS --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \
+  --load "$CHECKPOINT_PATH" --sample-input-file "$workdir/prompt.txt" --sample-output-file "$workdir/out.txt" \
+  --greedy --out-seq-length "${OUT_SEQ_LENGTH:-32}" > "$workdir/log.txt" 2>&1 || { cat "$workdir/log.txt"; exit 1; }
+echo "greedy continuation ($CHECKPOINT_PATH):"
+cat -s "$workdir/out.txt"   # (blank lines squeezed)
