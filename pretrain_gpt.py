@@ -12,6 +12,7 @@ import mpu
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
 from megatron.operations import NonFiniteError
+from megatron.preflight import PreflightError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0, reduce_losses
 from megatron.zero import ConfigError
@@ -95,7 +96,7 @@ def shutdown():
 if __name__ == "__main__":
     try:
         main()
-    except (CheckpointError, ConfigError, NonFiniteError) as error:  # one line naming the file (value) and fix
+    except (CheckpointError, ConfigError, NonFiniteError, PreflightError) as error:  # one line naming the problem
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     shutdown()

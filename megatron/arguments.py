@@ -128,6 +128,9 @@ def _add_distributed_args(parser):
                        type=int, default=1)
     group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                        help="default: nccl on CUDA, gloo on CPU")
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                       help="timeout of torch.distributed's rendezvous and of each collective: a rank left waiting "
+                            "this long raises (printing its last collective) instead of hanging")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                        help="set by old launchers; torchrun's LOCAL_RANK is used otherwise")
     return parser

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
+from megatron import breadcrumbs
 
 
 class ExitController:
@@ -43,7 +44,7 @@ class ExitController:
             return False
         time_up = self.exit_duration_secs is not None and time.time() - self.start_time > self.exit_duration_secs
         flags = torch.tensor([float(time_up), float(self.signal_received)], device=mpu.get_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        breadcrumbs.all_reduce(flags, "exit controller (time, signal) flags", op=dist.ReduceOp.MAX)
         if flags[1].item():
             self.reason = "SIGTERM (--exit-signal-handler)"
             return True

@@ -1,5 +1,6 @@
-"""Start-up: parse and validate the command line, join torch.distributed (env:// from torchrun), build the
-model-parallel groups, seed every generator."""
+"""Start-up: parse and validate the command line, join torch.distributed (env:// from torchrun, with the
+--distributed-timeout-minutes collective timeout), build the model-parallel groups, check that every rank agrees on
+its settings and code (megatron.preflight), seed every generator. SIGUSR1 dumps every thread's stack."""
 import os
 import random
 from datetime import timedelta
@@ -9,14 +10,17 @@ import torch
 import torch.distributed as dist
 
 import mpu
+from megatron import breadcrumbs, preflight
 from megatron.arguments import parse_args
 from megatron.global_vars import set_global_variables
 
 
 def initialize_megatron(extra_args_provider=None, args_list=None):
     """Returns the validated args; afterwards get_args()/get_timers() work."""
+    breadcrumbs.install_stack_dump()
     args = parse_args(extra_args_provider, args_list)
     _initialize_distributed(args)
+    preflight.check_agreement(args)   # one collective every rank reaches; raises PreflightError on every rank
     set_global_variables(args)
     set_random_seed(args.seed)
     if args.rank == 0:
@@ -38,10 +42,11 @@ def _initialize_distributed(args):
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend=args.distributed_backend, init_method="env://",
-                                timeout=timedelta(minutes=30))
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
     args.rank = dist.get_rank()
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(args.model_parallel_size)
+        mpu.initialize_model_parallel(args.model_parallel_size,
+                                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def set_random_seed(seed):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron import atomic_io, reshard, reshard_load
+from megatron import atomic_io, breadcrumbs, reshard, reshard_load
 from megatron.train_state import TrainState
 from megatron.zero import ZeroEngine
 from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLES, CONSUMED_VALID_SAMPLES,
@@ -49,7 +49,7 @@ def print_rank_0(message):
 def reduce_losses(losses):
     """Average each loss over the data-parallel group; returns a tensor of the averages (detached)."""
     reduced = torch.stack([loss.detach().float() for loss in losses])
-    dist.all_reduce(reduced, group=mpu.get_data_parallel_group())
+    breadcrumbs.all_reduce(reduced, "reduce_losses", group=mpu.get_data_parallel_group())
     return reduced / mpu.get_data_parallel_world_size()
 
 

@@ -13,8 +13,9 @@ _MODEL_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP = None
 
 
-def initialize_model_parallel(model_parallel_size):
-    """Build the groups for `model_parallel_size`; torch.distributed must already be initialized.
+def initialize_model_parallel(model_parallel_size, timeout=None):
+    """Build the groups for `model_parallel_size`; torch.distributed must already be initialized. `timeout` (a
+    timedelta; None = torch's default for new groups, 30 min on gloo) bounds each collective on these groups.
 
     Every rank must call this (new_group is collective), in the same order.
     """
@@ -27,12 +28,12 @@ def initialize_model_parallel(model_parallel_size):
     rank = dist.get_rank()
     for start in range(0, world_size, model_parallel_size):
         ranks = list(range(start, start + model_parallel_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             _MODEL_PARALLEL_GROUP = group
     for offset in range(model_parallel_size):
         ranks = list(range(offset, world_size, model_parallel_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             _DATA_PARALLEL_GROUP = group
 

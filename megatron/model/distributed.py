@@ -5,6 +5,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import mpu
+from megatron import breadcrumbs
 
 
 class DistributedDataParallel(nn.Module):
@@ -35,7 +36,7 @@ class DistributedDataParallel(nn.Module):
                 coalesced = coalesced.float()
             if not reduce_after:
                 coalesced.div_(world_size)
-            dist.all_reduce(coalesced, group=self.data_parallel_group)
+            breadcrumbs.all_reduce(coalesced, "local DDP gradient all-reduce", group=self.data_parallel_group)
             if reduce_after:
                 coalesced.div_(world_size)
             for grad, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):

@@ -1,0 +1,122 @@
+"""Hang diagnostics: SIGUSR1 dumps every thread's stack on every rank; a collective that one rank never joins ends
+(after --distributed-timeout-minutes; 15 s here, so start-up skew between the ranks cannot trip it first) with the
+waiting rank's breadcrumb of its last collective."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from megatron.spawn import free_port, run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--train-iters", "2", "--eval-iters", "0"]
+
+
+def _torchrun(script, tmp_path, extra=()):
+    path = tmp_path / "job.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n" + script)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()), str(path)] + TINY + list(extra),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+SLEEPER = """
+import os, time
+from megatron.initialize import initialize_megatron
+args = initialize_megatron()
+print(f"ready {args.rank} {os.getpid()}", flush=True)
+
+def waiting_for_the_test(done):
+    while not os.path.exists(done):
+        time.sleep(0.05)
+
+waiting_for_the_test(os.environ["DONE_FILE"])
+"""
+
+
+def test_sigusr1_dumps_every_ranks_stack(tmp_path):
+    done = tmp_path / "done"
+    os.environ["DONE_FILE"] = str(done)
+    try:
+        job = _torchrun(SLEEPER, tmp_path)
+    finally:
+        del os.environ["DONE_FILE"]
+    try:
+        pids = []
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = job.stdout.readline()
+            assert line, "the job ended before both ranks were ready"
+            if line.startswith("ready "):
+                pids.append(int(line.split()[2]))
+        for pid in pids:   # one at a time: both ranks write to the same stderr
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        done.write_text("")
+        _, stderr = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    assert stderr.count("in waiting_for_the_test") == 2, stderr[-3000:]     # one stack per rank
+    assert stderr.count("most recent call first") >= 2, stderr[-3000:]
+
+
+NEVER_JOINS = """
+import time
+import torch
+from megatron.initialize import initialize_megatron
+from megatron.utils import reduce_losses
+args = initialize_megatron()
+if args.rank == 0:
+    reduce_losses([torch.tensor(1.0)])       # rank 1 never joins
+else:
+    time.sleep(40)
+"""
+
+
+def test_unjoined_collective_times_out_with_breadcrumb(tmp_path):
+    start = time.monotonic()
+    job = _torchrun(NEVER_JOINS, tmp_path, ["--distributed-timeout-minutes", "0.25"])
+    try:
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0
+    assert time.monotonic() - start < 45
+    assert ("rank 0: collective failed: last collective: reduce_losses over 2 ranks, tensor [1] float32"
+            in stderr), stderr[-3000:]
+
+
+def _breadcrumb_on_timeout():
+    """Rank 0 all-reduces on a group with a 2 s timeout that rank 1 never uses."""
+    import contextlib
+    import io
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from megatron import breadcrumbs
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(4)
+        return None
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            breadcrumbs.all_reduce(torch.zeros(3, 2), "test collective", group=group)
+    except RuntimeError as error:
+        return captured.getvalue(), getattr(error, "__notes__", []), breadcrumbs.last()["name"]
+    return "did not time out"
+
+
+def test_breadcrumb_helper_prints_and_notes_the_last_collective():
+    printed, notes, name = run_distributed(_breadcrumb_on_timeout, 2)[0]
+    expected = "last collective: test collective over 2 ranks, tensor [3, 2] float32 (collective #"
+    assert printed.startswith("rank 0: collective failed: " + expected), printed
+    assert any(expected in note for note in notes), notes
+    assert name == "test collective"
