@@ -9,6 +9,7 @@ import sys
 import torch
 
 import mpu
+from megatron.initialize import shutdown
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
 from megatron.operations import NonFiniteError
@@ -83,14 +84,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 def main(args_list=None):
     return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args_list=args_list)
-
-
-def shutdown():
-    """All ranks leave together: across nodes, torchrun's store lives on node 0, so node 0 must not exit while
-    other nodes still tear down their process groups."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

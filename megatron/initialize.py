@@ -54,3 +54,11 @@ def set_random_seed(seed):
     random.seed(seed)
     np.random.seed(seed)
     mpu.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown():
+    """All ranks leave together: across nodes, torchrun's store lives on node 0, so node 0 must not exit while
+    other nodes still tear down their process groups (pretrain_gpt.py and the tools end with this)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

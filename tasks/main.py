@@ -9,22 +9,18 @@ model-parallel size, loaded weights-only (either checkpoint path: Megatron or --
 Windows/examples are --seq-length tokens; --overlapping-eval is the stride of the WikiText windows (the new tokens
 each scores; default 32, at most --seq-length). Semantics of every metric: tasks/zeroshot_gpt.py.
 """
-import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import mpu  # noqa: E402
 from megatron.global_vars import get_tokenizer  # noqa: E402
-from megatron.initialize import initialize_megatron  # noqa: E402
-from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
-from megatron.train_state import CheckpointOptions  # noqa: E402
-from megatron.utils import get_checkpoint_iteration, load_checkpoint  # noqa: E402
+from megatron.initialize import initialize_megatron, shutdown  # noqa: E402
+from megatron.utils import get_checkpoint_iteration  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
+from megatron.text_generation import load_inference_model  # noqa: E402
 from tasks import zeroshot_gpt  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
@@ -59,21 +55,12 @@ def _check_inputs(args):
         raise TaskError("zero-shot tasks need a tokenizer (--vocab-file/--merge-file), not --mock-data")
 
 
-def build_model(args):
-    model = GPT2Model(GPT2ModelConfig.from_args(args), parallel_output=False)
-    model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
-    options = dataclasses.replace(CheckpointOptions.from_args(args), finetune=True, no_load_optim=True,
-                                  no_load_rng=True)
-    load_checkpoint(model, None, None, options)
-    return model.eval()
-
-
 def main(args_list=None):
     """Returns the result dict (printed on rank 0)."""
     args = initialize_megatron(extra_args_provider=add_tasks_args, args_list=args_list)
     _check_inputs(args)
     tokenizer = get_tokenizer()
-    model = build_model(args)
+    model = load_inference_model(args)
     path = args.valid_data[0]
     if args.task == "WIKITEXT103":
         with open(path, "rb") as handle:
@@ -94,6 +81,4 @@ if __name__ == "__main__":
     except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()

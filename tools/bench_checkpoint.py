@@ -28,7 +28,6 @@ import contextlib
 import io
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,8 +37,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402
+from bench_common import init_single_process  # noqa: E402
 from megatron.learning_rates import AnnealingLR  # noqa: E402
 from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
 from megatron.train_state import CheckpointOptions, TrainState  # noqa: E402
@@ -195,12 +196,7 @@ def main():
     parser.add_argument("--reshard", action="store_true",
                         help="also load each size at model-parallel 1, 2, 4 in fresh processes (resharding table)")
     options = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    mpu.initialize_model_parallel(1)
+    init_single_process()
     root = tempfile.mkdtemp(dir=options.dir)
     columns = ["state", "MB", "plain save", "plain save+fsync", "ours save", "ours/plain", "ours/plain+fsync",
                "plain load", "plain load+apply", "ours load", "ours/plain+apply"]

@@ -1,4 +1,6 @@
 """Helpers shared by the benchmark commands."""
+import os
+import socket
 
 
 def peak_rss_mb():
@@ -40,3 +42,15 @@ def default_precisions():
     """fp32, plus bf16 where it is native (CUDA, or a CPU with avx512_bf16/amx_bf16)."""
     import torch
     return ["fp32", "bf16"] if torch.cuda.is_available() or cpu_bf16_flags() else ["fp32"]
+
+
+def init_single_process():
+    """torch.distributed (gloo) and mpu's groups for one process, on a free local port."""
+    import torch.distributed as dist
+    import mpu
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mpu.initialize_model_parallel(1)

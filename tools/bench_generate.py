@@ -11,7 +11,6 @@ Targets: ours (cache) >= HF generate; the cache's speedup growing with length.
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402
-from bench_common import precision_header  # noqa: E402
+from bench_common import init_single_process, precision_header  # noqa: E402
 from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
 from megatron.model.hf_interchange import to_hf_state_dict  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
@@ -98,12 +97,7 @@ def main():
     parser.add_argument("--eval-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    mpu.initialize_model_parallel(1)
+    init_single_process()
     ours, hf = build(options.layers, options.hidden, options.heads, options.vocab, options.positions)
     print(precision_header() + "; fp32 here")
     print(f"# GPT-2 L={options.layers} h={options.hidden} heads={options.heads} V={options.vocab}, prompt "

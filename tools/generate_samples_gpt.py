@@ -13,23 +13,18 @@ separated by spaces (and there is no end-of-document id: samples run to --out-se
 --out-seq-length is the number of new tokens per sample (capped by the position table). --recompute re-runs the
 whole sequence at every step instead of using the KV cache. Prompts are decoded in batches of --batch-size.
 """
-import dataclasses
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import mpu  # noqa: E402
 from megatron.global_vars import get_tokenizer  # noqa: E402
-from megatron.initialize import initialize_megatron  # noqa: E402
-from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
-from megatron.text_generation import generate  # noqa: E402
-from megatron.train_state import CheckpointOptions  # noqa: E402
-from megatron.utils import get_checkpoint_iteration, load_checkpoint  # noqa: E402
+from megatron.initialize import initialize_megatron, shutdown  # noqa: E402
+from megatron.text_generation import generate, load_inference_model  # noqa: E402
+from megatron.utils import get_checkpoint_iteration  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
 
 
@@ -67,16 +62,6 @@ class Codec:
         if self.tokenizer is None:
             return " ".join(map(str, ids))
         return self.tokenizer.detokenize([t for t in ids if t != self.eod])
-
-
-def build_model(args):
-    model = GPT2Model(GPT2ModelConfig.from_args(args), parallel_output=False)
-    model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
-    # Weights only: no optimizer, lr-scheduler, counters or RNG are needed or restored.
-    options = dataclasses.replace(CheckpointOptions.from_args(args), finetune=True, no_load_optim=True,
-                                  no_load_rng=True)
-    load_checkpoint(model, None, None, options)
-    return model.eval()
 
 
 def _share(obj):
@@ -153,7 +138,7 @@ def main(args_list=None):
         raise SystemExit("error: generation needs --load DIR (a checkpoint saved by pretrain_gpt.py)")
     if get_checkpoint_iteration(args.load)[0] is None:  # load_checkpoint would go on with random weights
         raise SystemExit(f"error: {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    model = build_model(args)
+    model = load_inference_model(args)
     codec = Codec(get_tokenizer())
     if args.sample_input_file:
         generate_samples_input_from_file(model, args, codec)
@@ -169,6 +154,4 @@ if __name__ == "__main__":
     except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()

@@ -127,3 +127,19 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
             out = out[:out.index(eod_id) + 1]
         results.append(out)
     return results
+
+
+def load_inference_model(args):
+    """GPT2Model from Megatron's arguments with gathered logits, its weights (only) loaded from args.load at this
+    run's model-parallel size (either path, any saving topology), in eval mode: what generation and the zero-shot
+    tasks run on. No optimizer, lr-scheduler, counters or RNG are needed or restored."""
+    import dataclasses
+    from megatron.model import GPT2Model, GPT2ModelConfig
+    from megatron.train_state import CheckpointOptions
+    from megatron.utils import load_checkpoint
+    model = GPT2Model(GPT2ModelConfig.from_args(args), parallel_output=False)
+    model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
+    options = dataclasses.replace(CheckpointOptions.from_args(args), finetune=True, no_load_optim=True,
+                                  no_load_rng=True)
+    load_checkpoint(model, None, None, options)
+    return model.eval()
