@@ -26,7 +26,10 @@ SLEEPER = """
 import os, time
 from megatron.initialize import initialize_megatron
 args = initialize_megatron()
-print(f"ready {args.rank} {os.getpid()}", flush=True)
+ready = os.path.join(os.environ["DONE_FILE"] + ".pids", str(args.rank))   # a file each: ranks share stdout
+with open(ready + ".tmp", "w") as handle:
+    handle.write(str(os.getpid()))
+os.replace(ready + ".tmp", ready)
 
 def waiting_for_the_test(done):
     while not os.path.exists(done):
@@ -38,19 +41,20 @@ waiting_for_the_test(os.environ["DONE_FILE"])
 
 def test_sigusr1_dumps_every_ranks_stack(tmp_path):
     done = tmp_path / "done"
+    pid_dir = tmp_path / "done.pids"
+    pid_dir.mkdir()
     os.environ["DONE_FILE"] = str(done)
     try:
         job = _torchrun(SLEEPER, tmp_path)
     finally:
         del os.environ["DONE_FILE"]
     try:
-        pids = []
         deadline = time.monotonic() + 60
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = job.stdout.readline()
-            assert line, "the job ended before both ranks were ready"
-            if line.startswith("ready "):
-                pids.append(int(line.split()[2]))
+        while len(os.listdir(pid_dir)) < 2 and time.monotonic() < deadline:
+            assert job.poll() is None, "the job ended before both ranks were ready"
+            time.sleep(0.05)
+        pids = [int((pid_dir / name).read_text()) for name in sorted(os.listdir(pid_dir)) if name.isdigit()]
+        assert len(pids) == 2, f"ranks ready: {pids}"
         for pid in pids:   # one at a time: both ranks write to the same stderr
             os.kill(pid, signal.SIGUSR1)
             time.sleep(0.5)
