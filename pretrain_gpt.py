@@ -16,6 +16,7 @@ from megatron.operations import NonFiniteError
 from megatron.preflight import PreflightError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0, reduce_losses
+from megatron import zero
 from megatron.zero import ConfigError
 from megatron.zero.checkpoint import CheckpointError
 
@@ -24,7 +25,10 @@ def model_provider():
     args = get_args()
     set_deepspeed_activation_checkpointing(args)
     print_rank_0("building GPT2 model ...")
-    return GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
+    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
+                   enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
+        model = GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
+    return model
 
 
 def set_deepspeed_activation_checkpointing(args):
@@ -56,12 +60,15 @@ def get_batch(data_iterator):
 
 
 def forward_step(data_iterator, model):
-    """Loss = mean of per-token losses under the loss mask; also the data-parallel average for logging."""
+    """Loss = mean of per-token losses under the loss mask; also the data-parallel average for logging. Before the
+    last pipeline stage: the stage's output and no losses."""
     timers = get_timers()
     timers("batch generator").start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch generator").stop()
     losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
+    if not mpu.is_pipeline_last_stage():
+        return losses, {}   # this stage's hidden states [b, s, h], for the next pipeline stage
     loss = torch.sum(losses.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
     reduced = reduce_losses([loss])
     return loss, {"lm loss": reduced[0].item()}

@@ -20,7 +20,8 @@ def build_parser(extra_args_provider=None):
                                      allow_abbrev=False)
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
-                      _add_distributed_args, _add_validation_args, _add_data_args, _add_logging_args):
+                      _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
+                      _add_logging_args):
         add_group(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -52,6 +53,8 @@ def _add_regularization_args(parser):
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
+                       help="use torch's default AdamW kernel instead of its fused one (fused where torch runs it)")
     return parser
 
 
@@ -118,6 +121,9 @@ def _add_mixed_precision_args(parser):
     group.add_argument("--min-scale", type=float, default=1.0)
     group.add_argument("--loss-scale-window", type=int, default=1000)
     group.add_argument("--hysteresis", type=int, default=2)
+    group.add_argument("--max-skipped-steps-at-min-scale", type=int, default=100,
+                       help="fp16: stop the run when this many consecutive steps overflow at the minimum loss scale "
+                            "(--min-scale or the JSON's min_loss_scale) and are skipped; 0: never stop")
     group.add_argument("--fp32-allreduce", action="store_true")
     return parser
 
@@ -126,6 +132,8 @@ def _add_distributed_args(parser):
     group = parser.add_argument_group("distributed")
     group.add_argument("--model-parallel-size", "--tensor-model-parallel-size", dest="model_parallel_size",
                        type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", "--pipe-parallel-size", dest="pipeline_model_parallel_size",
+                       type=int, default=1, help="pipeline stages (layers split evenly; 1F1B schedule)")
     group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                        help="default: nccl on CUDA, gloo on CPU")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -133,6 +141,17 @@ def _add_distributed_args(parser):
                             "this long raises (printing its last collective) instead of hanging")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                        help="set by old launchers; torchrun's LOCAL_RANK is used otherwise")
+    return parser
+
+
+def _add_zero_args(parser):
+    group = parser.add_argument_group("ZeRO (Megatron-DeepSpeed's flags; the --deepspeed_config JSON wins)")
+    group.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                       help="must agree with zero_optimization.stage of the JSON (taken from it when not given); "
+                            "3 builds the model inside zero.Init")
+    group.add_argument("--remote-device", choices=["none", "cpu", "nvme"], default="none",
+                       help="where zero.Init keeps the parameter partitions: must agree with "
+                            "zero_optimization.offload_param.device")
     return parser
 
 
@@ -174,11 +193,16 @@ def _add_logging_args(parser):
 def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    mp = args.model_parallel_size
+    mp, pp = args.model_parallel_size, args.pipeline_model_parallel_size
     if mp < 1 or world_size % mp != 0:
         parser.error(f"world size ({world_size}) is not divisible by --model-parallel-size ({mp})")
+    if pp < 1 or world_size % (pp * mp) != 0:
+        parser.error(f"world size ({world_size}) is not divisible by --pipeline-model-parallel-size ({pp}) x "
+                     f"--model-parallel-size ({mp}) = {pp * mp}")
+    if args.num_layers % pp != 0:
+        parser.error(f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
-    args.data_parallel_size = world_size // mp
+    args.data_parallel_size = world_size // (pp * mp)
     if args.hidden_size % args.num_attention_heads != 0:
         parser.error(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
                      f"({args.num_attention_heads})")
@@ -191,6 +215,11 @@ def validate_args(args, parser):
         parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
                      f"({args.max_position_embeddings})")
     args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
+    _check_pipeline_combinations(args, parser)
+    if args.zero_config is None and args.zero_stage not in (None, 0):
+        parser.error(f"--zero-stage {args.zero_stage} needs --deepspeed and a --deepspeed_config JSON with "
+                     f"zero_optimization.stage {args.zero_stage}")
+    args.zero_stage = args.zero_config.zero_optimization.stage if args.zero_config is not None else 0
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are exclusive: choose one")
     per_step = args.batch_size * args.data_parallel_size
@@ -220,6 +249,25 @@ def validate_args(args, parser):
     return args
 
 
+def _check_pipeline_combinations(args, parser):
+    """What pipeline parallelism (P > 1) cannot be combined with, refused before anything is built."""
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    stage = args.zero_config.zero_optimization.stage if args.zero_config is not None else None
+    if stage is not None and stage >= 2:
+        parser.error(f"ZeRO stage {stage} cannot be combined with --pipeline-model-parallel-size {pp}: pipeline "
+                     "parallelism allows ZeRO stages 0 and 1 only (DeepSpeed's rule: gradient partitioning does not "
+                     "fit gradients accumulated across micro-batches); set zero_optimization.stage to 0 or 1")
+    if stage is not None and (args.save or args.load):
+        parser.error(f"--save/--load with --deepspeed and --pipeline-model-parallel-size {pp}: the ZeRO engine's "
+                     "checkpoint names do not carry the pipeline stage yet; use the Megatron path (without "
+                     "--deepspeed) or --pipeline-model-parallel-size 1")
+    if args.DDP_impl == "torch" and stage is None:
+        parser.error(f"--DDP-impl torch with --pipeline-model-parallel-size {pp}: torch DDP reduces in every backward "
+                     "and the 1F1B schedule interleaves micro-batches; use --DDP-impl local")
+
+
 def _reconcile_with_deepspeed_config(args, parser):
     """Parse the JSON config (the one time it is parsed: the `zero.Config` returned goes to zero.initialize and
     zero.checkpointing.configure). Under --deepspeed the JSON is the source of truth for the values it shares
@@ -238,6 +286,9 @@ def _reconcile_with_deepspeed_config(args, parser):
               ("clip_grad", "--clip-grad", config.gradient_clipping, "gradient_clipping"),
               ("fp16", "--fp16", config.fp16.enabled, "fp16.enabled"),
               ("bf16", "--bf16", config.bf16.enabled, "bf16.enabled")]
+    shared += [("zero_stage", "--zero-stage", config.zero_optimization.stage, "zero_optimization.stage"),
+               ("remote_device", "--remote-device", config.zero_optimization.offload_param.device,
+                "zero_optimization.offload_param.device")]
     if config.optimizer is not None and "lr" in config.optimizer.params:
         shared.append(("lr", "--lr", config.optimizer.params["lr"], "optimizer.params.lr"))
     for dest, flag, json_value, key in shared:
@@ -251,6 +302,13 @@ def _reconcile_with_deepspeed_config(args, parser):
         args.initial_loss_scale = 2.0 ** config.fp16.initial_scale_power
         args.loss_scale_window, args.hysteresis = config.fp16.loss_scale_window, config.fp16.hysteresis
         args.min_scale = config.fp16.min_loss_scale
+    try:
+        resolved = zero.config.resolve_auto_values(config, args.hidden_size)
+    except zero.ConfigError as error:
+        parser.error(f"--deepspeed_config: {error}")
+    if resolved and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {path}: \"auto\" resolved from --hidden-size {args.hidden_size}: "
+              + ", ".join(f"{key}={value}" for key, value in resolved.items()), flush=True)
     ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
     if ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "

@@ -45,7 +45,7 @@ def _initialize_distributed(args):
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     args.rank = dist.get_rank()
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(args.model_parallel_size,
+        mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,
                                       timeout=timedelta(minutes=args.distributed_timeout_minutes))
 
 

@@ -5,18 +5,20 @@ per parameter: master weights 4 + two Adam moments 8), for P parameters on this 
 data-parallel size dp, in the 2-byte case:
 
     stage 0:  2P params + 2P grads + 12P          stage 1:  2P + 2P + 12P/dp          stage 2:  2P + (2 + 12)P/dp
+    stage 3:  (2 + 2 + 12)P/dp, plus the small persistent parameters whole
 
 What our engine (megatron/zero) really allocates, which `model_state_bytes` reproduces to the byte:
   * one flat buffer per optimizer param group, padded to a multiple of (partitions x 32) elements (partition.py);
-    partitions = dp for stages 1-2, 1 for stage 0; every rank holds the whole flat buffer of 16-bit params;
-  * gradients in the params' dtype: the whole padded flat buffer in stages 0-1, this rank's partition in stage 2;
-  * fp32 master = this rank's partition, a copy only when the params are not fp32 (in fp32 it is a view: 0 bytes);
+    partitions = dp for stages 1-3, 1 for stage 0; every rank holds the whole flat buffer of 16-bit params, in stage 3
+    only its partition (and the persistent parameters' buffer);
+  * gradients in the params' dtype: the whole padded flat buffer in stages 0-1, this rank's partition in 2-3;
+  * fp32 master = this rank's partition, a copy only when the params are not fp32 or it is offloaded (else a view);
   * Adam's exp_avg and exp_avg_sq: fp32, this rank's partition (allocated by the first optimizer step);
-  * stage 2 reduce buckets (not part of `total`, an upper bound): with contiguous_gradients a pool of buffers of
+  * stage 2-3 reduce buckets (not part of `total`, an upper bound): with contiguous_gradients a pool of buffers of
     min(reduce_bucket_size, largest group) elements, at most one per param group being filled plus MAX_IN_FLIGHT
     in flight with overlap_comm; stages 0-1 reduce in place (0).
-`offload=True` (DeepSpeed's offload_optimizer, not implemented by our engine) moves master and moments to host
-memory: they are reported under "host" and leave the device total.
+offload_optimizer keeps masters, moments (and in stages 2-3 the gradient partitions) in host memory,
+offload_param (stage 3) the parameter partitions: they are reported under "host" and leave the device total.
 
 The Megatron path (no --deepspeed) is `alignment=1, dp=1, stage=0` plus, in fp16/bf16, FP16_Optimizer's fp32 master
 gradients (`master_grads=True`).
@@ -43,37 +45,48 @@ def _padded(numel, partitions, alignment):
 
 
 def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=False, reduce_bucket_size=None,
-                      contiguous_gradients=True, overlap_comm=False, alignment=ALIGNMENT, master_grads=False):
+                      contiguous_gradients=True, overlap_comm=False, alignment=ALIGNMENT, master_grads=False,
+                      offload_param=False, persistent_elements=0):
     """Bytes per rank by kind: {"parameters", "gradients", "master", "moments", "total", "buckets", "host"}.
 
     `num_params_on_this_mp_rank`: an int (one param group) or the element counts of each optimizer param group
     (exact to the byte: each group is padded on its own). `dtype`: the training dtype of the parameters
     (torch dtype or "fp16"/"bf16"/"fp32"). "total" = parameters + gradients + master + moments (+ master gradients
-    with `master_grads`); "buckets" is the stage-2 bucket bound (None when reduce_bucket_size is not given);
-    "host" is what `offload` keeps in host memory.
+    with `master_grads`) on the device; "buckets" is the stage-2/3 bucket bound (None when reduce_bucket_size is
+    not given); "host" is what offload keeps in host memory: `offload` (offload_optimizer, stages 1-3) the fp32
+    masters (always a copy there), the moments and, in stages 2-3, the reduced gradient partitions;
+    `offload_param` (stage 3) the parameter partitions. Stage 3 holds 1/dp of the parameters plus the
+    `persistent_elements` (parameters under stage3_param_persistence_threshold) whole; the units gathered during
+    forward and backward are working memory, not model state.
     """
     counts = [int(num_params_on_this_mp_rank)] if isinstance(num_params_on_this_mp_rank, int) \
         else [int(n) for n in num_params_on_this_mp_rank]
-    if stage not in (0, 1, 2):
-        raise ValueError(f"ZeRO stage {stage}: this estimate covers stages 0, 1 and 2")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage}: this estimate covers stages 0, 1, 2 and 3")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param needs stage 3 (stage is {stage})")
     dtype = _dtype(dtype)
     size = torch.tensor([], dtype=dtype).element_size()
     partitions = dp if stage >= 1 else 1
     padded = [_padded(n, partitions, alignment) for n in counts]
     own = [p // partitions for p in padded]
-    result = {"parameters": sum(padded) * size,
-              "gradients": (sum(own) if stage == 2 else sum(padded)) * size,
-              "master": 0 if dtype == torch.float32 else sum(own) * 4,
+    result = {"parameters": (sum(own) + persistent_elements if stage == 3 else sum(padded)) * size,
+              "gradients": (sum(own) if stage >= 2 else sum(padded)) * size,
+              "master": 0 if dtype == torch.float32 and not offload else sum(own) * 4,
               "moments": 2 * sum(own) * 4}
     if master_grads and dtype != torch.float32:
         result["master_gradients"] = sum(own) * 4
     host = 0
     if offload:
-        host = result["master"] + result["moments"]
+        host = result["master"] + result["moments"] + (result["gradients"] if stage >= 2 else 0)
         result["master"] = result["moments"] = 0
+        result["gradients"] = 0 if stage >= 2 else result["gradients"]
+    if offload_param:
+        host += sum(own) * size
+        result["parameters"] = persistent_elements * size
     result["total"] = sum(result.values())
     result["host"] = host
-    if stage == 2 and reduce_bucket_size is not None and counts:
+    if stage >= 2 and reduce_bucket_size is not None and counts:
         pool = min(reduce_bucket_size, max(counts))
         buffers = len(counts) + (MAX_IN_FLIGHT if overlap_comm else 0)
         result["buckets"] = buffers * pool * size if contiguous_gradients else buffers * reduce_bucket_size * size
@@ -87,7 +100,14 @@ def measured_model_state_bytes(zero_optimizer):
     "buckets" the peak bucket bytes seen (stage 2)."""
     held = zero_optimizer.partitioned_state_bytes()
     result = {kind: held[kind] for kind in KINDS}
+    offloaded = zero_optimizer.offloaded_kinds()
+    host = sum(result[kind] for kind in offloaded)
+    if "parameters" in offloaded:     # the persistent stage-3 parameters stay on the device
+        host -= zero_optimizer.resident_parameter_bytes
+    for kind in offloaded:
+        result[kind] = zero_optimizer.resident_parameter_bytes if kind == "parameters" else 0
     result["total"] = sum(result.values())
+    result["host"] = host
     result["buckets"] = getattr(zero_optimizer.reducer, "peak_bucket_bytes", 0)
     return result
 

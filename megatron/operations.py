@@ -9,6 +9,7 @@ import torch
 
 import mpu
 from megatron import memory
+from megatron.zero.partition import full_numel
 from megatron.utils import unwrap_model
 
 
@@ -51,6 +52,50 @@ def gather_first_name(name):
         torch.distributed.all_gather_object(names, name)
         return next((f"{n} (rank {r})" for r, n in enumerate(names) if n is not None), None)
     return None if name is None else f"{name} (rank 0)"
+
+
+# ---- fp16: a loss scale stuck at its minimum ------------------------------------------------------------------
+class LossScaleStuckError(NonFiniteError):
+    """fp16: the step overflowed at the minimum loss scale for --max-skipped-steps-at-min-scale iterations in a
+    row: the run stops instead of going on with steps that are all skipped."""
+
+
+class MinLossScaleWatch:
+    """Counts consecutive iterations skipped for an fp16 overflow although they ran at the minimum loss scale
+    (the scale cannot fall further, so nothing can recover); `limit` 0 never stops. The same on both paths: the
+    training loop passes each iteration's skipped flag and the scale after it (FP16_Optimizer.loss_scale or the
+    ZeRO engine's optimizer.cur_scale).
+
+        watch = MinLossScaleWatch(min_scale=1.0, limit=3, initial_scale=4.0)   # hysteresis 1: 4 -> 2 -> 1
+        # every step overflows: iterations 1 (scale 4) and 2 (scale 2) are ordinary skips; 3, 4, 5 ran at 1
+        # -> check() raises at iteration 5 naming iterations 3-5
+    """
+
+    def __init__(self, min_scale, limit, initial_scale):
+        self.min_scale, self.limit = float(min_scale), int(limit)
+        self.scale_used = float(initial_scale)   # the scale the next step runs at (the scale after the last one)
+        self.streak = 0
+
+    @classmethod
+    def from_args(cls, args, initial_scale):
+        return cls(args.min_scale, args.max_skipped_steps_at_min_scale if args.fp16 else 0, initial_scale)
+
+    def check(self, iteration, skipped, scale_after, losses, last_saved_iteration, before_raise=None):
+        """Advance one iteration; raise LossScaleStuckError (after calling `before_raise`) at the limit."""
+        at_minimum = self.scale_used <= self.min_scale
+        self.scale_used = float(scale_after)
+        self.streak = self.streak + 1 if skipped and at_minimum else 0
+        if self.limit <= 0 or self.streak < self.limit:
+            return
+        if before_raise is not None:
+            before_raise()
+        values = ", ".join(f"{k}={v:.6g}" for k, v in losses.items())
+        saved = "the one loaded" if last_saved_iteration is None else f"iteration {last_saved_iteration}"
+        raise LossScaleStuckError(
+            f"fp16 loss scale stuck at its minimum ({self.min_scale:g}): iterations {iteration - self.streak + 1}-"
+            f"{iteration} all overflowed at that scale and were skipped ({values}); stopping without saving (the "
+            f"latest checkpoint stays {saved}); lower --lr or --min-scale, train in bf16, or raise "
+            f"--max-skipped-steps-at-min-scale (0: never stop)")
 
 
 # ---- --log-jsonl records, phase timers, memory -----------------------------------------------------------------
@@ -101,11 +146,19 @@ def memory_setting(args, zero_config):
             f"{args.params_dtype}")
 
 
-def model_state_estimate(counts, args, zero_config=None):
+def model_state_estimate(counts, args, zero_config=None, module=None):
     """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups
-    (`zero_config`: the engine's zero_optimization block, None on the Megatron path)."""
+    (`zero_config`: the engine's zero_optimization block, None on the Megatron path; `module`: the model, whose
+    small parameters stage 3 keeps whole)."""
     if zero_config is not None:
+        persistent = 0
+        if zero_config.stage == 3 and module is not None:
+            persistent = sum(full_numel(p) for p in module.parameters()
+                             if full_numel(p) <= zero_config.stage3_param_persistence_threshold)
         return memory.model_state_bytes(counts, args.data_parallel_size, zero_config.stage, args.params_dtype,
+                                        offload=zero_config.offload_optimizer.enabled,
+                                        offload_param=zero_config.offload_param.enabled,
+                                        persistent_elements=persistent,
                                         reduce_bucket_size=zero_config.reduce_bucket_size,
                                         contiguous_gradients=zero_config.contiguous_gradients,
                                         overlap_comm=zero_config.overlap_comm)

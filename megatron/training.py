@@ -1,14 +1,13 @@
 """Megatron's training loop, driven by three providers (datasets, model, forward step), so pretrain_gpt.py
 stays short. The ZeRO (--deepspeed) branches sit exactly where the DeepSpeed-Megatron tutorial puts them:
 get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line."""
-import contextlib
 import math
 import time
 
 import torch
 
 import mpu
-from megatron import memory, operations, zero
+from megatron import memory, operations, p2p_communication, schedules, zero
 from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.initialize import initialize_megatron
@@ -16,6 +15,8 @@ from megatron.learning_rates import AnnealingLR
 from megatron.exit_controller import ExitController
 from megatron.model import DistributedDataParallel as LocalDDP
 from megatron.train_state import CheckpointOptions, TrainState
+from megatron.zero.builder import adam_kernel_options
+from megatron.zero.partition import full_numel
 from megatron.utils import load_checkpoint, print_rank_0, save_checkpoint, unwrap_model
 
 
@@ -49,7 +50,7 @@ def get_model(model_provider):
     args = get_args()
     model = model_provider()
     if args.rank == 0 or mpu.get_data_parallel_rank() == 0 and mpu.get_model_parallel_rank() > 0:
-        count = sum(p.numel() for p in model.parameters())
+        count = sum(full_numel(p) for p in model.parameters())   # whole sizes, also under zero.Init
         print(f" > number of parameters on model-parallel rank {mpu.get_model_parallel_rank()}: {count}", flush=True)
     model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
     if args.deepspeed:
@@ -75,9 +76,11 @@ def _param_groups_for_weight_decay(module):
 
 def get_optimizer(model):
     args = get_args()
-    optimizer = torch.optim.AdamW(_param_groups_for_weight_decay(unwrap_model(model)), lr=args.lr,
-                                  weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps)
+    groups = _param_groups_for_weight_decay(unwrap_model(model))
+    # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
+    kernel = adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
     if args.deepspeed:
         return optimizer  # the engine adds master weights and loss scaling itself
     if args.fp16:
@@ -118,31 +121,34 @@ def setup_model_and_optimizer(model_provider):
     return model, optimizer, lr_scheduler, train_state
 
 
-def backward_step(optimizer, model, loss, micro_batch_index):
-    """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks, update the
-    fp32 master grads and clip. Returns the global gradient norm after the last micro-batch, else None."""
+def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None):
+    """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks (and the tied
+    word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
+    global gradient norm after the last micro-batch, else None. `output_grad`: on a pipeline stage before the
+    last, `loss` is the stage's output and output_grad the gradient the next stage sent (already scaled)."""
     args, timers = get_args(), get_timers()
     if args.deepspeed:
-        model.backward(loss)  # scales, accumulates and reduces (at the boundary) inside the engine
+        model.backward(loss, output_grad)  # scales, accumulates and reduces (at the boundary) inside the engine
         timers("allreduce").reset()
         return None
     if micro_batch_index == 0:
         optimizer.zero_grad()
-    loss = loss / args.num_micro_batches
-    if args.fp16 or args.bf16:
-        optimizer.backward(loss, update_master_grads=False)
+    if output_grad is not None:
+        torch.autograd.backward(loss, output_grad)
+    elif args.fp16 or args.bf16:
+        optimizer.backward(loss / args.num_micro_batches, update_master_grads=False)
     else:
-        loss.backward()
+        (loss / args.num_micro_batches).backward()
     if micro_batch_index < args.num_micro_batches - 1:
         return None
     timers("allreduce").start()
     if args.DDP_impl == "local":
         model.allreduce_params(reduce_after=False, fp32_allreduce=args.fp32_allreduce)
+    schedules.allreduce_embedding_grads(unwrap_model(model))
     timers("allreduce").stop()
     if args.fp16 or args.bf16:
         optimizer.update_master_grads()
-        return optimizer.clip_master_grads(args.clip_grad)
-    return mpu.clip_grad_norm(model.parameters(), args.clip_grad if args.clip_grad > 0 else math.inf)
+    return schedules.clip_grad_norm(optimizer, unwrap_model(model), args.clip_grad)
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
@@ -156,12 +162,12 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
     """The engine's recipe: forward, engine.backward and engine.step per micro-batch (the engine reduces,
     steps the optimizer and the lr scheduler at the accumulation boundary)."""
     args, timers = get_args(), get_timers()
-    losses = []
-    for index in range(args.num_micro_batches):
-        losses.append(_forward_backward(forward_step_func, data_iterator, model, optimizer, index)[0])
+
+    def engine_step():
         timers("optimizer").start()
         model.step()  # a no-op except at the gradient-accumulation boundary
         timers("optimizer").stop()
+    losses, _ = _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step)
     grad_norm = model.get_global_grad_norm()
     if not args.fp16 and operations.is_nonfinite(losses, grad_norm):
         param = optimizer.last_nonfinite_param
@@ -174,15 +180,7 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
     """Megatron's recipe: forward/backward per micro-batch (torch DDP syncs on the last one only), gradients
     reduced and clipped after the last, then the optimizer and (unless fp16 skipped the step) the lr scheduler."""
     args, timers = get_args(), get_timers()
-    losses, grad_norm = [], None
-    for index in range(args.num_micro_batches):
-        last = index == args.num_micro_batches - 1
-        no_sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last \
-            else contextlib.nullcontext()
-        with no_sync:
-            reduced, norm = _forward_backward(forward_step_func, data_iterator, model, optimizer, index)
-        losses.append(reduced)
-        grad_norm = norm if norm is not None else grad_norm
+    losses, grad_norm = _forward_backward(forward_step_func, data_iterator, model, optimizer)
     if not args.fp16 and operations.is_nonfinite(losses, grad_norm):   # fp16: the loss scaler skips overflows
         name = operations.gather_first_name(operations.first_nonfinite_gradient(unwrap_model(model)))
         optimizer.zero_grad()
@@ -196,16 +194,30 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
     return _average(losses), skipped_iter, grad_norm
 
 
-def _forward_backward(forward_step_func, data_iterator, model, optimizer, micro_batch_index):
-    """(data-parallel averaged losses, gradient norm from backward_step or None) of one micro-batch."""
-    timers = get_timers()
-    timers("forward").start()
-    loss, reduced = forward_step_func(data_iterator, model)
-    timers("forward").stop()
-    timers("backward").start()
-    norm = backward_step(optimizer, model, loss, micro_batch_index)
-    timers("backward").stop()
-    return reduced, norm
+def _forward_backward(forward_step_func, data_iterator, model, optimizer, after_backward=None, forward_only=False):
+    """This step's micro-batches through the schedule (megatron.schedules: a plain loop, or 1F1B across pipeline
+    stages). Returns (every micro-batch's data-parallel averaged losses, on every rank; the gradient norm from
+    backward_step, or None)."""
+    args, timers = get_args(), get_timers()
+    norms = [None]
+
+    def forward(iterator, module):
+        timers("forward").start()
+        result = forward_step_func(iterator, module)
+        timers("forward").stop()
+        return result
+
+    def backward(output, output_grad, micro_batch_index):
+        timers("backward").start()
+        norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad))
+        timers("backward").stop()
+        if after_backward is not None:
+            after_backward()
+    spec = p2p_communication.TensorSpec((args.batch_size, args.seq_length, args.hidden_size),
+                                        getattr(torch, args.params_dtype), mpu.get_device())
+    losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward, args.num_micro_batches,
+                                                   spec, forward_only=forward_only)
+    return schedules.broadcast_losses_from_last_stage(losses), norms[-1]
 
 
 def _average(losses):
@@ -256,9 +268,9 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
 def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     zero_config = args.zero_config.zero_optimization if args.zero_config is not None else None
-    counts = [sum(p.numel() for p in group["params"])
-              for group in _param_groups_for_weight_decay(unwrap_model(model))]
-    estimate = operations.model_state_estimate(counts, args, zero_config)
+    module = unwrap_model(model)
+    counts = [sum(full_numel(p) for p in group["params"]) for group in _param_groups_for_weight_decay(module)]
+    estimate = operations.model_state_estimate(counts, args, zero_config, module)
     setting = operations.memory_setting(args, zero_config)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
     return estimate, setting
@@ -276,6 +288,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     interval_losses, interval_start = {}, time.time()
     first_iteration = train_state.iteration + 1
     estimate, setting = _print_model_state_estimate(model, args)
+    min_scale_watch = operations.MinLossScaleWatch.from_args(args, getattr(optimizer, "cur_scale", 1.0))
     while train_state.iteration < args.train_iters:
         try:
             loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
@@ -295,6 +308,8 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
         train_state.skipped_iterations += skipped_iter
         iteration = train_state.iteration
         loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
+        min_scale_watch.check(iteration, skipped_iter, loss_scale, loss_dict, history["last_saved_iteration"],
+                              before_raise=exit_controller.close)
         for key, value in loss_dict.items():
             interval_losses[key] = interval_losses.get(key, 0.0) + value
         history["iteration"].append(iteration)
@@ -348,8 +363,7 @@ def evaluate(forward_step_func, data_iterator, model, train_state):
     totals = {}
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            for _ in range(args.num_micro_batches):
-                _, reduced = forward_step_func(data_iterator, model)
+            for reduced in _forward_backward(forward_step_func, data_iterator, model, None, forward_only=True)[0]:
                 for key, value in reduced.items():
                     totals[key] = totals.get(key, 0.0) + value
             train_state.consumed_valid_samples += args.global_batch_size
@@ -385,13 +399,10 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
     """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
     rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group. The samplers start
     where `train_state`'s consumed samples say."""
-    from megatron.data.samplers import MegatronPretrainingSampler
+    from megatron.data.samplers import pretraining_loader, train_valid_test_num_samples
     args = get_args()
-    global_batch = args.global_batch_size
-    train_samples = args.train_iters * global_batch
-    eval_count = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
-    num_samples = [train_samples, eval_count * global_batch, args.eval_iters * global_batch]
-    datasets = train_valid_test_dataset_provider(num_samples)
+    datasets = train_valid_test_dataset_provider(train_valid_test_num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
     # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
     args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
     args.do_test = datasets[2] is not None and len(datasets[2]) > 0 and args.eval_iters > 0
@@ -402,13 +413,7 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
             iterators.append(None)
             continue
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
-        sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed,
-                                             micro_batch_size=args.batch_size,
-                                             data_parallel_rank=mpu.get_data_parallel_rank(),
-                                             data_parallel_size=mpu.get_data_parallel_world_size())
-        # Its own generator: iter(loader) draws a seed, and from the global one that would shift the RNG state a
-        # checkpoint restored (the iterators are built after load_checkpoint).
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
-                                             generator=torch.Generator())
+        loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
+                                    mpu.get_data_parallel_world_size(), args.num_workers)
         iterators.append(iter(loader) if index == 0 else _cyclic(loader))
     return tuple(iterators)

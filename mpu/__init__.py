@@ -7,6 +7,9 @@ from .initialize import (destroy_model_parallel, get_data_parallel_group, get_da
                          get_data_parallel_world_size, get_model_parallel_group, get_model_parallel_rank,
                          get_model_parallel_src_rank, get_model_parallel_world_size, initialize_model_parallel,
                          model_parallel_is_initialized)
+from .initialize import (get_embedding_group, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
+                         get_pipeline_model_parallel_ranks, get_pipeline_model_parallel_world_size,
+                         is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group)
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
                        reduce_from_model_parallel_region, scatter_to_model_parallel_region)

@@ -32,6 +32,10 @@ def _initialize_affine_weight(weight, master_shape, partition_dim, init_method, 
     into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r].
     """
     world_size = get_model_parallel_world_size()
+    if world_size == 1 and weight.dtype == torch.float32:
+        with torch.no_grad():   # the same draws as into a master, without a second full-size copy (zero.Init)
+            init_method(weight)
+        return
     master = torch.empty(master_shape, dtype=torch.float32, device=weight.device)
     init_method(master)
     if world_size == 1:

@@ -138,16 +138,35 @@ class ParallelTransformerLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class _StageLayers(nn.ModuleList):
+    """A pipeline stage's layers, registered under their global numbers (`layers.6...` on the stage holding
+    layers 6-11), so that state-dict and parameter names are those of the whole model. Indexed locally."""
+
+    def __init__(self, layers, first_layer):
+        super().__init__()
+        for index, layer in enumerate(layers):
+            self.add_module(str(first_layer + index), layer)
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+
 class ParallelTransformer(nn.Module):
     """L layers and a final LayerNorm. With `checkpoint_activations`, every `checkpoint_num_layers` layers
     form one checkpointed chunk whose only saved activation is its input.
+
+    A pipeline stage passes `layer_range=(start, end)` (global layer numbers; None = all L) and
+    `final_layernorm=False` unless it is the last stage. Every layer is still built in order and the others are
+    dropped at once, so the default generator is consumed as for the whole model: each stage's weights equal
+    the single-stage model's (one extra layer alive at a time while building).
 
     `checkpoint_function(fn, *args)` and `rng_tracker` (the model-parallel dropout stream) default to mpu's; pass
     another pair (zero.checkpointing's) together, so that recomputation replays the tracker it checkpoints."""
 
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
-                 init_method_std=0.02, checkpoint_function=None, rng_tracker=None):
+                 init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
+                 final_layernorm=True):
         super().__init__()
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
@@ -155,11 +174,17 @@ class ParallelTransformer(nn.Module):
         rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         init_method = init_method_normal(init_method_std)
         output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
-        self.layers = nn.ModuleList([
-            ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                                     layernorm_epsilon, init_method, output_layer_init_method, rng_tracker)
-            for _ in range(num_layers)])
-        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device())
+        start, end = layer_range if layer_range is not None else (0, num_layers)
+        kept = []
+        for index in range(num_layers):
+            layer = ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
+                                             output_dropout_prob, layernorm_epsilon, init_method,
+                                             output_layer_init_method, rng_tracker)
+            if start <= index < end:
+                kept.append(layer)
+        self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
+        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device()) \
+            if final_layernorm else None
 
     def set_activation_checkpointing(self, checkpoint_function, rng_tracker):
         """Use another checkpoint function and dropout RNG tracker (a pair: recomputation must replay the
@@ -194,4 +219,4 @@ class ParallelTransformer(nn.Module):
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, attention_mask)
-        return self.final_layernorm(hidden_states)
+        return self.final_layernorm(hidden_states) if self.final_layernorm is not None else hidden_states

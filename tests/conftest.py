@@ -1,4 +1,11 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the `--device` option.
+
+`pytest` (or `--device cpu`, the default) runs the suite on the CPU on every machine: CUDA is hidden from the tests
+and their spawned workers, so a GPU machine computes what this CPU machine does. `pytest --device cuda` (what
+tools/gpu_check.sh runs on the device-agnostic equivalence tests) leaves the GPUs visible: the code under test then
+picks CUDA as it does in training (mpu.get_device(), mpu.get_backend()), and MEGATRON_TEST_DEVICE=cuda tells the
+workers the run is a GPU run.
+"""
 import os
 import subprocess
 import sys
@@ -7,6 +14,31 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEBTEXT = os.path.join(REPO, "data", "webtext")
+DEVICE_ENV = "MEGATRON_TEST_DEVICE"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="cpu (default): hide CUDA from the tests; cuda: run them on this machine's GPUs")
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    os.environ[DEVICE_ENV] = device
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""     # read when CUDA first initializes, in this process and workers
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                                "run on a GPU machine or drop --device cuda")
+
+
+@pytest.fixture(scope="session")
+def test_device(pytestconfig):
+    """The torch.device the suite runs on (--device)."""
+    import torch
+    return torch.device(pytestconfig.getoption("--device"))
 
 
 @pytest.fixture(scope="session")

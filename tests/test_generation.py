@@ -132,9 +132,15 @@ def _pretrain(save_dir):
                                "--save", save_dir])
 
 
-def test_generate_samples_cli_at_model_parallel_2(tmp_path):
-    save = str(tmp_path / "save")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("generation") / "save")
     run_distributed(_pretrain, 1, args=(save,))
+    return save
+
+
+def test_generate_samples_cli_at_model_parallel_2(tmp_path, checkpoint):
+    save = checkpoint
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("5 9 3\n11\n60 61 7 33 2\n")
     out = tmp_path / "samples.txt"
@@ -150,3 +156,41 @@ def test_generate_samples_cli_at_model_parallel_2(tmp_path):
     for block in blocks[1::2]:
         ids = [int(t) for t in block.removeprefix("Megatron-LM: ").split()]
         assert len(ids) == 6 and all(0 <= t < 64 for t in ids)
+
+
+def _generation_errors(argvs):
+    """The one-line message tools/generate_samples_gpt.py prints for each bad command line."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import generate_samples_gpt
+    from megatron.zero.checkpoint import CheckpointError
+    messages = []
+    for argv in argvs:
+        try:
+            generate_samples_gpt.main(argv)
+            messages.append(None)
+        except (CheckpointError, ValueError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_generate_samples_bad_input_is_one_line(tmp_path, checkpoint):
+    long_prompt = tmp_path / "prompts.txt"
+    long_prompt.write_text("5 9 3\n" + " ".join(["7"] * 17) + "\n")      # 17 tokens, 16 positions
+    out = tmp_path / "samples.txt"
+    io = ["--load", checkpoint, "--sample-output-file", str(out), "--greedy", "--out-seq-length", "2"]
+    wider = [flag if flag != "32" else "64" for flag in MODEL]             # --hidden-size 64
+    messages = run_distributed(_generation_errors, 1, args=([
+        MODEL + io + ["--sample-input-file", str(long_prompt)],
+        MODEL + io + ["--sample-input-file", str(tmp_path / "missing.txt")],
+        wider + io + ["--sample-input-file", str(long_prompt)]],))[0]
+    assert messages[0] == (f"{long_prompt}:2: the prompt has 17 tokens, longer than the position table "
+                           "(--max-position-embeddings 16): shorten it")
+    assert messages[1] == f"--sample-input-file {tmp_path / 'missing.txt'} does not exist"
+    assert messages[2].startswith(f"{checkpoint}") and \
+        messages[2].endswith("was saved by another model shape: hidden_size 32 (checkpoint) != 64 (this run)")
+    assert not out.exists()   # nothing was written
+    # The command line: one line on stderr, exit status 1, no traceback.
+    result = subprocess.run([sys.executable, "tools/generate_samples_gpt.py", *MODEL, *io, "--sample-input-file",
+                             str(tmp_path / "missing.txt")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {messages[1]}"]

@@ -128,3 +128,58 @@ def test_deepspeed_path_names_the_parameter_and_stops(tmp_path):
     messages = run_distributed(_train_until_stopped, 2, args=(flags,))
     assert messages[0] == messages[1] and messages[0].startswith("non-finite values at iteration 2:"), messages
     assert f"first non-finite gradient: {POISONED} (rank " in messages[0]
+
+
+def test_min_loss_scale_watch_counts_only_skips_at_the_minimum():
+    from megatron.operations import LossScaleStuckError, MinLossScaleWatch
+    watch = MinLossScaleWatch(min_scale=1.0, limit=3, initial_scale=4.0)
+    # (skipped, scale after the step): two ordinary skips down to the minimum, two at it, a clean step resets
+    for iteration, (skipped, scale) in enumerate([(1, 2.0), (1, 1.0), (1, 1.0), (1, 1.0), (0, 1.0), (1, 1.0),
+                                                  (1, 1.0)], 1):
+        watch.check(iteration, skipped, scale, {"lm loss": 1.0}, None)
+    assert watch.streak == 2
+    with pytest.raises(LossScaleStuckError, match=r"iterations 6-8 all overflowed at that scale"):
+        watch.check(8, 1, 1.0, {"lm loss": 1.0}, None)
+    never = MinLossScaleWatch(min_scale=1.0, limit=0, initial_scale=1.0)
+    for iteration in range(1, 20):
+        never.check(iteration, 1, 1.0, {"lm loss": 1.0}, None)
+
+
+def _train_overflowing_fp16(args_list):
+    """pretrain with every training loss made inf (every fp16 gradient overflows); the error's text, or None."""
+    import pretrain_gpt
+    from megatron import training
+    from megatron.operations import LossScaleStuckError
+
+    def forward_step(data_iterator, model):
+        loss, reduced = pretrain_gpt.forward_step(data_iterator, model)
+        return (loss * float("inf") if model.training else loss), reduced
+    try:
+        training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, forward_step,
+                          args_list=args_list)
+    except LossScaleStuckError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("path", ["megatron", "deepspeed"])
+def test_fp16_scale_pinned_at_its_minimum_stops_the_run(tmp_path, path):
+    # Scale 4, hysteresis 1: iterations 1 and 2 halve it to the minimum 1; 3, 4, 5 overflow at 1 -> stop at 5.
+    flags = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length",
+             "8", "--vocab-size", "32", "--make-vocab-size-divisible-by", "8", "--eval-iters", "0", "--log-interval",
+             "100", "--batch-size", "2", "--train-iters", "8", "--max-skipped-steps-at-min-scale", "3"]
+    save = tmp_path / "checkpoints"
+    if path == "deepspeed":
+        from tests.test_deepspeed_path import write_config
+        flags += ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path), fp16={
+            "enabled": True, "loss_scale": 0, "initial_scale_power": 2, "hysteresis": 1, "min_loss_scale": 1})]
+    else:
+        flags += ["--fp16", "--initial-loss-scale", "4", "--hysteresis", "1", "--min-scale", "1",
+                  "--save", str(save), "--save-interval", "4"]
+    message = run_distributed(_train_overflowing_fp16, 1, args=(flags,))[0]
+    assert message is not None, "the run did not stop"
+    assert message.startswith("fp16 loss scale stuck at its minimum (1): iterations 3-5 all overflowed at that "
+                              "scale and were skipped (lm loss="), message
+    if path == "megatron":   # nothing saved at the stop: the tracker names the save of iteration 4
+        assert "stopping without saving (the latest checkpoint stays iteration 4)" in message
+        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

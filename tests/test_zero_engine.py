@@ -1,4 +1,4 @@
-"""ZeRO stages 0/1/2 at data-parallel 2 against a single-process torch AdamW run (fp32, same global batch).
+"""ZeRO stages 0-3 (and offload) at data-parallel 2 against a single-process torch AdamW run (fp32, same global batch).
 
 One spawned run trains every configuration in turn; the parent compares each with the reference.
 """
@@ -26,7 +26,7 @@ def train(config, steps=STEPS, lr=LR, engine_hook=None):
     if engine_hook is not None:
         engine_hook(engine)
     losses = [engine_train_step(engine, step, engine.train_batch_size()) for step in range(steps)]
-    state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    state = {k: v.detach().float().clone() for k, v in engine.module_state_dict().items()}
     return losses, state, engine
 
 
@@ -51,10 +51,23 @@ STAGE_CONFIGS = {
     "stage2_plain": ds_config(2, micro=2, accumulation=2, reduce_bucket_size=100, allgather_bucket_size=37,
                               overlap_comm=False, contiguous_gradients=False),
     "stage2_allreduce": ds_config(2, micro=4, reduce_bucket_size=100, reduce_scatter=False),
+    "stage3": ds_config(3, micro=4),
+    # small buckets, prefetch of about one unit, biases and the LayerNorm kept whole (persistent)
+    "stage3_accum_small": ds_config(3, micro=2, accumulation=2, reduce_bucket_size=100, overlap_comm=True,
+                                    contiguous_gradients=True, stage3_prefetch_bucket_size=600,
+                                    stage3_param_persistence_threshold=40),
+    "stage3_offload": ds_config(3, micro=2, accumulation=2, reduce_bucket_size=100, stage3_prefetch_bucket_size=0,
+                                offload_optimizer={"device": "cpu", "pin_memory": True},
+                                offload_param={"device": "cpu", "pin_memory": True}),
+    "stage2_offload": ds_config(2, micro=2, accumulation=2, reduce_bucket_size=100,
+                                offload_optimizer={"device": "cpu"}),
+    "stage1_offload": ds_config(1, micro=4, cpu_offload=True),
 }
 CLIP_CONFIGS = {f"{name}_clip": {**ds_config(stage, micro=2, accumulation=2, reduce_bucket_size=100),
                                  "gradient_clipping": CLIP} for name, stage in
-                (("stage0", 0), ("stage1", 1), ("stage2", 2))}
+                (("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3))}
+CLIP_CONFIGS["stage3_offload_clip"] = {**STAGE_CONFIGS["stage3_offload"], "gradient_clipping": CLIP}
+CLIP_CONFIGS["stage2_offload_clip"] = {**STAGE_CONFIGS["stage2_offload"], "gradient_clipping": CLIP}
 
 
 @pytest.fixture(scope="module")

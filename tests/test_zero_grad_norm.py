@@ -56,6 +56,11 @@ DP2_CONFIGS = {
     "stage2": _clip(ds_config(2, micro=4)),
     "stage2_accum_overlap": _clip(ds_config(2, micro=2, accumulation=2, reduce_bucket_size=100,
                                             overlap_comm=True, contiguous_gradients=True)),
+    "stage3_accum": _clip(ds_config(3, micro=2, accumulation=2, reduce_bucket_size=100,
+                                    stage3_param_persistence_threshold=40)),
+    "stage3_offload": _clip(ds_config(3, micro=4, offload_optimizer={"device": "cpu"},
+                                      offload_param={"device": "cpu"})),
+    "stage2_offload": _clip(ds_config(2, micro=4, offload_optimizer={"device": "cpu"})),
 }
 
 

@@ -1,6 +1,7 @@
 """tasks/ zero-shot evaluation (WIKITEXT103 perplexity with overlapping windows, LAMBADA accuracy, strict and not)
 against hand-computed references over Hugging Face GPT2LMHeadModel logits on the same weights, with the default
 data's real BPE vocabulary (8192 ids; the model pads it to 8200 rows to exercise the real-vocabulary clamp)."""
+import json
 import math
 import os
 import re
@@ -165,14 +166,15 @@ def test_model_parallel_and_data_parallel_give_the_same_results(evaluated):
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
 
 
-def _pretrain(save_dir, webtext):
+def _pretrain(save_dir, webtext, extra=()):
     import pretrain_gpt
     pretrain_gpt.main(MODEL + ["--data-path", os.path.join(webtext, "webtext_text_document"),
                                "--vocab-file", os.path.join(webtext, "vocab.json"),
                                "--merge-file", os.path.join(webtext, "merges.txt"),
                                "--data-cache-path", os.path.join(save_dir, "cache"),
                                "--batch-size", "2", "--train-iters", "2", "--log-interval", "100",
-                               "--eval-iters", "0", "--lr-decay-iters", "100", "--warmup", "0.1", "--save", save_dir])
+                               "--eval-iters", "0", "--lr-decay-iters", "100", "--warmup", "0.1", "--save", save_dir,
+                               *extra])
 
 
 def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_data):
@@ -197,3 +199,83 @@ def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_da
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"error: --valid-data {tmp_path / 'none.jsonl'} does not exist"
+
+
+@pytest.fixture(scope="module")
+def zero_checkpoint(tmp_path_factory, webtext_data):
+    """A ZeRO-path (--deepspeed) training checkpoint of MODEL, and the same weights exported to Hugging Face."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import convert_to_hf
+    from tests.test_deepspeed_path import write_config
+    root = tmp_path_factory.mktemp("zero_tasks")
+    save = str(root / "save")
+    run_distributed(_pretrain, 1, args=(save, webtext_data, ["--deepspeed", "--deepspeed_config",
+                                                             write_config(str(root)), "--lr", "3e-3"]))
+    convert_to_hf.convert(save, str(root / "hf"), os.path.join(webtext_data, "vocab.json"),
+                          os.path.join(webtext_data, "merges.txt"))
+    return save, str(root / "hf")
+
+
+def _rigged_lambada(path, hf, tokenizer):
+    """The fixture plus, for each of its first 4 texts, its context followed by the HF model's greedy next token
+    (so some answers are right); returns the texts."""
+    texts = [json.loads(line)["text"] for line in open(LAMBADA, encoding="utf-8") if line.strip()]
+    for text in texts[:4]:
+        context = text.rsplit(" ", 1)[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokenizer.tokenize(context)[-SEQ:]])).logits[0, -1, :VOCAB]
+        texts.append(context + tokenizer.detokenize([int(logits.argmax())]))
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+    return texts
+
+
+def test_lambada_cli_on_a_zero_checkpoint_matches_huggingface(tmp_path, zero_checkpoint, webtext_data):
+    from transformers import GPT2LMHeadModel
+    save, hf_dir = zero_checkpoint
+    hf, tokenizer = GPT2LMHeadModel.from_pretrained(hf_dir).eval(), _tokenizer()
+    data = tmp_path / "lambada.jsonl"
+    texts = _rigged_lambada(data, hf, tokenizer)
+    flags = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
+             os.path.join(webtext_data, "merges.txt"), "--load", save, "--task", "LAMBADA", "--valid-data", str(data)]
+    result = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *flags, "--strict-lambada"], cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"validation results on LAMBADA \| number correct: (\d+) \| total examples: (\d+) \| "
+                     r"avg accuracy: (\S+)", result.stdout)
+    assert line, result.stdout[-2000:]
+    correct, total, accuracy = int(line.group(1)), int(line.group(2)), float(line.group(3))
+    reference = 0
+    for text in texts:   # strict: every token of the last word, tokenized alone, is HF's argmax
+        context, target = _lambada_split(text, tokenizer, strict=True)
+        full = (context + target)[-(SEQ + 1):]
+        with torch.no_grad():
+            logits = hf(torch.tensor([full[:-1]])).logits[0, -len(target):, :VOCAB]
+        reference += logits.argmax(-1).tolist() == target
+    assert total == len(texts) and correct == reference and 0 < correct < total
+    assert accuracy == pytest.approx(correct / total, rel=1e-6)
+
+
+def _task_errors(argvs):
+    """The one-line message tasks/main.py prints for each bad command line (the error main() raises)."""
+    from megatron.zero.checkpoint import CheckpointError
+    from tasks import main as tasks_main
+    messages = []
+    for argv in argvs:
+        try:
+            tasks_main.main(argv)
+            messages.append(None)
+        except (CheckpointError, ValueError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_checkpoint_of_another_shape_is_one_line(zero_checkpoint, webtext_data):
+    save, _ = zero_checkpoint
+    tokenizer = ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
+                 "--merge-file", os.path.join(webtext_data, "merges.txt")]
+    wider = [f if f != "32" else "64" for f in MODEL]   # --hidden-size 64
+    message, = run_distributed(_task_errors, 1, args=([
+        wider + tokenizer + ["--load", save, "--task", "WIKITEXT103", "--valid-data", WIKI]],))[0]
+    assert message.startswith(save) and \
+        message.endswith("was saved by another model shape: hidden_size 32 (checkpoint) != 64 (this run)")

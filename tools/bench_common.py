@@ -54,3 +54,12 @@ def init_single_process():
         os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
     mpu.initialize_model_parallel(1)
+
+
+def median_and_spread(values):
+    """(median, min, max) of repeated measurements: the figure and its spread (NaN for none)."""
+    import statistics
+    values = [v for v in values if v == v]
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    return statistics.median(values), min(values), max(values)

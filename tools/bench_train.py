@@ -1,16 +1,20 @@
 """Training-step throughput: our Megatron train_step (model-parallel 1) next to a plain PyTorch nanoGPT-style
 loop and Hugging Face GPT2LMHeadModel on the same config, run alternately in one process so ratios are fair.
 
-    python tools/bench_train.py                      # tiny and small, fp32 and bf16; prints a markdown table
-    python tools/bench_train.py --configs small --dtypes fp32 --rounds 5 --steps 5
+    python tools/bench_train.py                      # tiny and small, fp32 (+ bf16 where native); markdown table
+    python tools/bench_train.py --configs small --dtypes fp32 --rounds 7 --steps 5
 
+Every implementation runs `--steps` steps per round, alternating, for `--rounds` rounds (>= 5): tokens/s is the
+median over rounds with its min-max, and "vs plain PyTorch" the median of the per-round ratios (each from the same
+round, so slow phases of the shared machine cancel). "ours, torch-default AdamW" is ours with --no-fused-adam: its
+ratio to "ours" is the step-time gain of the fused AdamW kernel.
 Peak RSS is measured separately (one short subprocess per cell) because a process's peak only grows.
 TFLOP/s uses Megatron's count, 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) x 2 x 3 (forward + backward).
 """
 import argparse
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import median_and_spread  # noqa: E402
 
 CONFIGS = {
     "tiny": dict(layers=2, hidden=128, heads=4, seq=128, vocab=8192, batch=8),
@@ -102,7 +108,7 @@ def make_hf(c, dtype):
     return step
 
 
-def make_ours(c, dtype):
+def make_ours(c, dtype, extra_flags=()):
     """The real Megatron train_step with our GPT2Model, FP16_Optimizer (bf16) and local DDP, mp=1, dropout off."""
     import pretrain_gpt
     from megatron.arguments import parse_args
@@ -112,7 +118,8 @@ def make_ours(c, dtype):
     flags = ["--mock-data", "--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
              "--num-attention-heads", str(c["heads"]), "--seq-length", str(c["seq"]), "--vocab-size", str(c["vocab"]),
              "--batch-size", str(c["batch"]), "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
-             "--make-vocab-size-divisible-by", "1", "--clip-grad", "1.0"] + (["--bf16"] if dtype == "bf16" else [])
+             "--make-vocab-size-divisible-by", "1", "--clip-grad", "1.0"] + (["--bf16"] if dtype == "bf16" else []) \
+        + list(extra_flags)
     args = parse_args(args_list=flags)
     args.rank, args.distributed_backend = 0, "gloo"
     set_global_variables(args)
@@ -124,7 +131,8 @@ def make_ours(c, dtype):
     return step
 
 
-IMPLS = {"ours": make_ours, "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf}
+IMPLS = {"ours": make_ours, "ours, torch-default AdamW": functools.partial(make_ours, extra_flags=["--no-fused-adam"]),
+         "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf}
 
 
 def _init_process_group():
@@ -142,6 +150,8 @@ def flops_per_step(c):
 
 
 def measure_throughput(config_name, dtype, rounds, steps):
+    """{implementation: [tokens/s of round 0, round 1, ...]}; the order is reversed every other round so a drift
+    in the machine's speed favours no implementation."""
     c = CONFIGS[config_name]
     text = _batch(c, 0)
     steppers = {name: make(c, dtype) for name, make in IMPLS.items()}
@@ -149,13 +159,24 @@ def measure_throughput(config_name, dtype, rounds, steps):
         step(text)
         step(text)
     samples = {name: [] for name in steppers}
-    for _ in range(rounds):  # alternate so machine noise hits every implementation alike
-        for name, step in steppers.items():
+    names = list(steppers)
+    for index in range(rounds):  # alternate so machine noise hits every implementation alike
+        for name in (names if index % 2 == 0 else names[::-1]):
             start = time.perf_counter()
             for _ in range(steps):
-                step(text)
+                steppers[name](text)
             samples[name].append(steps * c["batch"] * c["seq"] / (time.perf_counter() - start))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def summarize(samples, baseline="plain PyTorch"):
+    """{implementation: (median tokens/s, min, max, median ratio to `baseline`, min ratio, max ratio)}; each
+    ratio pairs the two implementations' figures of one round."""
+    out = {}
+    for name, speeds in samples.items():
+        ratios = [mine / theirs for mine, theirs in zip(speeds, samples[baseline])]
+        out[name] = median_and_spread(speeds) + median_and_spread(ratios)
+    return out
 
 
 def peak_rss_mb(config_name, dtype, impl):
@@ -176,31 +197,34 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
                         help="default: fp32, plus bf16 where it is native (see the header line)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (>= 5 for a median)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--no-rss", action="store_true", help="skip the per-cell peak RSS subprocesses")
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds {args.rounds} --steps {args.steps}: both must be >= 1")
     from bench_common import default_precisions, precision_header
     print(precision_header())
     args.dtypes = args.dtypes or default_precisions()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     _init_process_group()
     rows = []
+    print(f"# median of {args.rounds} alternating rounds of {args.steps} steps (min-max in brackets)")
     print("| config | dtype | implementation | tokens/s | vs plain PyTorch | TFLOP/s | peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|")
     for config_name in args.configs:
         for dtype in args.dtypes:
-            result = measure_throughput(config_name, dtype, args.rounds, args.steps)
-            for impl, tokens_per_s in result.items():
+            summary = summarize(measure_throughput(config_name, dtype, args.rounds, args.steps))
+            for impl, (tokens_per_s, lo, hi, ratio, ratio_lo, ratio_hi) in summary.items():
                 c = CONFIGS[config_name]
                 tflops = flops_per_step(c) * tokens_per_s / (c["batch"] * c["seq"]) / 1e12
                 rss = float("nan") if args.no_rss else peak_rss_mb(config_name, dtype, impl)
-                ratio = tokens_per_s / result["plain PyTorch"]
                 rows.append(dict(config=config_name, dtype=dtype, impl=impl, tokens_per_s=tokens_per_s,
-                                 ratio=ratio, tflops=tflops, rss_mb=rss))
-                print(f"| {config_name} | {dtype} | {impl} | {tokens_per_s:,.0f} | {ratio:.2f}x | {tflops:.3f} | "
-                      f"{rss:,.0f} |", flush=True)
+                                 tokens_per_s_min=lo, tokens_per_s_max=hi, ratio=ratio, ratio_min=ratio_lo,
+                                 ratio_max=ratio_hi, tflops=tflops, rss_mb=rss))
+                print(f"| {config_name} | {dtype} | {impl} | {tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
+                      f"{ratio:.2f}x ({ratio_lo:.2f}-{ratio_hi:.2f}) | {tflops:.3f} | {rss:,.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

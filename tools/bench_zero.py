@@ -1,19 +1,28 @@
 """Benchmark: torch DDP vs our ZeRO stages 0/1/2 (and DeepSpeed's, when installed), fp32 and bf16.
 
-    .venv/bin/python tools/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU
-    .venv/bin/python tools/bench_zero.py --steps 10 --repeats 2 --variants ddp-fp32,zero2-fp32
+    .venv/bin/python tools/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~2-3 minutes
+    .venv/bin/python tools/bench_zero.py --steps 10 --repeats 7 --variants ddp-fp32,zero2-fp32
+    .venv/bin/python tools/bench_zero.py --repeats 0     # communication table only
 
 Model: a GPT-2 (nanoGPT-style, tied head) with L=4, h=256, heads=4, s=256, V=8192; micro-batch 4 per rank.
-Each variant runs in fresh processes, so peak RSS is its own. Prints tokens/s (whole job), the ratio to torch
-DDP of the same precision, per-rank model-state bytes (parameters + gradients + fp32 masters + Adam moments, as
-held by real tensors) next to the ZeRO formula, and peak RSS per rank. With --repeats N the variants run N times
-in interleaved order and the best tokens/s is reported (the machine is shared; compare ratios, not absolutes).
+Each variant runs in fresh processes, so peak RSS is its own. The variants run --repeats times, alternating
+(and in reversed order every other repeat), and the table gives the median tokens/s with its min-max, the median
+of the per-repeat ratios to torch DDP of the same precision (each ratio from the same repeat, so slow phases of
+the shared machine cancel), per-rank model-state bytes (parameters + gradients + fp32 masters + Adam moments, as
+held by real tensors) next to the ZeRO formula, and peak RSS per rank. Every variant steps the same AdamW kernel
+(--adam, default fused, as megatron.training.get_optimizer does).
+
+A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
+counted by megatron.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
+2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total. This
+figure does not depend on the machine's speed.
 DeepSpeed peers: `DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, run with DS_ACCELERATOR=cpu.
 """
 import argparse
 import importlib.util
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -24,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import peak_rss_mb  # noqa: E402
+from bench_common import median_and_spread, peak_rss_mb  # noqa: E402
 
 from megatron.spawn import run_distributed  # noqa: E402  (gloo processes on this machine)
 
@@ -73,18 +82,20 @@ def _tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def _worker(variant, steps, warmup, zero_options):
+def _build(variant, zero_options, adam, count_ddp_comm=False):
+    """(model, train_step(tokens, targets), state_bytes()) for one variant on this rank. `count_ddp_comm` routes
+    torch DDP's all-reduce through Python so megatron.comm_bytes sees it."""
     kind, precision = variant.split("-")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = GPT()
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4)
+    if kind == "ddp":
+        model.to(dtype)   # ddp-bf16 keeps everything in bf16; ddpamp-bf16: fp32 params and Adam, bf16 autocast
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, **adam_options(adam))
     if kind in ("ddp", "ddpamp"):
-        # ddp-bf16 keeps everything in bf16; ddpamp-bf16 is the usual mixed precision: fp32 params and Adam state,
-        # bf16 compute under torch.autocast.
-        if kind == "ddp":
-            model.to(dtype)
-        optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4)
         engine = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        if count_ddp_comm:
+            from megatron.comm_bytes import count_ddp_allreduce
+            count_ddp_allreduce(engine)
         autocast = kind == "ddpamp" and precision == "bf16"
         device_type = next(model.parameters()).device.type
 
@@ -98,29 +109,47 @@ def _worker(variant, steps, warmup, zero_options):
         def state_bytes():
             return (_tensor_bytes(p for p in model.parameters()) + _tensor_bytes(p.grad for p in model.parameters())
                     + _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0))
+        return model, train_step, state_bytes
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+              "bf16": {"enabled": precision == "bf16"},
+              "zero_optimization": {"stage": int(kind[-1]), **zero_options}}
+    if kind.startswith("ds"):
+        import deepspeed
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     else:
-        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-                  "bf16": {"enabled": precision == "bf16"},
-                  "zero_optimization": {"stage": int(kind[-1]), **zero_options}}
-        if kind.startswith("ds"):
-            import deepspeed
-            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        else:
-            from megatron import zero
-            engine, optimizer, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config,
-                                                      dist_init_required=False)
+        from megatron import zero
+        engine, optimizer, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config,
+                                                  dist_init_required=False)
 
-        def train_step(tokens, targets):
-            loss = engine(tokens, targets)
-            engine.backward(loss)
-            engine.step()
+    def train_step(tokens, targets):
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
 
-        def state_bytes():
-            if hasattr(optimizer, "partitioned_state_bytes"):
-                return sum(optimizer.partitioned_state_bytes().values())
-            return float("nan")
+    def state_bytes():
+        if hasattr(optimizer, "partitioned_state_bytes"):
+            return sum(optimizer.partitioned_state_bytes().values())
+        return float("nan")
+    return model, train_step, state_bytes
+
+
+def adam_options(adam):
+    """torch AdamW keyword arguments for --adam: the kernel megatron.training.get_optimizer picks, or torch's
+    default."""
+    if adam == "default":
+        return {}
+    from megatron.zero.builder import adam_kernel_options
+    return adam_kernel_options(torch.device("cpu"))
+
+
+def _data():
     generator = torch.Generator().manual_seed(dist.get_rank())
-    data = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator) for _ in range(4)]
+    return [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator) for _ in range(4)]
+
+
+def _worker(variant, steps, warmup, zero_options, adam):
+    model, train_step, state_bytes = _build(variant, zero_options, adam)
+    data = _data()
     for step in range(warmup + steps):
         if step == warmup:
             dist.barrier()
@@ -133,6 +162,38 @@ def _worker(variant, steps, warmup, zero_options):
     return {"tokens_per_s": tokens / elapsed, "state_bytes": state_bytes(),
             "peak_rss_mb": peak_rss_mb(),
             "params": sum(p.numel() for p in model.parameters())}
+
+
+def _comm_worker(variants, zero_options, adam):
+    """{variant: (bytes sent by op in the second step, gradient bytes)} on this rank; the first step warms up."""
+    from megatron.comm_bytes import CommCounter
+    out = {}
+    for variant in variants:
+        model, train_step, _ = _build(variant, zero_options, adam, count_ddp_comm=True)
+        batch = _data()[0]
+        train_step(batch[:, :-1], batch[:, 1:])
+        with CommCounter() as counter:
+            train_step(batch[:, :-1], batch[:, 1:])
+        grad_bytes = sum(p.numel() * gradient_element_size(variant) for p in model.parameters())
+        out[variant] = (dict(counter.bytes_by_op), grad_bytes)
+        del model, train_step
+    return out
+
+
+def gradient_element_size(variant):
+    """Bytes per communicated gradient (and gathered parameter) element: the low-precision dtype of the variant,
+    fp32 for the fp32 variants and for autocast DDP (fp32 parameters)."""
+    kind, precision = variant.split("-")
+    return 2 if precision == "bf16" and kind != "ddpamp" else 4
+
+
+def ideal_comm_bytes(variant, grad_bytes, dp):
+    """Bytes per rank per step at the ideal volume: one ring all-reduce for DDP and stage 0; reduce-scatter plus
+    all-gather, (dp-1)/dp each, for the partitioned stages (the same total)."""
+    kind = variant.split("-")[0]
+    if kind in ("ddp", "ddpamp") or kind.endswith("0"):
+        return 2 * (dp - 1) / dp * grad_bytes
+    return (dp - 1) / dp * grad_bytes + (dp - 1) / dp * grad_bytes
 
 
 def formula_bytes(variant, params, dp):
@@ -148,53 +209,106 @@ def formula_bytes(variant, params, dp):
     return {0: 16 * params, 1: 8 * params + 8 * params / dp, 2: 4 * params + 12 * params / dp}[stage]
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs of every variant (0: none)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--comm-world-sizes", default="2,4",
+                        help="data-parallel sizes of the bytes-per-step table (empty: skip it)")
     parser.add_argument("--variants", default=None, help="comma-separated, e.g. ddp-fp32,zero2-bf16")
+    parser.add_argument("--adam", choices=["fused", "default"], default="fused",
+                        help="AdamW kernel of every variant: fused where torch has it, or torch's default")
     parser.add_argument("--reduce-bucket-size", type=int, default=2_000_000, help="elements")
     parser.add_argument("--allgather-bucket-size", type=int, default=50_000_000, help="elements")
     parser.add_argument("--no-overlap-comm", action="store_true")
     parser.add_argument("--no-contiguous-gradients", action="store_true")
-    args = parser.parse_args()
-    from bench_common import default_precisions, precision_header
-    print(precision_header())
-    precisions = default_precisions()
+    args = parser.parse_args(argv)
+    if args.repeats < 0 or args.steps < 1:
+        parser.error(f"--repeats {args.repeats} / --steps {args.steps}: need repeats >= 0 and steps >= 1")
+    return args
+
+
+def default_variants(precisions, deepspeed_installed):
     variants = [f"{kind}-{precision}" for precision in precisions for kind in ("ddp", "zero0", "zero1", "zero2")]
     if "bf16" in precisions:
         variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
-    if importlib.util.find_spec("deepspeed") is not None:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if deepspeed_installed:
         variants += [f"ds{stage}-{precision}" for precision in precisions for stage in (0, 1, 2)]
-    if args.variants:
-        variants = args.variants.split(",")
+    return variants
+
+
+def run_repeats(variants, args, zero_options):
+    """{variant: [per-rank results of repeat 0, of repeat 1, ...]}: every repeat runs every variant, the order
+    reversed every other repeat so a drift in the machine's speed does not favour one end of the list."""
+    runs = {variant: [] for variant in variants}
+    for repeat in range(args.repeats):
+        for variant in (variants if repeat % 2 == 0 else variants[::-1]):
+            runs[variant].append(run_distributed(_worker, args.world_size,
+                                                 args=(variant, args.steps, args.warmup, zero_options, args.adam),
+                                                 timeout=1800))
+    return runs
+
+
+def throughput_table(runs, world_size):
+    """Markdown rows: median tokens/s (min-max), median per-repeat ratio to DDP (min-max), state and RSS."""
+    lines = [f"| {'variant':<11} | {'tokens/s median':>15} | {'min-max':>11} | {'vs DDP median':>13} | "
+             f"{'min-max':>11} | {'model-state MB/rank':>19} | {'formula MB':>10} | {'peak RSS MB/rank':>16} |",
+             "|" + "|".join("-" * (width + 2) for width in (11, 15, 11, 13, 11, 19, 10, 16)) + "|"]
+    for variant, repeats in runs.items():
+        speeds = [results[0]["tokens_per_s"] for results in repeats]
+        ddp = runs.get("ddp-" + variant.split("-")[1])
+        ratios = [mine[0]["tokens_per_s"] / theirs[0]["tokens_per_s"] for mine, theirs in zip(repeats, ddp)] \
+            if ddp else [math.nan]
+        speed, speed_lo, speed_hi = median_and_spread(speeds)
+        ratio, ratio_lo, ratio_hi = median_and_spread(ratios)
+        state = max(r["state_bytes"] for results in repeats for r in results) / 2 ** 20
+        formula = formula_bytes(variant, repeats[0][0]["params"], world_size) / 2 ** 20
+        rss = statistics.median(max(r["peak_rss_mb"] for r in results) for results in repeats)
+        lines.append(f"| {variant:<11} | {speed:>15.0f} | {f'{speed_lo:.0f}-{speed_hi:.0f}':>11} | {ratio:>13.2f} | "
+                     f"{f'{ratio_lo:.2f}-{ratio_hi:.2f}':>11} | {state:>19.2f} | {formula:>10.2f} | {rss:>16.0f} |")
+    return lines
+
+
+def comm_table(measured):
+    """Markdown rows from {dp: {variant: (bytes by op, gradient bytes)}} (rank 0's counts)."""
+    lines = ["| dp | variant     | MB sent/rank/step | ideal MB | measured/ideal | by collective |",
+             "|---:|-------------|------------------:|---------:|---------------:|---------------|"]
+    for dp, by_variant in measured.items():
+        for variant, (by_op, grad_bytes) in by_variant.items():
+            sent, ideal = sum(by_op.values()), ideal_comm_bytes(variant, grad_bytes, dp)
+            split = ", ".join(f"{op} {value / 2 ** 20:.2f}" for op, value in sorted(by_op.items()) if value)
+            lines.append(f"| {dp:>2} | {variant:<11} | {sent / 2 ** 20:>17.2f} | {ideal / 2 ** 20:>8.2f} | "
+                         f"{sent / ideal:>14.3f} | {split} |")
+    return lines
+
+
+def main():
+    args = parse_args()
+    from bench_common import default_precisions, precision_header
+    print(precision_header())
+    deepspeed_installed = importlib.util.find_spec("deepspeed") is not None
+    if deepspeed_installed:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    variants = args.variants.split(",") if args.variants else default_variants(default_precisions(),
+                                                                                 deepspeed_installed)
     zero_options = {"overlap_comm": not args.no_overlap_comm, "contiguous_gradients": not args.no_contiguous_gradients,
                     "reduce_bucket_size": args.reduce_bucket_size, "allgather_bucket_size": args.allgather_bucket_size}
-    best = {}
-    for _ in range(args.repeats):
-        for variant in variants:
-            results = run_distributed(_worker, args.world_size, args=(variant, args.steps, args.warmup, zero_options),
-                                      timeout=1800)
-            previous = best.get(variant)
-            if previous is None or results[0]["tokens_per_s"] > previous[0]["tokens_per_s"]:
-                best[variant] = results
-    print(f"GPT-2 L={LAYERS} h={HIDDEN} s={SEQ} V={VOCAB} micro={MICRO}, data parallel {args.world_size} (gloo), "
-          f"{best[variants[0]][0]['params'] / 1e6:.2f}M parameters, {args.steps} timed steps")
-    print(f"| {'variant':<11} | {'tokens/s':>9} | {'vs DDP':>6} | {'model-state MB/rank':>19} | "
-          f"{'formula MB':>10} | {'peak RSS MB/rank':>16} |")
-    print(f"|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 21}|{'-' * 12}|{'-' * 18}|")
-    for variant in variants:
-        results = best[variant]
-        ddp = best.get("ddp-" + variant.split("-")[1])
-        ratio = results[0]["tokens_per_s"] / ddp[0]["tokens_per_s"] if ddp else math.nan
-        state = max(r["state_bytes"] for r in results) / 2 ** 20
-        formula = formula_bytes(variant, results[0]["params"], args.world_size) / 2 ** 20
-        rss = max(r["peak_rss_mb"] for r in results)
-        print(f"| {variant:<11} | {results[0]['tokens_per_s']:>9.0f} | {ratio:>6.2f} | {state:>19.2f} | "
-              f"{formula:>10.2f} | {rss:>16.0f} |")
+    print(f"# GPT-2 L={LAYERS} h={HIDDEN} s={SEQ} V={VOCAB} micro={MICRO}, AdamW kernel: {args.adam} "
+          f"{adam_options(args.adam) or '(torch default)'}")
+    if args.repeats:
+        runs = run_repeats(variants, args, zero_options)
+        print(f"# data parallel {args.world_size} (gloo), {runs[variants[0]][0][0]['params'] / 1e6:.2f}M parameters, "
+              f"{args.steps} timed steps per run, median of {args.repeats} alternating repeats")
+        print("\n".join(throughput_table(runs, args.world_size)), flush=True)
+    comm_sizes = [int(size) for size in args.comm_world_sizes.split(",") if size]
+    if comm_sizes:
+        measured = {dp: run_distributed(_comm_worker, dp, args=(variants, zero_options, args.adam),
+                                        timeout=1800)[0] for dp in comm_sizes}
+        print("# bytes each rank sends in one training step (megatron.comm_bytes cost model), ideal: DDP/stage 0 "
+              "2(dp-1)/dp G, stages 1-2 (dp-1)/dp G reduce-scatter + (dp-1)/dp G all-gather")
+        print("\n".join(comm_table(measured)))
 
 
 if __name__ == "__main__":

@@ -82,17 +82,34 @@ def _batches(items, size):
         yield items[start:start + size]
 
 
-def generate_samples_input_from_file(model, args, codec):
+def read_prompts(path):
+    """The non-empty lines of `path` (rank 0 reads, every rank gets them); ValueError when it is missing."""
     lines = None
-    if dist.get_rank() == 0:
-        with open(args.sample_input_file, encoding="utf-8") as handle:
+    if dist.get_rank() == 0 and os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
             lines = [line.rstrip("\n") for line in handle if line.strip()]
     lines = _share(lines)
+    if lines is None:
+        raise ValueError(f"--sample-input-file {path} does not exist")
+    return lines
+
+
+def check_prompt_lengths(prompts, path, max_positions):
+    """Before any sample is drawn: a prompt that does not fit the position table names its line."""
+    for number, prompt in enumerate(prompts, 1):
+        if len(prompt) > max_positions:
+            raise ValueError(f"{path}:{number}: the prompt has {len(prompt)} tokens, longer than the position table "
+                             f"(--max-position-embeddings {max_positions}): shorten it")
+
+
+def generate_samples_input_from_file(model, args, codec):
+    lines = read_prompts(args.sample_input_file)
+    prompts = [codec.encode(line) for line in lines]
+    check_prompt_lengths(prompts, args.sample_input_file, args.max_position_embeddings)
     output_path = args.sample_output_file or args.sample_input_file + ".out"
     outputs = []
-    for batch in _batches(lines, args.batch_size):
-        prompts = [codec.encode(line) for line in batch]
-        for line, new in zip(batch, _generate(model, args, codec, prompts)):
+    for batch in _batches(list(zip(lines, prompts)), args.batch_size):
+        for (line, _), new in zip(batch, _generate(model, args, codec, [prompt for _, prompt in batch])):
             outputs.append((line, codec.decode(new)))
     if dist.get_rank() == 0:
         with open(output_path, "w", encoding="utf-8") as handle:

@@ -63,3 +63,24 @@ class MegatronPretrainingSampler:
             start, end = self._tail_range(len(batch))
             if start < end:
                 yield batch[start:end]
+
+
+def train_valid_test_num_samples(train_iters, global_batch_size, eval_interval, eval_iters):
+    """[train, valid, test] samples the training loop asks the dataset provider for: every training iteration's
+    global batch; eval_iters batches at every eval_interval and once at the end; eval_iters test batches."""
+    eval_count = (train_iters // eval_interval + 1) * eval_iters if eval_interval else 0
+    return [train_iters * global_batch_size, eval_count * global_batch_size, eval_iters * global_batch_size]
+
+
+def pretraining_loader(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                       num_workers=0):
+    """The DataLoader one data-parallel rank trains on, starting after `consumed_samples` (the training loop's
+    and tools/print_batch.py's: one definition, so what the tool prints is what was trained on)."""
+    import torch
+    sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
+                                         micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
+                                         data_parallel_size=data_parallel_size)
+    # Its own generator: iter(loader) draws a seed, and from the global one that would shift the RNG state a
+    # checkpoint restored (the iterators are built after load_checkpoint).
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       generator=torch.Generator())

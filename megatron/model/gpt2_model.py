@@ -9,6 +9,18 @@ Parameter layout per model-parallel rank (p ranks, padded vocabulary V, hidden h
     word_embeddings.weight        [V/p, h]   (also the LM head: logits_r = hidden @ W_r^T)
     position_embeddings.weight    [max_seq, h] replicated
     transformer.layers[i]...      see mpu/transformer.py
+
+Pipeline parallelism (P stages, mpu.initialize_model_parallel(mp, P)): each stage holds L/P layers under their
+global numbers; the first stage also the embeddings, the last the final LayerNorm, the loss and its own copy of
+the word embedding as the LM head, initialized identically and kept identical by summing the two copies'
+gradients over mpu.get_embedding_group() after backward (parameters marked `pipeline_tied`; the last stage's
+copy is also marked `shared`, so the global gradient norm counts it once). Names stay the single-stage model's:
+
+    P = 2, L = 4:  stage 0: word_embeddings, position_embeddings, transformer.layers.{0,1}
+                   stage 1: transformer.layers.{2,3}, transformer.final_layernorm, word_embeddings (LM head)
+
+A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
+set_input_tensor() (the pipeline schedule sets both).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -17,6 +29,8 @@ import torch
 from torch import nn
 
 import mpu
+from megatron.zero.stage3 import register_external_parameter
+from megatron.zero.zero_init import GatheredParameters
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,15 @@ def activation_checkpointing_pair():
     return mpu.checkpoint, mpu.get_cuda_rng_tracker()
 
 
+class TiedLMHead(nn.Module):
+    """logits_r = hidden @ W_r^T with the word embedding W (no parameters of its own: a module so that ZeRO-3 can
+    gather W around this use)."""
+
+    def forward(self, hidden, word_embedding_weight):
+        hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
+        return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
+
+
 class GPT2Model(nn.Module):
     def __init__(self, config=None, num_tokentypes=0, parallel_output=True):
         super().__init__()
@@ -83,15 +106,40 @@ class GPT2Model(nn.Module):
                                                           init_method=init_method)
         self.position_embeddings = nn.Embedding(config.max_sequence_length, config.hidden_size,
                                                 device=mpu.get_device())
-        init_method(self.position_embeddings.weight)
+        with GatheredParameters(self.position_embeddings.weight, modifier_rank=0):   # whole under zero.Init
+            init_method(self.position_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+        if config.num_layers % stages:
+            raise ValueError(f"num_layers ({config.num_layers}) is not divisible by the pipeline size ({stages})")
+        self.pre_process, self.post_process = stage == 0, stage == stages - 1
+        self.input_tensor = None
+        if not self.pre_process:    # built above so the generator advances as for the whole model; not ours
+            del self.position_embeddings
+            self.position_embeddings = None
+        if not (self.pre_process or self.post_process):
+            del self.word_embeddings
+            self.word_embeddings = None
+        elif stages > 1:
+            self.word_embeddings.weight.pipeline_tied = True
+            self.word_embeddings.weight.shared = not self.pre_process   # the LM-head copy: not counted twice
+        per_stage = config.num_layers // stages
         checkpoint_function, rng_tracker = activation_checkpointing_pair()
         self.transformer = mpu.ParallelTransformer(
             config.num_layers, config.hidden_size, config.num_attention_heads, config.attention_dropout,
             config.hidden_dropout, checkpoint_activations=config.checkpoint_activations,
             checkpoint_num_layers=config.checkpoint_num_layers, layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
-            rng_tracker=rng_tracker)
+            rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
+            final_layernorm=self.post_process)
+
+        self.lm_head = TiedLMHead() if self.post_process else None
+        if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
+            register_external_parameter(self.lm_head, self.word_embeddings.weight)
+
+    def set_input_tensor(self, input_tensor):
+        """The hidden states [b, s, h] the previous pipeline stage sent (the next forward's input)."""
+        self.input_tensor = input_tensor
 
     def new_inference_cache(self):
         """An empty KV cache to pass as forward(..., inference_cache=cache) step after step."""
@@ -106,16 +154,23 @@ class GPT2Model(nn.Module):
         Returns per-token losses [b, s] when labels are given, else logits [b, s, V/p] (parallel_output) or
         [b, s, V] (gathered).
         """
-        if position_ids is None:
-            start = inference_cache.sequence_length if inference_cache is not None else 0
-            position_ids = torch.arange(start, start + input_ids.size(1), device=input_ids.device).unsqueeze(0)
-            position_ids = position_ids.expand_as(input_ids)
-        words = self.word_embeddings(input_ids)                               # [b, s, h]
-        positions = self.position_embeddings(position_ids)                    # [b, s, h]
-        hidden = self.embedding_dropout(words + positions)
+        if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
+            raise RuntimeError("logits and generation need the whole model on one stage: run with "
+                               "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        if self.pre_process:
+            if position_ids is None:
+                start = inference_cache.sequence_length if inference_cache is not None else 0
+                position_ids = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
+                position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+            words = self.word_embeddings(input_ids)                           # [b, s, h]
+            positions = self.position_embeddings(position_ids)                # [b, s, h]
+            hidden = self.embedding_dropout(words + positions)
+        else:
+            hidden = self.input_tensor                                        # [b, s, h] from the previous stage
         hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
-        hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
-        logits_parallel = torch.nn.functional.linear(hidden_parallel, self.word_embeddings.weight)  # [b, s, V/p]
+        if not self.post_process:
+            return hidden
+        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight)  # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels)
         if self.parallel_output:

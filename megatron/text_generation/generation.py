@@ -72,7 +72,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
             raise ValueError(f"prompt {index} is empty: give at least one token (e.g. end-of-document)")
         if len(prompt) > max_positions:
             raise ValueError(f"prompt {index} has {len(prompt)} tokens, longer than the position table "
-                             f"(max_sequence_length {max_positions})")
+                             f"(max_sequence_length {max_positions}): shorten it")
         bad = [t for t in prompt if not 0 <= t < real_vocab]
         if bad:
             raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): {bad[:5]}")

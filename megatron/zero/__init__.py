@@ -6,7 +6,9 @@
     loss = engine(batch); engine.backward(loss); engine.step()
     engine.save_checkpoint(save_dir, tag, client_state={...}); engine.load_checkpoint(load_dir)
 
-Stages 0 (data parallel), 1 (optimizer state partitioned) and 2 (gradients too); fp32, fp16, bf16.
+Stages 0 (data parallel), 1 (optimizer state partitioned), 2 (gradients too) and 3 (parameters too, gathered per
+unit: stage3.py; build with `zero.Init`, read with `zero.GatheredParameters`); offload of the optimizer (stages 1-3)
+and of the parameters (stage 3) to host memory; fp32, fp16, bf16.
 `zero.checkpointing` is activation checkpointing. Checkpoint file helpers: `zero.checkpoint`.
 """
 from . import checkpoint
@@ -15,8 +17,11 @@ from .config import Config, ConfigError, load_config
 from .engine import ZeroEngine
 from .loss_scaler import LossScaler, LossScalerConfig
 from .optimizer import ZeroOptimizer
+from .stage3 import register_external_parameter
+from .zero_init import GatheredParameters, Init
 
 from . import checkpointing
 
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
-           "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpoint", "checkpointing"]
+           "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpoint", "checkpointing",
+           "Init", "GatheredParameters", "register_external_parameter"]

@@ -155,12 +155,14 @@ class _PieceStore:
 class BucketReducer:
     """Stage 2: each rank holds only the reduced gradients of its own partition (`partition_grad`)."""
 
-    def __init__(self, groups, ctx, config, param_order):
+    def __init__(self, groups, ctx, config, param_order, gradient_device=None):
+        """`gradient_device`: where the reduced partition gradients live (the host with offload_optimizer)."""
         self.groups, self.ctx = groups, ctx
         self.bucket_size = config.reduce_bucket_size
         self.overlap = config.overlap_comm
         self.all_reduce = not config.reduce_scatter
-        self.partition_grads = [torch.zeros(g.partition_size, dtype=g.dtype, device=g.flat.device) for g in groups]
+        self.partition_grads = [torch.zeros(g.partition_size, dtype=g.dtype, device=gradient_device or g.device)
+                                for g in groups]
         self.buckets = self._build_buckets(param_order)
         self.pieces_of = {}          # param -> [(bucket, piece index)]
         for bucket in self.buckets:
@@ -168,8 +170,8 @@ class BucketReducer:
                 param = groups[bucket.group_index].params[param_index]
                 self.pieces_of.setdefault(param, []).append((bucket, piece_index))
         # An empty param group's buffers live on the CPU: take dtype and device from one that has parameters.
-        sample = next((g.flat for g in groups if g.numel > 0), torch.zeros(0))
-        dtype, device = sample.dtype, sample.device
+        sample = next((g for g in groups if g.numel > 0), None)
+        dtype, device = (sample.dtype, sample.device) if sample is not None else (torch.float32, torch.device("cpu"))
         pool_size = min(self.bucket_size, max((g.numel for g in groups), default=0))
         self.store = (_ContiguousStore(pool_size, dtype, device, self._count) if config.contiguous_gradients
                       else _PieceStore(dtype, device, self._count))
@@ -237,8 +239,8 @@ class BucketReducer:
         own_start, own_end = group.own_range
         lo, hi = max(bucket.start, own_start), min(bucket.end, own_end)
         if lo < hi:
-            self.partition_grads[bucket.group_index][lo - own_start:hi - own_start].add_(
-                flat[lo - bucket.start:hi - bucket.start])
+            target = self.partition_grads[bucket.group_index][lo - own_start:hi - own_start]
+            target.add_(flat[lo - bucket.start:hi - bucket.start].to(target.device))   # to the host when offloaded
         self.store.release(bucket)
         bucket.handles = []
 

@@ -4,12 +4,13 @@ Which value wins: the JSON config is the only source for the engine (batch sizes
 clipping); a client optimizer object overrides the JSON "optimizer" block and a client lr scheduler the JSON
 "scheduler" block. Passing both `args.deepspeed_config` and `config=` is an error.
 """
+import functools
 import os
 
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, resolve_auto_values
 from .engine import ZeroEngine
 from .lr_schedules import SCHEDULERS
 from .partition import ParallelContext
@@ -42,6 +43,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         _init_distributed()
     ctx = ParallelContext.from_mpu(mpu)
     cfg = load_config(_config_source(args, config), ctx.data_parallel_size)
+    resolved = resolve_auto_values(cfg, getattr(getattr(model, "config", None), "hidden_size", None))
+    if resolved and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"[zero] \"auto\" resolved from the model's hidden size: {resolved}", flush=True)
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= or add an \"optimizer\" block to the config")
@@ -61,15 +65,50 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def build_optimizer(optimizer_config, params):
     """torch Adam/AdamW from the JSON block. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false;
-    weight_decay defaults to 0 as in DeepSpeed (not torch AdamW's 0.01)."""
+    weight_decay defaults to 0 as in DeepSpeed (not torch AdamW's 0.01).
+
+    Kernel: as DeepSpeed defaults to its FusedAdam, torch's fused kernel where it runs on the parameters' device
+    (the step runs on the fp32 masters, see `adam_kernel_options`); `"torch_adam": true` keeps torch's default
+    kernel (DeepSpeed's meaning: torch's Adam instead of the fused one).
+    """
+    params = list(params)
     p = dict(optimizer_config.params)
     adam_w_mode = p.pop("adam_w_mode", True) or optimizer_config.type == "AdamW"
-    for ignored in ("torch_adam", "bias_correction", "max_grad_norm"):   # use gradient_clipping for clipping
+    torch_adam = p.pop("torch_adam", False)
+    for ignored in ("bias_correction", "max_grad_norm"):   # use gradient_clipping for clipping
         p.pop(ignored, None)
+    first = _first_tensor(params)
+    if not torch_adam and first is not None:
+        p.update(adam_kernel_options(first.device))
     kwargs = {"lr": p.pop("lr", 1e-3), "weight_decay": p.pop("weight_decay", 0.0), **p}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
+
+
+def _first_tensor(params):
+    """The first parameter of a list of parameters or of param-group dicts (None when there is none)."""
+    for item in params:
+        for tensor in (item["params"] if isinstance(item, dict) else [item]):
+            return tensor
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def adam_kernel_options(device, dtype=torch.float32):
+    """The fastest torch Adam kernel that steps `dtype` tensors on `device`: {"fused": True}, else
+    {"foreach": True}, else {} (torch's default). Decided by one probe step on a 1-element tensor, so the answer
+    follows the installed torch rather than a list of devices. Both the engine and Megatron's FP16_Optimizer step
+    fp32 masters, hence the default dtype."""
+    for options in ({"fused": True}, {"foreach": True}):
+        try:
+            probe = torch.zeros(1, dtype=dtype, device=device, requires_grad=True)
+            probe.grad = torch.ones_like(probe)
+            torch.optim.AdamW([probe], lr=1e-3, **options).step()
+            return options
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            continue
+    return {}
 
 
 def _config_source(args, config):

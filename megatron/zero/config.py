@@ -49,17 +49,56 @@ class BF16Config:
 
 
 @dataclass
+class OffloadConfig:
+    device: str = "none"               # none | cpu ("nvme" is not supported)
+    pin_memory: bool = False           # page-locked host buffers (faster copies on a GPU machine)
+    nvme_path: Optional[str] = None    # accepted so DeepSpeed files load; nvme itself is refused
+    buffer_count: int = 5              # accepted for compatibility (nvme swap buffers)
+    buffer_size: int = 100_000_000     # accepted for compatibility
+    max_in_cpu: int = 1_000_000_000    # accepted for compatibility
+    fast_init: bool = False            # accepted for compatibility
+    ratio: float = 1.0                 # accepted for compatibility (partial offload is not done)
+    pipeline_read: bool = False        # accepted for compatibility
+    pipeline_write: bool = False       # accepted for compatibility
+
+    @property
+    def enabled(self):
+        return self.device == "cpu"
+
+
+AUTO = "auto"
+# Values "auto" may stand for, resolved from the model's hidden size h as Hugging Face's DeepSpeed integration does.
+AUTO_RULES = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+              "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+@dataclass
 class ZeroConfig:
-    stage: int = 0                     # 0: data parallel; 1: optimizer state partitioned; 2: + gradients
+    stage: int = 0                     # 0: data parallel; 1: optimizer state partitioned; 2: + gradients; 3: + params
     allgather_partitions: bool = True  # accepted for compatibility: updated slices are always all-gathered
     allgather_bucket_size: int = 500_000_000   # elements per all-gather of updated slices
-    overlap_comm: bool = False         # stage 2: issue reductions during backward (asynchronous)
+    overlap_comm: bool = False         # stage 2/3: issue reductions during backward (asynchronous)
     reduce_scatter: bool = True        # reduce each bucket to its owner (False: all-reduce the bucket)
-    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction
-    contiguous_gradients: bool = False # stage 2: copy gradients into preallocated bucket buffers as they arrive
-    cpu_offload: bool = False          # not supported; true is an error
+    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction ("auto": h^2)
+    contiguous_gradients: bool = False # stage 2/3: copy gradients into preallocated bucket buffers as they arrive
+    cpu_offload: bool = False          # old name of offload_optimizer {"device": "cpu"}
     load_from_fp32_weights: bool = True  # accepted for compatibility (we always restore fp32 slices)
     elastic_checkpoint: bool = True    # accepted for compatibility (our checkpoints always re-partition)
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: masters + moments on host
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)      # stage 3: partitions on host
+    sub_group_size: int = 1_000_000_000        # fp32 elements per optimizer-step tile
+    stage3_prefetch_bucket_size: int = 50_000_000      # elements gathered ahead of use ("auto": 0.9 h^2)
+    stage3_param_persistence_threshold: int = 100_000  # parameters this small stay whole ("auto": 10 h)
+    stage3_max_live_parameters: int = 1_000_000_000    # at most this many elements gathered (prefetch stops)
+    stage3_max_reuse_distance: int = 1_000_000_000     # accepted for compatibility (released after each use)
+    stage3_gather_16bit_weights_on_model_save: bool = False   # save_16bit_model() writes the whole weights
+    stage3_gather_fp16_weights_on_model_save: bool = False    # the old name of the previous key
+    ignore_unused_parameters: bool = True      # accepted for compatibility (unused parameters get zero gradients)
+    round_robin_gradients: bool = False        # accepted for compatibility
+
+    @property
+    def gather_16bit_weights_on_model_save(self):
+        return self.stage3_gather_16bit_weights_on_model_save or self.stage3_gather_fp16_weights_on_model_save
 
 
 @dataclass
@@ -197,12 +236,24 @@ def resolve_batch_triangle(train, micro, accumulation, data_parallel_size):
 
 def _validate(config):
     zero = config.zero_optimization
-    if zero.stage not in (0, 1, 2):
-        raise ConfigError(f"zero_optimization.stage: {zero.stage} is not supported (0, 1 or 2)")
+    if zero.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage: {zero.stage} is not supported (0, 1, 2 or 3)")
     if zero.cpu_offload:
-        raise ConfigError("zero_optimization.cpu_offload: true is not supported (set it to false)")
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if getattr(zero, key) <= 0:
+        if zero.offload_optimizer.device == "none":
+            zero.offload_optimizer.device = "cpu"
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(zero, key).device
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"zero_optimization.{key}.device: {device!r} is not supported: use \"cpu\" (host "
+                              f"memory) or \"none\"")
+    if zero.offload_optimizer.enabled and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (stage is 0): the offloaded "
+                          "optimizer steps this rank's partition")
+    if zero.offload_param.enabled and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage is {zero.stage}): only stage 3 "
+                          "partitions the parameters; use offload_optimizer for stages 1 and 2")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters"):
+        if getattr(zero, key) != AUTO and getattr(zero, key) <= 0:
             raise ConfigError(f"zero_optimization.{key} must be positive, got {getattr(zero, key)}")
     if config.fp16.enabled and config.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; choose one")
@@ -253,11 +304,17 @@ def _section(raw, cls, key):
     values = {}
     for name, value in raw.items():
         kind = fields[name].type
-        if kind == Optional[int]:
+        if dataclasses.is_dataclass(kind):
+            values[name] = _section(value, kind, f"{key}.{name}")
+            continue
+        if name in AUTO_RULES and value == AUTO:
+            values[name] = AUTO
+            continue
+        if kind in (Optional[int], Optional[str]):
             if value is None:
                 values[name] = None
                 continue
-            kind = int
+            kind = int if kind == Optional[int] else str
         values[name] = _typed(value, kind, f"{key}.{name}")
     return cls(**values)
 
@@ -298,3 +355,17 @@ def _scheduler(raw):
     if kind == "WarmupDecayLR" and "total_num_steps" not in params:
         raise ConfigError("scheduler.params.total_num_steps is required for WarmupDecayLR")
     return SchedulerConfig(type=kind, params=params)
+
+
+def resolve_auto_values(config, hidden_size):
+    """Replace "auto" zero_optimization values from the model's hidden size (h^2, 0.9 h^2, 10 h); returns
+    {key: value} of what was resolved (empty when nothing was "auto")."""
+    zero = config.zero_optimization
+    auto = [key for key in AUTO_RULES if getattr(zero, key) == AUTO]
+    if auto and not hidden_size:
+        raise ConfigError(f"zero_optimization.{auto[0]} is \"auto\" but the model has no config.hidden_size to "
+                          "resolve it from: give a number")
+    resolved = {key: AUTO_RULES[key](hidden_size) for key in auto}
+    for key, value in resolved.items():
+        setattr(zero, key, value)
+    return resolved

@@ -18,7 +18,9 @@ from megatron import atomic_io
 from megatron.timers import Timers
 
 from . import checkpoint as ckpt
+from . import stage3
 from .optimizer import ZeroOptimizer
+from .partition import full_shape
 
 
 class ZeroEngine(torch.nn.Module):
@@ -31,13 +33,23 @@ class ZeroEngine(torch.nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.micro_steps = 0
-        if config.fp16.enabled:
-            module.half()
-        elif config.bf16.enabled:
-            module.to(torch.bfloat16)
-        self._broadcast_parameters()
-        self.optimizer = ZeroOptimizer(optimizer, ctx, config.zero_optimization.stage, config.zero_optimization,
-                                       config.fp16, config.gradient_clipping, param_order=list(module.parameters()))
+        dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+        zero_config = config.zero_optimization
+        param_order = list(module.parameters())
+        self.stage3, groups = None, None
+        if zero_config.stage == 3:
+            groups = stage3.partition_parameters(module, optimizer.param_groups, ctx, zero_config, dtype)
+            self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
+        else:
+            self._broadcast_parameters()
+        if dtype is not None:
+            module.to(dtype)              # stage 3: the (released) parameters are already in it
+        self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config.stage, zero_config, config.fp16,
+                                       config.gradient_clipping, param_order=param_order, groups=groups)
+        if self.stage3 is not None:
+            self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
+            self.stage3.on_partition_edited = lambda param: self.optimizer.refresh_masters_from_parameters()
+            self.optimizer.resident_parameter_bytes = self.stage3.persistent.nbytes if self.stage3.persistent else 0
         self.timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
 
     @property
@@ -58,14 +70,32 @@ class ZeroEngine(torch.nn.Module):
         dtype = next(self.module.parameters()).dtype
         cast = (lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x)
         with self.timers("forward"):
-            return self.module(*map(cast, inputs), **{k: cast(v) for k, v in kwargs.items()})
+            output = self.module(*map(cast, inputs), **{k: cast(v) for k, v in kwargs.items()})
+        if self.stage3 is not None:
+            self.stage3.end_forward()
+        return output
 
-    def backward(self, loss):
+    def backward(self, loss, output_grad=None):
         """Backpropagate the (scaled) loss; reduce gradients at the accumulation boundary (every micro-step
-        in stage 2)."""
+        in stage 2).
+
+        Pipelining (stages 0/1): on a stage before the last, `loss` is the stage's output and `output_grad` the
+        gradient the next stage sent, already scaled by the last stage's loss scaling, so it is backpropagated
+        as it is (into the flat gradient buffer `param.grad` views). At the boundary the gradients of the tied
+        word embedding's two copies (`pipeline_tied`) are first summed over ctx.embedding_group."""
         with self.timers("backward"):
-            self.optimizer.backward(loss, self.gradient_accumulation_steps())
-            self.optimizer.finish_micro_step(self.is_gradient_accumulation_boundary())
+            if output_grad is None:
+                self.optimizer.backward(loss, self.gradient_accumulation_steps())
+            else:
+                torch.autograd.backward(loss, output_grad)
+            boundary = self.is_gradient_accumulation_boundary()
+            if boundary and self.ctx.embedding_group is not None:
+                for param in self.module.parameters():
+                    if getattr(param, "pipeline_tied", False):
+                        dist.all_reduce(param.grad, group=self.ctx.embedding_group)
+            self.optimizer.finish_micro_step(boundary)
+            if self.stage3 is not None:
+                self.stage3.release_all()
         return loss
 
     def step(self):
@@ -73,6 +103,8 @@ class ZeroEngine(torch.nn.Module):
         if self.is_gradient_accumulation_boundary():
             with self.timers("step"):
                 applied = self.optimizer.step()
+            if applied and self.stage3 is not None:
+                self.stage3.after_step()
             if applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.skipped_steps += not applied
@@ -128,10 +160,58 @@ class ZeroEngine(torch.nn.Module):
                                             write_latest, self.device, is_rank_0, error_class=ckpt.CheckpointError)
         return True
 
+    def module_state_dict(self, keep=True):
+        """The module's whole weights. Stage 3 gathers them one unit at a time into host memory (every
+        data-parallel rank must call it; with keep=False this rank only takes part)."""
+        if self.stage3 is None:
+            return self.module.state_dict()
+        return self.stage3.full_state_dict(keep=keep)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+        """The whole 16-bit (or fp32) weights in one file per model-parallel rank, written by data-parallel rank 0
+        (every rank calls it). Stage 3 needs stage3_gather_16bit_weights_on_model_save, as in DeepSpeed."""
+        if self.stage3 is not None and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            if dist.get_rank() == 0:
+                print("[zero] save_16bit_model: not saved: set zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save to true", flush=True)
+            return False
+        state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
+        if self.ctx.data_parallel_rank == 0:
+            name = save_filename if self.ctx.model_parallel_size == 1 else \
+                f"{save_filename}.mp_rank_{self.ctx.model_parallel_rank:02d}"
+            os.makedirs(save_dir, exist_ok=True)
+            ckpt.atomic_torch_save(state, os.path.join(save_dir, name))
+        return True
+
+    def load_parameter(self, param, value):
+        """Set a module parameter from its whole value on this model-parallel rank (stage 3: its partition)."""
+        with torch.no_grad():
+            if self.stage3 is not None:
+                self.stage3.write_partition(param, value)
+                self.stage3.after_step()
+            else:
+                param.copy_(value)
+
+    def _load_module_state_dict(self, state_dict, strict):
+        if self.stage3 is None:
+            self.module.load_state_dict(state_dict, strict=strict)
+            return
+        params = dict(self.module.named_parameters())
+        missing = sorted(set(params) - set(state_dict))
+        if strict and missing:
+            raise ckpt.CheckpointError(f"the checkpoint lacks parameters {missing[:5]}")
+        for name, param in params.items():
+            if name in state_dict:
+                if tuple(state_dict[name].shape) != tuple(full_shape(param)):
+                    raise ckpt.CheckpointError(f"{name}: the checkpoint has shape {tuple(state_dict[name].shape)}, "
+                                               f"the model {tuple(full_shape(param))}")
+                self.load_parameter(param, state_dict[name])
+
     def _write_checkpoint_files(self, directory, client_state):
         mp_rank = self.ctx.model_parallel_rank
+        module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
         if self.ctx.data_parallel_rank == 0:
-            state = {ckpt.MODULE: self.module.state_dict(),
+            state = {ckpt.MODULE: module_state,
                      ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                      ckpt.GLOBAL_STEPS: self.global_steps, ckpt.SKIPPED_STEPS: self.skipped_steps,
                      ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
@@ -164,7 +244,7 @@ class ZeroEngine(torch.nn.Module):
         if state[ckpt.MODEL_PARALLEL_SIZE] != self.ctx.model_parallel_size:
             raise ckpt.CheckpointError(f"{path} was saved at model-parallel size {state[ckpt.MODEL_PARALLEL_SIZE]}, "
                                        f"this run uses {self.ctx.model_parallel_size}")
-        self.module.load_state_dict(state[ckpt.MODULE], strict=load_module_strict)
+        self._load_module_state_dict(state[ckpt.MODULE], load_module_strict)
         if load_optimizer_states:
             # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).

@@ -3,7 +3,8 @@
 Each rank sums the squares of its own partition's gradients. Parameters split across model-parallel ranks
 (`model_parallel=True`) count on every rank; duplicated ones only on model-parallel rank 0, so they are counted
 once. Elements that do not count for the norm still count for overflow detection. Both sums are all-reduced over
-the data- and the model-parallel group, so every rank sees the same norm and the same overflow decision.
+the data-, the model-parallel and (under pipelining) the pipeline group, so every rank sees the same norm and the
+same overflow decision; a pipeline's second copy of the tied word embedding (`shared`) is left out of the norm.
 """
 import math
 
@@ -34,7 +35,8 @@ def global_norm_and_overflow(partition_grads, ranges, ctx, scale=1.0, partitione
     """
     sums = local_square_sums(partition_grads, ranges)
     for group, size in ((ctx.data_parallel_group, ctx.data_parallel_size if partitioned else 1),
-                        (ctx.model_parallel_group, ctx.model_parallel_size)):
+                        (ctx.model_parallel_group, ctx.model_parallel_size),
+                        (ctx.pipeline_parallel_group, ctx.pipeline_parallel_size)):
         if size > 1:
             dist.all_reduce(sums, group=group)
     counted, total = sums.tolist()[0], float(sums.sum())

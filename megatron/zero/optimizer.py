@@ -27,7 +27,10 @@ class ZeroOptimizer:
     """Partitioned mixed-precision wrapper. Exposes `cur_scale`, `overflow`, `param_groups` like DeepSpeed's."""
 
     def __init__(self, optimizer, ctx, stage, zero_config, fp16_config=None, gradient_clipping=0.0,
-                 param_order=()):
+                 param_order=(), groups=None):
+        """`groups`: the flat groups, one per optimizer param group, when the caller built them (stage 3's
+        PartitionedGroup); otherwise FlatGroups are built here. With offload_optimizer the fp32 masters, the
+        moments and the reduced gradient partitions live in host memory and the inner optimizer steps there."""
         self.optimizer, self.ctx, self.stage = optimizer, ctx, stage
         self.zero_config = zero_config
         self.gradient_clipping = gradient_clipping
@@ -42,21 +45,29 @@ class ZeroOptimizer:
         self.skip_nonfinite = False
         self.last_nonfinite_param = None
         num_partitions = ctx.data_parallel_size if stage >= 1 else 1
-        self.groups = [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
-                       for g in optimizer.param_groups]
-        self.masters = [self._new_master(g) for g in self.groups]
+        self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
+                                                          for g in optimizer.param_groups]
+        offload = zero_config.offload_optimizer
+        self.host = torch.device("cpu") if offload.enabled else None
+        self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
         optimizer.state.clear()
         for group, master in zip(optimizer.param_groups, self.masters):
             group["params"] = [master]
-        if stage == 2:
-            self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order)
+            if self.host is not None and not group.get("fused") and group.get("foreach") is None:
+                group["foreach"] = True          # torch's multi-tensor AdamW on the host
+        if stage >= 2:
+            self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order, gradient_device=self.host)
         else:
             self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
+        self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
 
     @staticmethod
-    def _new_master(group):
+    def _new_master(group, host, pin_memory):
         partition = group.own_partition()
+        if host is not None:                       # offload: always a host copy, even of an fp32 host partition
+            master = partition.detach().to(host, torch.float32, copy=True)
+            return master.pin_memory() if pin_memory and torch.cuda.is_available() else master
         if partition.dtype == torch.float32:
             return partition                       # fp32: the parameters' own slice is the master
         return partition.detach().float()
@@ -107,7 +118,7 @@ class ZeroOptimizer:
             return False
         factor = clip_coefficient(norm, self.gradient_clipping) / scale
         for master, grad in zip(self.masters, partition_grads):
-            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            master.grad = grad.to(master.device, torch.float32)   # itself when already fp32 there
             if factor != 1.0:
                 master.grad.mul_(factor)
         self.optimizer.step()
@@ -137,7 +148,23 @@ class ZeroOptimizer:
         moments = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
                       for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return {"master": masters, "moments": moments, "gradients": self.reducer.held_gradient_bytes(),
-                "parameters": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)}
+                "parameters": sum(g.parameter_bytes() for g in self.groups) + self.resident_parameter_bytes}
+
+    def offloaded_kinds(self):
+        """The kinds of partitioned_state_bytes() that offload keeps in host memory (the persistent stage-3
+        parameters stay on the device)."""
+        kinds = {"master", "moments"} | ({"gradients"} if self.stage >= 2 else set()) if self.host is not None \
+            else set()
+        return kinds | ({"parameters"} if any(getattr(g, "offloaded", False) for g in self.groups) else set())
+
+    def state_devices(self):
+        """Where each kind of state lives: {"master", "moments", "gradients", "parameters"} -> device."""
+        moments = [v.device for state in self.optimizer.state.values() for v in state.values()
+                   if torch.is_tensor(v) and v.dim() > 0]
+        return {"master": self.masters[0].device if self.masters else None,
+                "moments": moments[0] if moments else None,
+                "gradients": self.reducer.partition_grad(0).device if self.groups else None,
+                "parameters": self.groups[0].device if self.groups else None}
 
     # ---- checkpoint state: this rank's unpadded slice, re-partitionable ------------------------------------
     def partitioned_state_dict(self):

@@ -31,14 +31,27 @@ class ParallelContext:
     model_parallel_group: Any
     model_parallel_rank: int
     model_parallel_size: int
+    pipeline_parallel_group: Any = None
+    """The stages of this rank's pipeline (the gradient norm and overflow span them)."""
+    pipeline_parallel_size: int = 1
+    embedding_group: Any = None
+    """First and last stage when P > 1 (the tied word embedding's two copies); None elsewhere."""
 
     @classmethod
     def from_mpu(cls, mpu):
-        """From an object with mpu's six getters; without one, data parallel over the whole world."""
+        """From an object with mpu's six getters (and mpu's pipeline getters, when it has them); without one,
+        data parallel over the whole world."""
         if mpu is not None:
+            pipeline = {}
+            stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
+            if stages > 1:
+                pipeline = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
+                            "pipeline_parallel_size": stages,
+                            "embedding_group": mpu.get_embedding_group() if mpu.is_rank_in_embedding_group()
+                            else None}
             return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
                        mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
-                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size())
+                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline)
         if dist.is_available() and dist.is_initialized():
             return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None, 0, 1)
         return cls(None, 0, 1, None, 0, 1)
@@ -49,38 +62,38 @@ def padded_size(numel, num_partitions):
     return -(-numel // unit) * unit
 
 
-class FlatGroup:
-    """The parameters of one optimizer param group as views into one flat buffer, split into partitions.
+def full_numel(param):
+    """Elements of the whole parameter, also while ZeRO-3 holds only a partition of it (`ds_numel`)."""
+    return getattr(param, "ds_numel", None) or param.numel()
 
-    `num_partitions` is the data-parallel size for stages 1 and 2 and 1 for stage 0 (every rank owns all).
+
+def full_shape(param):
+    return getattr(param, "ds_shape", None) or param.shape
+
+
+class FlatLayout:
+    """Where each parameter of one optimizer param group sits in the group's flat order, and which contiguous
+    range of it each of `num_partitions` ranks owns. Pure index arithmetic: FlatGroup (stages 0-2) adds the flat
+    buffer, PartitionedGroup (stage 3) only this rank's partition.
+
+    `num_partitions` is the data-parallel size for stages 1-3 and 1 for stage 0 (every rank owns all).
     """
 
     def __init__(self, params, num_partitions, rank):
         self.params = list(params)
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0
-        self.numel = sum(p.numel() for p in self.params)
+        self.numel = sum(full_numel(p) for p in self.params)
         self.padded_numel = padded_size(self.numel, num_partitions)
         self.partition_size = self.padded_numel // num_partitions
         self.offsets = []                 # (start, end) of each parameter in the flat buffer
         start = 0
         for p in self.params:
-            self.offsets.append((start, start + p.numel()))
-            start += p.numel()
-        device = self.params[0].device if self.params else torch.device("cpu")
-        dtype = self.params[0].dtype if self.params else torch.float32
-        if any(p.dtype != dtype for p in self.params):
-            raise ValueError(f"parameters of one optimizer group have mixed dtypes "
-                             f"{sorted({str(p.dtype) for p in self.params})}")
-        self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, (s, e) in zip(self.params, self.offsets):
-                self.flat[s:e].copy_(p.data.reshape(-1))
-                p.data = self.flat[s:e].view_as(p)
-
-    @property
-    def dtype(self):
-        return self.flat.dtype
+            self.offsets.append((start, start + full_numel(p)))
+            start += full_numel(p)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of one optimizer group have mixed dtypes {sorted(map(str, dtypes))}")
 
     def partition_range(self, rank):
         """[start, end) of `rank`'s partition in the flat buffer (padding included)."""
@@ -94,10 +107,6 @@ class FlatGroup:
         """The part of this rank's partition that holds real parameter elements."""
         start, end = self.own_range
         return min(start, self.numel), min(end, self.numel)
-
-    def own_partition(self):
-        start, end = self.own_range
-        return self.flat[start:end]
 
     def segments(self, start, end):
         """Pieces of parameters inside flat range [start, end): (param index, lo, hi) with lo/hi flat offsets."""
@@ -120,18 +129,49 @@ class FlatGroup:
         """Own-partition ranges (relative to the partition) whose squares count toward the global norm.
 
         Parameters split across model-parallel ranks (attribute `model_parallel=True`) count on every rank;
-        duplicated ones only on model-parallel rank 0. Returns (counted, not_counted) lists of (lo, hi).
+        duplicated ones only on model-parallel rank 0; a pipeline's second copy of a tied weight (`shared`) never.
+        Returns (counted, not_counted) lists of (lo, hi).
         """
         start, end = self.own_range
         counted, other = [], []
         for index, lo, hi in self.segments(start, end):
             split = getattr(self.params[index], "model_parallel", False)
-            target = counted if (split or model_parallel_rank == 0) else other
+            shared = getattr(self.params[index], "shared", False)
+            target = counted if (split or model_parallel_rank == 0) and not shared else other
             if target and target[-1][1] == lo - start:
                 target[-1] = (target[-1][0], hi - start)
             else:
                 target.append((lo - start, hi - start))
         return counted, other
+
+
+class FlatGroup(FlatLayout):
+    """The parameters of one optimizer param group as views into one flat buffer, split into partitions."""
+
+    def __init__(self, params, num_partitions, rank):
+        super().__init__(params, num_partitions, rank)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        dtype = self.params[0].dtype if self.params else torch.float32
+        self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, (s, e) in zip(self.params, self.offsets):
+                self.flat[s:e].copy_(p.data.reshape(-1))
+                p.data = self.flat[s:e].view_as(p)
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    @property
+    def device(self):
+        return self.flat.device
+
+    def own_partition(self):
+        start, end = self.own_range
+        return self.flat[start:end]
+
+    def parameter_bytes(self):
+        return self.flat.numel() * self.flat.element_size()
 
     def all_gather(self, group, bucket_size):
         """Every rank's updated partition into every rank's flat buffer (pair: the owners' reduce)."""

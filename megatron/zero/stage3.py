@@ -1,0 +1,434 @@
+"""ZeRO stage 3: the 16-bit parameters partitioned too, gathered per unit just before use and released after.
+
+Partitioning is the one of stages 1 and 2 (partition.py): each data-parallel rank owns one contiguous range of
+each optimizer group's flat order, so the gradient buckets, the grad norm and the checkpoint layout are theirs
+unchanged. A rank holds only that range (`PartitionedGroup.partition`, in host memory with offload_param).
+
+Units: every element of an nn.ModuleList (a transformer layer, with its whole subtree) and every other module
+that owns parameters directly (the embeddings, the final layer norm). A module that uses another module's
+parameter in its forward declares it with `register_external_parameter` (the LM head and the tied word
+embedding). A unit's own parameters live in one buffer whose storage is allocated when the unit is gathered and
+freed (resized to 0) when it is released; the parameters are views of it while gathered and empty tensors
+(`ds_shape` / `ds_numel` keep the real shape) while released. Parameters of at most
+`stage3_param_persistence_threshold` elements share one buffer that is never released (refreshed after each
+optimizer step).
+
+    forward:  pre-hook: gather the unit (wait for its prefetch), prefetch the next units in the recorded
+              forward order up to stage3_prefetch_bucket_size elements; post-hook: release, and hang a
+              pre-backward function on the outputs
+    backward: pre-backward: gather again (prefetch the units before it); a buffer is released when the gradients
+              of all its parameters have arrived (their bucket hooks have run); the rest at the end of backward
+
+Gathering one contiguous run [lo, hi) of a group's flat order is one broadcast from each rank owning part of
+it, into the buffer's slice. Every rank must run the same forwards: a rank that runs a forward alone waits for
+gathers nobody else joins; it raises (naming the unit) after `gather_timeout`, instead of hanging.
+"""
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .partition import FlatLayout, full_numel, full_shape
+
+DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class PartitionedGroup(FlatLayout):
+    """One optimizer group at stage 3: only this rank's partition of the flat buffer exists, on `device`.
+
+    `full_value(param)` returns the whole parameter (flat or shaped); it is called once per parameter, in group
+    order, on every rank (it may be a collective), so at most one full parameter exists at a time here.
+    """
+
+    def __init__(self, params, num_partitions, rank, full_value, dtype, device):
+        super().__init__(params, num_partitions, rank)
+        self.partition = torch.zeros(self.partition_size, dtype=dtype, device=device)
+        self.offloaded = False            # set for offload_param (the partition is in host memory)
+        start, end = self.own_range
+        with torch.no_grad():
+            for index, param in enumerate(self.params):
+                value = full_value(param).reshape(-1)
+                p_start, p_end = self.offsets[index]
+                lo, hi = max(p_start, start), min(p_end, end)
+                if lo < hi:
+                    self.partition[lo - start:hi - start].copy_(value[lo - p_start:hi - p_start])
+
+    @property
+    def dtype(self):
+        return self.partition.dtype
+
+    @property
+    def device(self):
+        return self.partition.device
+
+    def own_partition(self):
+        return self.partition
+
+    def parameter_bytes(self):
+        return self.partition.numel() * self.partition.element_size()
+
+    def all_gather(self, group, bucket_size):
+        """Nothing: stage 3 gathers a unit when it is used."""
+
+
+def partition_parameters(module, param_groups, ctx, zero_config, dtype):
+    """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own). A parameter built
+    whole is first broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is
+    gathered from its pieces. One parameter is whole at a time."""
+    from .zero_init import gather_initial
+    device = next(module.parameters()).device
+    host = torch.device("cpu") if zero_config.offload_param.enabled else device
+
+    def full_value(param):
+        if hasattr(param, "ds_tensor"):
+            value = gather_initial(param, device)
+            del param.ds_tensor
+        else:
+            value = param.data
+            if ctx.data_parallel_size > 1:
+                dist.broadcast(value, group_src=0, group=ctx.data_parallel_group)
+            param.ds_shape, param.ds_numel = value.shape, value.numel()
+        return value if dtype is None else value.to(dtype)
+
+    groups = []
+    for group in param_groups:
+        params = group["params"]
+        group_dtype = dtype or (params[0].dtype if params else torch.float32)
+        groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
+                                       group_dtype, host))
+        groups[-1].offloaded = zero_config.offload_param.enabled
+    return groups
+
+
+def register_external_parameter(module, parameter):
+    """Declare that `module`'s forward uses `parameter` owned by another module (DeepSpeed's name): stage 3 then
+    gathers it for `module` too. A no-op for the other stages."""
+    external = module.__dict__.setdefault("_zero_external_params", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+
+
+class Unit:
+    def __init__(self, name, module, params, external):
+        self.name, self.module = name, module
+        self.params, self.external = params, external
+        self.buffers = []          # the _Buffers this unit needs gathered (own, external owners', persistent)
+
+
+class _Buffer:
+    """The gathered storage of some parameters: runs of group flat ranges laid out one after another."""
+
+    def __init__(self, name, params, groups, ctx, device, persistent=False):
+        self.name, self.params, self.ctx, self.persistent = name, params, ctx, persistent
+        self.dtype = groups[0].dtype if groups else torch.float32
+        where = {id(p): (gi, group.offsets[i]) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
+        spans = sorted(where[id(p)] for p in params)          # (group index, (flat start, flat end))
+        self.runs = []                                          # (group, flat lo, flat hi, buffer offset)
+        self.view_of = {}                                       # id(param) -> buffer offset
+        offset = 0
+        for gi, (lo, hi) in spans:
+            if self.runs and self.runs[-1][0] is groups[gi] and self.runs[-1][2] == lo:
+                group, run_lo, _, run_offset = self.runs[-1]
+                self.runs[-1] = (group, run_lo, hi, run_offset)
+            else:
+                self.runs.append((groups[gi], lo, hi, offset))
+            offset += hi - lo
+        for p in params:
+            gi, (lo, _) = where[id(p)]
+            run = next(r for r in self.runs if r[0] is groups[gi] and r[1] <= lo < r[2])
+            self.view_of[id(p)] = run[3] + lo - run[1]
+        self.numel = offset
+        self.storage = torch.empty(self.numel, dtype=self.dtype, device=device)
+        self.nbytes = self.storage.untyped_storage().nbytes()
+        self.storage.untyped_storage().resize_(0)
+        self.placeholder = torch.empty(0, dtype=self.dtype, device=device)
+        self.state = "released"          # released | in_flight | ready
+        self.handles = []
+        self.holders = 0                 # units using it in a forward now (GatheredParameters counts too)
+        self.pending_grads = set()       # ids of its trainable parameters whose gradient has not arrived
+        self.stale = True                # persistent buffer: refresh at the next use
+
+    def start_gather(self):
+        """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""
+        self.storage.untyped_storage().resize_(self.nbytes)
+        group, rank = self.ctx.data_parallel_group, self.ctx.data_parallel_rank
+        for flat_group, lo, hi, offset in self.runs:
+            for owner, a, b in flat_group.owners(lo, hi):
+                piece = self.storage[offset + a - lo:offset + b - lo]
+                if owner == rank:
+                    own_start = flat_group.own_range[0]
+                    piece.copy_(flat_group.partition[a - own_start:b - own_start])
+                if self.ctx.data_parallel_size > 1:
+                    self.handles.append(dist.broadcast(piece, group_src=owner, group=group, async_op=True))
+        self.state = "in_flight"
+
+    def finish_gather(self, timeout, unit_name):
+        for handle in self.handles:
+            if not handle.wait(timeout=timeout):
+                raise RuntimeError(f"ZeRO-3: waiting for the parameters of {unit_name!r} did not complete")
+        self.handles = []
+        for p in self.params:
+            offset = self.view_of[id(p)]
+            p.data = self.storage[offset:offset + full_numel(p)].view(full_shape(p))
+        self.state, self.stale = "ready", False
+
+    def release(self):
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        for p in self.params:
+            p.data = self.placeholder
+        self.storage.untyped_storage().resize_(0)
+        self.state = "released"
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward gathers the unit before the unit's own backward runs."""
+
+    @staticmethod
+    def forward(ctx, manager, unit, *tensors):
+        ctx.manager, ctx.unit = manager, unit
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.manager.fetch(ctx.unit, backward=True)
+        return (None, None, *grads)
+
+
+class Stage3Parameters:
+    """The units, their buffers and hooks of one module whose parameters are partitioned in `groups`."""
+
+    def __init__(self, module, groups, ctx, zero_config, compute_device):
+        self.module, self.groups, self.ctx = module, groups, ctx
+        self.prefetch_elements = int(zero_config.stage3_prefetch_bucket_size)
+        self.max_live_elements = int(zero_config.stage3_max_live_parameters)
+        self.gather_timeout = DEFAULT_GATHER_TIMEOUT
+        in_groups = {id(p) for g in groups for p in g.params}
+        missing = [n for n, p in module.named_parameters() if id(p) not in in_groups]
+        if missing:
+            raise ValueError(f"ZeRO-3 partitions the optimizer's parameters; these are not in any optimizer param "
+                             f"group: {missing[:5]}")
+        self.units = _find_units(module)
+        threshold = int(zero_config.stage3_param_persistence_threshold)
+        persistent = [p for unit in self.units for p in unit.params if full_numel(p) <= threshold]
+        persistent_ids = {id(p) for p in persistent}
+        self.persistent = _Buffer("persistent parameters", persistent, groups, ctx, compute_device, True) \
+            if persistent else None
+        self.buffer_of = {id(p): self.persistent for p in persistent}
+        self.buffers = [self.persistent] if self.persistent else []
+        for unit in self.units:
+            own = [p for p in unit.params if id(p) not in persistent_ids]
+            if own:
+                buffer = _Buffer(unit.name, own, groups, ctx, compute_device)
+                self.buffers.append(buffer)
+                self.buffer_of.update({id(p): buffer for p in own})
+        for unit in self.units:
+            needed = [self.buffer_of[id(p)] for p in unit.params + unit.external]
+            unit.buffers = list({id(b): b for b in needed}.values())
+        for buffer in self.buffers:
+            buffer.release()
+        for group in groups:
+            for p in group.params:
+                p.ds_manager = self
+        self.on_partition_edited = lambda param: None    # the engine refreshes the fp32 masters
+        self.order, self.order_recorded = [], False
+        self.live_elements = 0
+        self.handles = []
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+    def install_hooks(self):
+        """Module hooks, and gradient hooks that must run after the gradient buckets' (installed before)."""
+        for unit in self.units:
+            self.handles.append(unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._pre_forward(unit)))
+            self.handles.append(unit.module.register_forward_hook(
+                lambda module, args, output, unit=unit: self._post_forward(unit, output)))
+        for buffer in self.buffers:
+            for p in buffer.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(
+                        lambda param, buffer=buffer: self._gradient_arrived(buffer, param)))
+
+    def _pre_forward(self, unit):
+        in_backward = _in_backward()
+        if not self.order_recorded and not in_backward:
+            self.order.append(unit)
+        self.fetch(unit, backward=in_backward)
+        if not in_backward:
+            for buffer in unit.buffers:
+                buffer.holders += 1
+
+    def _post_forward(self, unit, output):
+        if not _in_backward():
+            for buffer in unit.buffers:
+                buffer.holders -= 1
+                if buffer.holders == 0 and not buffer.persistent:
+                    self._release(buffer)
+        if torch.is_grad_enabled():
+            return tree_map(lambda t: _PreBackward.apply(self, unit, t)
+                            if torch.is_tensor(t) and t.requires_grad else t, output)
+        return output
+
+    def _gradient_arrived(self, buffer, param):
+        buffer.pending_grads.discard(id(param))
+        if not buffer.pending_grads and buffer.holders == 0 and not buffer.persistent:
+            self._release(buffer)
+
+    # ---- gather / release ----------------------------------------------------------------------------------
+    def fetch(self, unit, backward=False):
+        """Make every buffer of `unit` ready (waiting for a prefetch in flight), then prefetch what comes next."""
+        for buffer in unit.buffers:
+            self._start(buffer)
+        for buffer in unit.buffers:
+            self._finish(buffer, unit.name)
+        if backward:
+            for buffer in unit.buffers:
+                if buffer.state == "ready" and not buffer.pending_grads:
+                    buffer.pending_grads = {id(p) for p in buffer.params if p.requires_grad}
+        self._prefetch(unit, backward)
+
+    def _start(self, buffer):
+        if buffer.state == "released" or (buffer.persistent and buffer.stale and buffer.state == "ready"):
+            if buffer.state == "released":
+                self.live_elements += buffer.numel
+            buffer.start_gather()
+
+    def _finish(self, buffer, name):
+        if buffer.state == "in_flight":
+            try:
+                buffer.finish_gather(self.gather_timeout, name)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"ZeRO-3: rank {dist.get_rank()} waited {self.gather_timeout} for the parameters of "
+                    f"{name!r} and the other data-parallel ranks did not join: every data-parallel rank must run "
+                    f"the same forwards (e.g. evaluate on all ranks, or read weights inside "
+                    f"zero.GatheredParameters on all ranks) ({e})") from None
+
+    def _release(self, buffer):
+        if buffer.state != "released":
+            self.live_elements -= buffer.numel
+            buffer.release()
+            buffer.pending_grads = set()
+
+    def _prefetch(self, unit, backward):
+        if not self.order_recorded or self.prefetch_elements <= 0 or unit not in self.order:
+            return
+        index = self.order.index(unit)
+        following = self.order[index - 1::-1] if backward and index > 0 else [] if backward else \
+            self.order[index + 1:]
+        budget = self.prefetch_elements
+        for later in following:
+            for buffer in later.buffers:
+                if buffer.state != "released":
+                    continue
+                if buffer.numel > budget or self.live_elements + buffer.numel > self.max_live_elements:
+                    return
+                budget -= buffer.numel
+                self._start(buffer)
+
+    # ---- the engine's calls --------------------------------------------------------------------------------
+    def end_forward(self):
+        self.order_recorded = True
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def release_all(self):
+        """End of backward (and of a no-grad forward): nothing but the persistent parameters stays gathered."""
+        for buffer in self.buffers:
+            if not buffer.persistent and buffer.holders == 0:
+                self._release(buffer)
+
+    def after_step(self):
+        """The partitions changed: the persistent parameters are refreshed at their next use."""
+        if self.persistent is not None:
+            self.persistent.stale = True
+
+    def gather(self, params):
+        """Hold the buffers of `params` gathered until `release(params)` (GatheredParameters)."""
+        buffers = list({id(self.buffer_of[id(p)]): self.buffer_of[id(p)] for p in params}.values())
+        for buffer in buffers:
+            self._start(buffer)
+        for buffer in buffers:
+            self._finish(buffer, buffer.name)
+            buffer.holders += 1
+        return buffers
+
+    def release(self, buffers):
+        for buffer in buffers:
+            buffer.holders -= 1
+            if buffer.holders == 0 and not buffer.persistent:
+                self._release(buffer)
+
+    def write_partition(self, param, full):
+        """Copy this rank's range of `param` from its full value (flat or shaped) into the partition."""
+        value = full.reshape(-1)
+        for group in self.groups:
+            for index, p in enumerate(group.params):
+                if p is param:
+                    p_start, p_end = group.offsets[index]
+                    start, end = group.own_range
+                    lo, hi = max(p_start, start), min(p_end, end)
+                    if lo < hi:
+                        with torch.no_grad():
+                            group.partition[lo - start:hi - start].copy_(value[lo - p_start:hi - p_start])
+                    return
+        raise KeyError("parameter is not partitioned by this engine")
+
+    def full_state_dict(self, keep=True):
+        """The module's state dict with every parameter whole, in host memory, gathered one buffer at a time
+        (every data-parallel rank takes part; with keep=False nothing is copied here)."""
+        names = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        state = self.module.state_dict()
+        for buffer in self.buffers:
+            held = self.gather(buffer.params)
+            for p in buffer.params if keep else []:
+                copy = p.detach().to("cpu", copy=True)
+                for name in names.get(id(p), []):
+                    state[name] = copy
+            self.release(held)
+        return state
+
+    def live_parameter_elements(self):
+        """Elements gathered now (ready or in flight), the persistent buffer included."""
+        return sum(b.numel for b in self.buffers if b.state != "released")
+
+    def remove_hooks(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+def _find_units(module):
+    """ModuleList elements (whole subtrees) and the other modules with parameters of their own; a parameter
+    belongs to the first unit that reaches it and is external to any later one."""
+    units, owned = [], set()
+
+    def add(name, mod, params, external):
+        own = [p for p in params if id(p) not in owned]
+        owned.update(id(p) for p in own)
+        extra = [p for p in params + external if all(p is not q for q in own)]
+        if own or extra:
+            units.append(Unit(name, mod, own, list({id(p): p for p in extra}.values())))
+
+    def visit(mod, name):
+        if isinstance(mod, nn.ModuleList):
+            for index, child in enumerate(mod):
+                external = [p for sub in child.modules() for p in sub.__dict__.get("_zero_external_params", [])]
+                add(f"{name}.{index}", child, list(child.parameters()), external)
+            return
+        add(name or "(root)", mod, list(mod.parameters(recurse=False)),
+            list(mod.__dict__.get("_zero_external_params", [])))
+        for child_name, child in mod.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(module, "")
+    return units

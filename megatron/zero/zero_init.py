@@ -1,0 +1,174 @@
+"""`zero.Init`: build a model whose parameters are partitioned as each module is constructed, and
+`zero.GatheredParameters`: read or edit partitioned parameters whole (DeepSpeed's API).
+
+    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
+                   enabled=args.zero_stage == 3):
+        model = GPT2Model(num_tokentypes=0, parallel_output=True)
+
+Inside the context every nn.Module subclass's __init__ is wrapped: when it returns, the module's own parameters
+that are still whole are broadcast from data-parallel rank 0 and cut into equal pieces; this rank keeps its piece
+(`param.ds_tensor`, on `remote_device`) and the parameter becomes an empty tensor with `ds_shape` / `ds_numel`.
+Initialization runs exactly as without the context (same RNG draws), so the model equals the unpartitioned one
+built from the same seed; at most one module's own parameters are whole at a time. Code that edits a parameter
+after its module was built (e.g. a custom init) does so inside `GatheredParameters(param, modifier_rank=0)`.
+The engine (zero.initialize, stage 3) gathers each piece set once more, one parameter at a time, into its own
+contiguous partitions.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import all_gather_into_tensor
+from .config import ConfigError
+
+
+class Init:
+    def __init__(self, module=None, data_parallel_group=None, mpu=None, remote_device=None, pin_memory=False,
+                 config_dict_or_path=None, config=None, enabled=True, dtype=None, mem_efficient_linear=True):
+        self.enabled = enabled
+        self._patched = {}
+        if not enabled:
+            return
+        if remote_device not in (None, "none", "cpu"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}) is not supported: use 'cpu' (host "
+                              "memory) or 'none' (the training device)")
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        self.group = data_parallel_group
+        self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self.size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self.remote_device = torch.device("cpu") if remote_device == "cpu" else None
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.dtype = dtype
+        if module is not None:
+            for sub in module.modules():
+                self._partition_module(sub)
+
+    def __enter__(self):
+        if self.enabled:
+            for cls in _module_classes():
+                if "__init__" in cls.__dict__:
+                    self._patched[cls] = cls.__dict__["__init__"]
+                    cls.__init__ = self._wrap(cls.__dict__["__init__"])
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched = {}
+        return False
+
+    def _wrap(self, init):
+        @functools.wraps(init)
+        def wrapped(module, *args, **kwargs):
+            init(module, *args, **kwargs)
+            self._partition_module(module)
+        return wrapped
+
+    def _partition_module(self, module):
+        for param in module.parameters(recurse=False):
+            if not is_partitioned(param):
+                self._partition(param)
+
+    def _partition(self, param):
+        with torch.no_grad():
+            full = param.data
+            if self.dtype is not None and full.is_floating_point():
+                full = full.to(self.dtype)
+            if self.size > 1:
+                dist.broadcast(full, group_src=0, group=self.group)
+            piece_size = -(-full.numel() // self.size)
+            device = self.remote_device or full.device
+            piece = torch.zeros(piece_size, dtype=full.dtype, device=device,
+                                pin_memory=self.pin_memory and device.type == "cpu")
+            lo, hi = self.rank * piece_size, min((self.rank + 1) * piece_size, full.numel())
+            if lo < hi:
+                piece[:hi - lo].copy_(full.reshape(-1)[lo:hi])
+            param.ds_tensor = piece
+            param.ds_shape, param.ds_numel = full.shape, full.numel()
+            param.ds_group, param.ds_world_size = self.group, self.size
+            param.data = torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def _module_classes():
+    """nn.Module and every subclass defined so far (the ones a model can be built from)."""
+    seen, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(cls.__subclasses__())
+    return seen
+
+
+def is_partitioned(param):
+    return hasattr(param, "ds_tensor") or getattr(param, "ds_manager", None) is not None
+
+
+def gather_initial(param, device):
+    """The whole value of a zero.Init parameter from every rank's piece (a collective of its group), on
+    `device`, and the piece dropped; a parameter zero.Init did not partition is returned as it is."""
+    if not hasattr(param, "ds_tensor"):
+        return param.data
+    piece = param.ds_tensor.to(device)
+    full = torch.empty(piece.numel() * param.ds_world_size, dtype=piece.dtype, device=device)
+    if param.ds_world_size > 1:
+        all_gather_into_tensor(full, piece, param.ds_group)
+    else:
+        full.copy_(piece)
+    return full[:param.ds_numel].view(param.ds_shape)
+
+
+class GatheredParameters:
+    """Parameters whole inside the context, on every rank of their data-parallel group (all must enter it).
+    With `modifier_rank` r, rank r's edits are broadcast and partitioned again on exit; with None they are
+    read-only (edits are lost). Parameters that are not partitioned are left alone."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        self.params = [p for p in params if enabled and is_partitioned(p)]
+        self.modifier_rank = modifier_rank
+        self._held = None
+
+    def __enter__(self):
+        init_params = [p for p in self.params if hasattr(p, "ds_tensor")]
+        for p in init_params:
+            p.data = gather_initial(p, p.data.device).clone()
+        managed = [p for p in self.params if getattr(p, "ds_manager", None) is not None]
+        self._held = [(p.ds_manager, p.ds_manager.gather([p])) for p in managed]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for p in self.params:
+                if hasattr(p, "ds_tensor"):
+                    if self.modifier_rank is not None:
+                        _broadcast(p.data, self.modifier_rank, p.ds_group, p.ds_world_size)
+                        _repartition_initial(p)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            for manager, buffers in self._held:
+                if self.modifier_rank is not None:
+                    for p in (q for q in self.params if getattr(q, "ds_manager", None) is manager):
+                        _broadcast(p.data, self.modifier_rank, manager.ctx.data_parallel_group,
+                                   manager.ctx.data_parallel_size)
+                        manager.write_partition(p, p.data)
+                        manager.on_partition_edited(p)
+                manager.release(buffers)
+        return False
+
+
+def _broadcast(tensor, src, group, size):
+    if size > 1:
+        dist.broadcast(tensor, group_src=src, group=group)
+
+
+def _repartition_initial(param):
+    piece_size = param.ds_tensor.numel()
+    rank = dist.get_rank(param.ds_group) if param.ds_world_size > 1 else 0
+    flat = param.data.reshape(-1)
+    lo, hi = rank * piece_size, min((rank + 1) * piece_size, flat.numel())
+    param.ds_tensor.zero_()
+    if lo < hi:
+        param.ds_tensor[:hi - lo].copy_(flat[lo:hi])

@@ -1,0 +1,141 @@
+"""Bytes sent per rank for one training step, measured by megatron.comm_bytes, against the ideal volumes.
+
+Ideal, for G = fp32 gradient bytes = 4 x parameter count, over dp ranks:
+    torch DDP and ZeRO stage 0: one ring all-reduce          2 (dp-1)/dp G
+    ZeRO stages 1 and 2: reduce-scatter (each range reduced to its owner) + all-gather of the updated slices,
+                         (dp-1)/dp G each, the same total
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron import comm_bytes
+from megatron.comm_bytes import CommCounter, collective_bytes
+from megatron.spawn import run_distributed
+from tests.zero_helpers import ds_config, param_groups
+
+WIDTH_IN, WIDTH = 32, 512
+TOLERANCE = 0.05
+
+
+class WideNet(nn.Module):
+    """Two Linears, ~33k parameters: large enough that the engine's partition padding (< 32 dp elements per
+    param group) stays under 1% of the gradient bytes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.fc1, self.fc2 = nn.Linear(WIDTH_IN, WIDTH), nn.Linear(WIDTH, WIDTH_IN)
+
+    def forward(self, x):
+        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), x)
+
+
+VARIANTS = {
+    "ddp": None,
+    "stage0": ds_config(0, micro=2),
+    "stage1": ds_config(1, micro=2),
+    "stage2": ds_config(2, micro=2, reduce_bucket_size=5000),
+    "stage2_allreduce": ds_config(2, micro=2, reduce_bucket_size=5000, reduce_scatter=False),
+}
+
+
+def _build(config):
+    model = WideNet()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    if config is None:
+        ddp = comm_bytes.count_ddp_allreduce(torch.nn.parallel.DistributedDataParallel(model))
+
+        def step(x):
+            optimizer.zero_grad()
+            ddp(x).backward()
+            optimizer.step()
+        return step
+    from megatron import zero
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+
+    def step(x):
+        engine.backward(engine(x))
+        engine.step()
+    return step
+
+
+def _measure_one_step(names):
+    """{variant: {op: bytes}} for the second step of each variant (the first warms up), on this rank."""
+    x = torch.randn(2, WIDTH_IN, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+    for name in names:
+        step = _build(VARIANTS[name])
+        step(x)
+        with CommCounter() as counter:
+            step(x)
+        out[name] = dict(counter.bytes_by_op)
+    # the counter itself, on a known payload: all-gather of 10 fp32 per rank
+    n = dist.get_world_size()
+    with CommCounter() as counter:
+        dist.all_gather_into_tensor(torch.empty(10 * n), torch.ones(10))
+    out["known_all_gather"] = dict(counter.bytes_by_op)
+    out["restored"] = dist.all_reduce is comm_bytes.dist.all_reduce and "counted" not in dist.all_reduce.__name__
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def measured(request):
+    dp = request.param
+    results = run_distributed(_measure_one_step, dp, args=(list(VARIANTS),))
+    return dp, results
+
+
+def _gradient_bytes():
+    return 4 * sum(p.numel() for p in WideNet().parameters())
+
+
+def _close(value, ideal):
+    return abs(value - ideal) <= TOLERANCE * ideal
+
+
+def test_cost_model_table():
+    assert collective_bytes("all_reduce", 1000, 4) == 1500
+    assert collective_bytes("reduce", 1000, 4) == 750
+    assert collective_bytes("all_gather_into_tensor", 1000, 4) == 750
+    assert collective_bytes("all_reduce", 1000, 1) == 0
+
+
+def test_counter_counts_a_known_collective_and_restores(measured):
+    dp, results = measured
+    for rank_result in results:
+        assert rank_result["known_all_gather"] == {"all_gather_into_tensor": (dp - 1) * 10 * 4}
+        assert rank_result["restored"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "stage0"])
+def test_data_parallel_sends_one_ring_all_reduce(measured, name):
+    dp, results = measured
+    ideal = 2 * (dp - 1) / dp * _gradient_bytes()
+    for rank_result in results:
+        sent = rank_result[name]
+        assert _close(sent.get("all_reduce", 0), ideal), (name, sent, ideal)
+        assert _close(sum(sent.values()), ideal), (name, sent, ideal)
+
+
+@pytest.mark.parametrize("name", ["stage1", "stage2"])
+def test_partitioned_stages_send_reduce_scatter_plus_all_gather(measured, name):
+    dp, results = measured
+    half = (dp - 1) / dp * _gradient_bytes()
+    for rank_result in results:
+        sent = rank_result[name]
+        gathered = sum(value for op, value in sent.items() if op.startswith("all_gather"))
+        assert _close(sent.get("reduce", 0) + sent.get("reduce_scatter_tensor", 0), half), (name, sent, half)
+        assert _close(gathered, half), (name, sent, half)
+        assert _close(sum(sent.values()), 2 * half), (name, sent, 2 * half)
+
+
+def test_the_check_can_fail_stage2_all_reduce_is_over_the_ideal(measured):
+    """reduce_scatter=False all-reduces every bucket: 2 (dp-1)/dp G, then still all-gathers: 1.5x the ideal."""
+    dp, results = measured
+    ideal = 2 * (dp - 1) / dp * _gradient_bytes()
+    sent = sum(results[0]["stage2_allreduce"].values())
+    assert not _close(sent, ideal)
+    assert _close(sent, 1.5 * ideal)

@@ -1,0 +1,115 @@
+"""The CPU-only parts of the GPU check: tools/gpu_check.sh's argument handling and tools/bench_gpu.py's arguments,
+peak table, rows and table, plus one benchmark cell run on the CPU through the real training loop."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import bench_gpu  # noqa: E402
+
+SCRIPT = os.path.join(REPO, "tools", "gpu_check.sh")
+ROW = {"model": "124m", "precision": "bf16", "stage": 2, "micro_batch": 8, "device": "NVIDIA H100 80GB HBM3",
+       "tokens_per_s": 123456.7, "tflops": 345.6, "mfu": 0.3494, "max_allocated_gb": 20.5,
+       "model_state_formula_gb": 2.0, "activation_estimate_gb": 8.25, "skipped": 0, "error": None}
+
+
+def _gpu_check(*args, env=None):
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_dry_run_prints_the_test_and_bench_commands():
+    done = _gpu_check("--dry-run", "--models", "124m", "--stages", "2,3")
+    assert done.returncode == 0, done.stderr
+    tests, bench = done.stdout.strip().splitlines()
+    assert tests.startswith("timeout 240 ") and "-m pytest -q --device cuda" in tests
+    for name in ("test_mpu.py", "test_gpt2_model.py", "test_zero_engine.py", "test_activation_checkpointing.py",
+                 "test_zero_checkpoint.py"):
+        assert f"tests/{name}" in tests
+    assert bench.startswith("timeout 330 ") and bench.endswith("--models 124m --stages 2,3")
+    only = _gpu_check("--dry-run", "--bench-only").stdout.strip().splitlines()
+    assert len(only) == 1 and "bench_gpu.py" in only[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bogus"], "unknown option '--bogus'"),
+    (["--models"], "--models needs a value"),
+    (["--tests-only", "--bench-only"], "leave nothing to run"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    done = _gpu_check(*args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_bad_timeout_is_refused():
+    done = _gpu_check("--dry-run", env={"TEST_TIMEOUT": "4m"})
+    assert done.returncode == 2 and "whole seconds" in done.stderr
+
+
+def test_without_cuda_it_says_so_and_exits_1():
+    done = _gpu_check(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and "no CUDA device" in done.stderr
+
+
+def test_bench_arguments():
+    args = bench_gpu.parse_args([])
+    assert (args.models, args.precisions, args.device) == (["124m", "1.3b"], ["bf16", "fp16"], "cuda")
+    assert args.stages in ([2], [2, 3]) and args.stages == bench_gpu.default_stages()
+    assert bench_gpu.parse_args(["--stages", "2,3"]).stages == [2, 3]
+    for bad in (["--models", "124m,7b"], ["--stages", "two"], ["--stages", "4"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as error:
+            bench_gpu.parse_args(bad)
+        assert error.value.code == 2
+
+
+def test_model_shapes_are_gpt2_124m_and_1_3b():
+    def params(m):    # GPT-2 with the vocabulary padded to 128 and a tied head
+        h, vocab = m["hidden"], -(-m["vocab"] // 128) * 128
+        return (vocab + m["seq"]) * h + m["layers"] * (12 * h * h + 13 * h) + 2 * h
+    assert round(params(bench_gpu.MODELS["124m"]) / 1e6) == 124
+    assert round(params(bench_gpu.MODELS["1.3b"]) / 1e8) == 13
+
+
+def test_peak_table():
+    assert bench_gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert bench_gpu.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench_gpu.peak_tflops("NVIDIA A100-SXM4-40GB") == 312.0
+    assert bench_gpu.peak_tflops("Some Future GPU") is None
+    assert bench_gpu.peak_tflops("Some Future GPU", override=500.0) == 500.0
+
+
+def test_rows_and_table():
+    line = bench_gpu.format_row(ROW)
+    assert line == "| 124m | bf16 | 2 | 8 | 123,457 | 345.6 | 34.9% | 20.50 | 2.00 | 10.25 |  |"
+    failed = bench_gpu.format_row({"model": "1.3b", "precision": "fp16", "stage": 2, "error": "CUDA out of memory"})
+    assert failed.startswith("| 1.3b | fp16 | 2 |") and "failed: CUDA out of memory" in failed
+    cpu = bench_gpu.format_row({**ROW, "mfu": None, "max_allocated_gb": None, "skipped": 3})
+    assert "| n/a | n/a |" in cpu and "3 skipped (fp16 overflow)" in cpu
+    table = bench_gpu.format_table([ROW], "NVIDIA H100").splitlines()
+    assert table == ["# device: NVIDIA H100", bench_gpu.HEADER, bench_gpu.RULE, line]
+    log = "noise\n" + "\n".join([bench_gpu.HEADER, bench_gpu.RULE, line, failed, "", bench_gpu.HEADER,
+                                 bench_gpu.RULE, line, failed])
+    assert bench_gpu.table_from_log(log).splitlines() == [bench_gpu.HEADER, bench_gpu.RULE, line, failed]
+
+
+def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
+    """The plumbing on a CPU: a tiny GPT-2 trained by pretrain_gpt.py under ZeRO-2; TFLOP/s per token is
+    Megatron's formula for that shape, the model-state formula the ZeRO paper's 16 bytes per parameter (fp32)."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_gpu.py"), "--models", "tiny",
+                           "--precisions", "fp32", "--stages", "2", "--device", "cpu", "--steps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    m = bench_gpu.MODELS["tiny"]
+    L, h, s, vocab = m["layers"], m["hidden"], m["seq"], -(-m["vocab"] // 128) * 128
+    flops_per_token = 24 * L * h * h * (1 + s / (6 * h) + vocab / (16 * L * h)) * 2 * 3 / 2
+    assert row["tokens_per_s"] > 0 and row["mfu"] is None and row["max_allocated_gb"] is None
+    assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(flops_per_token, rel=1e-6)
+    params = (vocab + s) * h + L * (12 * h * h + 13 * h) + 2 * h
+    assert row["model_state_formula_gb"] * 2 ** 30 == pytest.approx(16 * params, rel=0.01)
+    assert done.stdout.strip().splitlines()[-1] == bench_gpu.format_row(row)
