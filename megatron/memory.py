@@ -127,17 +127,25 @@ def tensors_bytes(tensors):
 
 
 # ---- GPT-2 shapes -----------------------------------------------------------------------------------------------
-def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_embeddings, model_parallel_size=1):
-    """(weight-decay elements, no-decay elements) per model-parallel rank of our GPT2Model (megatron/model,
-    mpu/transformer.py): the word embedding [V/p, h] (tied LM head) and position embedding [s, h] replicated;
-    per layer two LayerNorms (2h each, replicated), QKV column-parallel [3h/p, h] + bias 3h/p, attention output
-    row-parallel [h, h/p] + bias h (replicated), MLP h->4h [4h/p, h] + 4h/p, 4h->h [h, 4h/p] + h; final
-    LayerNorm 2h. Megatron's grouping: biases and LayerNorm parameters are not decayed."""
+def gpt2_parameter_sizes(num_layers, hidden_size, padded_vocab_size, max_position_embeddings,
+                         model_parallel_size=1):
+    """[(elements, decayed)] of every parameter on one model-parallel rank of our GPT2Model (megatron/model,
+    mpu/transformer.py): the word embedding [V/p, h] (tied LM head) and position embedding [s, h] replicated; per
+    layer two LayerNorms (h weight + h bias each, replicated), QKV column-parallel [3h/p, h] + bias 3h/p, attention
+    output row-parallel [h, h/p] + bias h (replicated), MLP h->4h [4h/p, h] + 4h/p, 4h->h [h, 4h/p] + h; the final
+    LayerNorm. Megatron's grouping: biases and LayerNorm parameters are not decayed."""
     h, p = hidden_size, model_parallel_size
-    decay = padded_vocab_size // p * h + max_position_embeddings * h + num_layers * (
-        3 * h // p * h + h * (h // p) + 4 * h // p * h + h * (4 * h // p))
-    no_decay = num_layers * (2 * h + 2 * h + 3 * h // p + h + 4 * h // p + h) + 2 * h
-    return decay, no_decay
+    layer = [(h, False), (h, False), (3 * h // p * h, True), (3 * h // p, False), (h * (h // p), True), (h, False),
+             (h, False), (h, False), (4 * h // p * h, True), (4 * h // p, False), (h * (4 * h // p), True), (h, False)]
+    return [(padded_vocab_size // p * h, True), (max_position_embeddings * h, True)] + layer * num_layers + \
+        [(h, False), (h, False)]
+
+
+def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_embeddings, model_parallel_size=1):
+    """(weight-decay elements, no-decay elements) per model-parallel rank (gpt2_parameter_sizes summed)."""
+    sizes = gpt2_parameter_sizes(num_layers, hidden_size, padded_vocab_size, max_position_embeddings,
+                                 model_parallel_size)
+    return sum(n for n, decay in sizes if decay), sum(n for n, decay in sizes if not decay)
 
 
 def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,

@@ -7,6 +7,7 @@ import mpu
 from megatron.reshard import partitioning
 from megatron.train_state import TrainState
 from megatron.zero import checkpoint as ckpt
+from megatron.zero.partition import full_shape
 
 
 def check_same_model(saved, config):
@@ -40,13 +41,16 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     def shard(name, kind):
         """This rank's piece of `name`'s full tensor: the parameter's dtype for weights, fp32 otherwise."""
         like = params[name]
-        padded_rows = like.shape[0] * world if partitioning(name)[2] else None
+        padded_rows = full_shape(like)[0] * world if partitioning(name)[2] else None
         piece = saved.shard(name, kind, world, rank, padded_rows)
         return None if piece is None else piece.to(like.dtype if kind == "weight" else torch.float32)
 
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(shard(name, "weight"))
+            if isinstance(model, ZeroEngine):
+                model.load_parameter(param, shard(name, "weight"))   # stage 3: into its partition
+            else:
+                param.copy_(shard(name, "weight"))
     load_optimizer = not (fresh or options.no_load_optim)
     if load_optimizer and not saved.has_optimizer_state():
         raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "

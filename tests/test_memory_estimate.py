@@ -63,14 +63,15 @@ def _gpt2_counts(num_layers, hidden, heads, vocab, seq):
     model = GPT2Model(GPT2ModelConfig(num_layers=num_layers, vocab_size=vocab, hidden_size=hidden,
                                       num_attention_heads=heads, max_sequence_length=seq))
     return ([sum(p.numel() for p in g["params"]) for g in _param_groups_for_weight_decay(model)],
-            mpu.get_model_parallel_world_size())
+            mpu.get_model_parallel_world_size(), sorted(p.numel() for p in model.parameters()))
 
 
 @pytest.mark.parametrize("mp", [1, 2])
 def test_gpt2_parameter_count_matches_real_model(mp):
     shape = dict(num_layers=3, hidden=48, heads=4, vocab=256, seq=40)
-    for counts, size in run_distributed(_gpt2_counts, mp, args=tuple(shape.values()), model_parallel_size=mp):
+    for counts, size, sizes in run_distributed(_gpt2_counts, mp, args=tuple(shape.values()), model_parallel_size=mp):
         assert list(memory.gpt2_param_groups(3, 48, 256, 40, size)) == counts
+        assert sorted(n for n, _ in memory.gpt2_parameter_sizes(3, 48, 256, 40, size)) == sizes
 
 
 def _printed(text, what):
@@ -84,23 +85,32 @@ def _train_capturing(args_list):
     return capture(args_list)
 
 
-@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp32")])
-def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stage, precision):
+ZERO3_OFFLOAD = ({"stage3_param_persistence_threshold": 64, "offload_optimizer": {"device": "cpu"},
+                  "offload_param": {"device": "cpu"}},
+                 ["--param-persistence-threshold", "64", "--offload-optimizer", "--offload-param"])
+
+
+@pytest.mark.parametrize("stage,precision,zero_extra,tool_extra",
+                         [(1, "bf16", {}, []), (2, "fp32", {}, []),
+                          (3, "fp32", {"stage3_param_persistence_threshold": 64},
+                           ["--param-persistence-threshold", "64"]), (3, "bf16", *ZERO3_OFFLOAD)])
+def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stage, precision, zero_extra,
+                                                                    tool_extra):
     from tests.test_deepspeed_path import write_config
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
     config = write_config(str(tmp_path), zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET,
-                                                            "contiguous_gradients": True}, **extra)
+                                                            "contiguous_gradients": True, **zero_extra}, **extra)
     history, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + [
         "--train-iters", "2", "--deepspeed", "--deepspeed_config", config],))[0]
     estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
-    for kind in memory.KINDS + ("total",):
+    for kind in memory.KINDS + ("total", "host"):
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
     assert history["model_state_estimate"]["total"] == history["model_state_measured"]["total"]
     # TINY: 2 layers, h 32, 4 heads, s 16, vocab 64 padded to a multiple of 8
     tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
                            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
                            "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2",
-                           "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET),
+                           "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET), *tool_extra,
                            *([f"--{precision}"] if precision != "fp32" else [])],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert tool.returncode == 0, tool.stderr
@@ -129,3 +139,17 @@ def test_megatron_path_estimate_equals_measurement_and_tool():
                            "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2", "--bf16"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert _printed(tool.stdout, "estimate") == estimate
+
+
+def test_planning_table_against_the_zero_paper_formula():
+    """Hand-worked from 2P + 2P + 12P (stage 0), 4P + 12P/dp (1), 2P + 14P/dp (2), 16P/dp (3) against 80 GB:
+    the largest of the GPT-3 shapes that fits."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import estimate_memory
+    table = estimate_memory.plan(80e9)
+    assert table["stage 0", 512] == "2.7B"         # 16 x 2.7e9 = 43 GB; 6.7B needs 107 GB
+    assert table["stage 1", 8] == "13B"            # 5.5 x 13e9 = 72 GB; 30B needs 165 GB
+    assert table["stage 2", 64] == "30B"           # 2.22 x 30e9 = 67 GB; 66B needs 146 GB
+    assert table["stage 3", 8] == "30B"            # 2 x 30e9 = 60 GB; 66B needs 132 GB
+    assert table["stage 3", 64] == "175B"          # 0.25 x 175e9 = 44 GB
+    assert table["stage 2 + offload_optimizer", 1] == "30B"   # only the 2P parameters stay: 60 GB; 66B: 132 GB

@@ -63,6 +63,25 @@ def _working_set():
     return seen, between
 
 
+def _prefetch_working_set():
+    """Second forward (the order is recorded in the first) with a prefetch budget of 1100 elements: the
+    allocated gather storage of the partitioned (non-persistent) parameters at each unit's forward, in
+    elements (a prefetch in flight has its storage but not yet its parameter views)."""
+    engine = _engine(_stage3(stage3_prefetch_bucket_size=1100))
+    engine_train_step(engine, 0, 4)
+    seen = []
+
+    def record(module, args):
+        seen.append({b.name: b.storage.untyped_storage().nbytes() // 4 for b in engine.stage3.buffers
+                     if not b.persistent and b.storage.untyped_storage().nbytes()})
+    handles = [m.register_forward_pre_hook(record) for m in (engine.module.fc1, engine.module.norm,
+                                                              engine.module.fc2, engine.module.head)]
+    engine_train_step(engine, 1, 4)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
 def _live_tensor_bytes():
     """Bytes of every distinct tensor storage alive in this process (gc), independent of the engine's books."""
     gc.collect()
@@ -177,7 +196,7 @@ def _zero_init():
 
 
 def _all_dp2():
-    return {"working_set": _working_set(), "memory": _memory_between_steps(), "offload": _offload_placement(),
+    return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": _memory_between_steps(), "offload": _offload_placement(),
             "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init()}
 
 
@@ -192,6 +211,17 @@ def test_forward_gathers_one_unit_at_a_time(dp2):
         assert between == persistent                       # partitioned weights released between steps
         units = [["fc1.weight"], [], ["fc2.weight"], ["head.weight"]]   # fc1, norm (persistent), fc2, head
         assert seen == [sorted(persistent + unit) for unit in units], seen
+
+
+def test_prefetch_stays_within_its_budget(dp2):
+    """At each unit's forward: its own weight plus at most 1100 prefetched elements (those in flight count): fc2
+    (1024) is prefetched while fc1 runs, head (256) only once fc2 runs."""
+    own = {"fc1": 512, "fc2": 1024, "head": 256}
+    for seen in (rank["prefetch"] for rank in dp2):
+        for live, unit in zip(seen, ["fc1", None, "fc2", "head"]):
+            assert sum(live.values()) <= own.get(unit, 0) + 1100, (unit, live)
+        assert seen[0] == {"fc1": 512, "fc2": 1024} and seen[1] == {"fc2": 1024}, seen
+        assert seen[2] == {"fc2": 1024, "head": 256}, seen
 
 
 def test_memory_between_steps_is_the_stage3_formula(dp2):
@@ -247,7 +277,8 @@ GLOBAL_BATCH, SAVE_AT, MORE = 8, 3, 3
 def _ckpt_config(stage):
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
             "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                                              "stage3_param_persistence_threshold": THRESHOLD}}
+                                                              "stage3_param_persistence_threshold": THRESHOLD,
+                                                              "sub_group_size": 100 if stage == 3 else 10 ** 9}}
 
 
 def _ckpt_engine(stage):
@@ -266,6 +297,7 @@ def _straight(save_dir):
     losses = _steps(engine, 0, SAVE_AT)
     engine.save_checkpoint(save_dir, tag="a")
     losses += _steps(engine, SAVE_AT, 2 * MORE)
+    assert max(len(tiles) for tiles in engine.optimizer.tiles) > 1    # saved from a tiled optimizer state
     return losses, engine.module_state_dict()
 
 
@@ -380,3 +412,20 @@ def test_a_forward_on_one_rank_fails_with_the_reason_instead_of_hanging(tmp_path
     assert "did not join: every data-parallel rank must run the same forwards" in result.stderr, result.stderr[-3000:]
     assert "'fc1'" in result.stderr
     assert elapsed < 40, elapsed
+
+
+def test_megatron_checkpoint_continues_in_stage3_at_another_data_parallel_size(tmp_path):
+    """Megatron path, one process, saved at 3 of 6; resumed under ZeRO-3 at dp2 (resharded into partitions):
+    the last 3 losses within 1e-5 of the uninterrupted run (the two paths agree to that in test_deepspeed_path)."""
+    from tests.test_deepspeed_path import RESUME
+    from tests.test_training import NO_DROPOUT, _train
+    save = str(tmp_path / "ckpt")
+    straight = run_distributed(_train, 1, args=(RESUME + NO_DROPOUT + ["--batch-size", "4", "--save", save,
+                                                                       "--save-interval", "3"],))[0]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("3")
+    config = _cli_config(str(tmp_path), "zero3.json", {"stage": 3, "stage3_param_persistence_threshold": 64})
+    resumed = run_distributed(_train, 2, args=(RESUME + NO_DROPOUT + ["--deepspeed", "--deepspeed_config", config,
+                                                                      "--load", save],))[0]
+    assert resumed["iteration"] == [4, 5, 6]
+    assert max(abs(a - b) for a, b in zip(resumed["lm loss"], straight["lm loss"][3:])) <= 1e-5

@@ -59,6 +59,7 @@ STAGE_CONFIGS = {
     "stage3_offload": ds_config(3, micro=2, accumulation=2, reduce_bucket_size=100, stage3_prefetch_bucket_size=0,
                                 offload_optimizer={"device": "cpu", "pin_memory": True},
                                 offload_param={"device": "cpu", "pin_memory": True}),
+    "stage3_tiles": ds_config(3, micro=4, sub_group_size=100),    # the optimizer steps 100-element tiles
     "stage2_offload": ds_config(2, micro=2, accumulation=2, reduce_bucket_size=100,
                                 offload_optimizer={"device": "cpu"}),
     "stage1_offload": ds_config(1, micro=4, cpu_offload=True),

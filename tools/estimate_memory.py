@@ -3,6 +3,8 @@
     python tools/estimate_memory.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
         --vocab-size 50257 --model-parallel-size 2 --data-parallel-size 8 --zero-stage 2 --bf16 --micro-batch-size 4
 
+    python tools/estimate_memory.py --plan        # the largest GPT that fits 80 GB per GPU, stages 0-3 x dp
+
 Prints the parameters per model-parallel rank (our GPT2Model's shapes, vocabulary padded like the training script),
 the model-state bytes by kind (the same numbers `pretrain_gpt.py` prints at start-up for the same settings) and an
 activation estimate (Korthikanti et al. 2022; see memory.activation_bytes_per_layer).
@@ -23,16 +25,16 @@ def _vocab_size_with_padding(vocab_size, divisible_by, model_parallel_size):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--num-layers", type=int, required=True)
-    parser.add_argument("--hidden-size", type=int, required=True)
-    parser.add_argument("--num-attention-heads", type=int, required=True)
-    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-attention-heads", type=int)
+    parser.add_argument("--seq-length", type=int)
     parser.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    parser.add_argument("--vocab-size", type=int, required=True, help="the tokenizer's vocabulary (before padding)")
+    parser.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary (before padding)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--model-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1)
-    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=None,
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="ZeRO stage (the --deepspeed path); omitted: the Megatron path (no partitioning)")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
@@ -40,7 +42,15 @@ def build_parser():
     parser.add_argument("--reduce-bucket-size", type=int, default=None,
                         help="stage 2: zero_optimization.reduce_bucket_size, for the bucket bound")
     parser.add_argument("--overlap-comm", action="store_true")
-    parser.add_argument("--offload", action="store_true", help="master weights and moments in host memory")
+    parser.add_argument("--offload", "--offload-optimizer", dest="offload", action="store_true",
+                        help="offload_optimizer: master weights, moments (and stage 2-3 gradients) in host memory")
+    parser.add_argument("--offload-param", action="store_true", help="stage 3: parameter partitions in host memory")
+    parser.add_argument("--param-persistence-threshold", type=int, default=100_000,
+                        help="stage 3: stage3_param_persistence_threshold (parameters this small stay whole)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the planning table instead: the largest GPT-2/GPT-3 shape whose model state "
+                             "fits --device-memory-gb per GPU, for stages 0-3 and offload at dp 1, 8, 64, 512")
+    parser.add_argument("--device-memory-gb", type=float, default=80.0)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--checkpoint-activations", action="store_true")
     return parser
@@ -57,9 +67,13 @@ def estimate(args):
         states = memory.model_state_bytes(counts, 1, 0, dtype, offload=args.offload, alignment=1,
                                           master_grads=args.fp16 or args.bf16)
     else:
+        sizes = memory.gpt2_parameter_sizes(args.num_layers, args.hidden_size, padded_vocab,
+                                            args.max_position_embeddings or args.seq_length, args.model_parallel_size)
+        persistent = sum(n for n, _ in sizes if n <= args.param_persistence_threshold) if args.zero_stage == 3 else 0
         states = memory.model_state_bytes(counts, args.data_parallel_size, args.zero_stage, dtype,
                                           offload=args.offload, reduce_bucket_size=args.reduce_bucket_size,
-                                          overlap_comm=args.overlap_comm)
+                                          overlap_comm=args.overlap_comm, offload_param=args.offload_param,
+                                          persistent_elements=persistent)
     activations = memory.activation_bytes(args.num_layers, args.seq_length, args.micro_batch_size, args.hidden_size,
                                           args.num_attention_heads, args.model_parallel_size,
                                           args.checkpoint_activations,
@@ -67,8 +81,55 @@ def estimate(args):
     return sum(counts), counts, states, activations, padded_vocab, dtype
 
 
+# GPT-2 and GPT-3 (Brown et al. 2020, table 2.1) shapes: (name, layers, hidden, heads)
+PLAN_SHAPES = [("125M", 12, 768, 12), ("350M", 24, 1024, 16), ("760M", 24, 1536, 16), ("1.3B", 24, 2048, 16),
+               ("1.5B", 48, 1600, 25), ("2.7B", 32, 2560, 32), ("6.7B", 32, 4096, 32), ("13B", 40, 5120, 40),
+               ("30B", 48, 7168, 56), ("66B", 64, 9216, 72), ("175B", 96, 12288, 96)]
+PLAN_SETTINGS = [("stage 0", 0, False, False), ("stage 1", 1, False, False), ("stage 2", 2, False, False),
+                 ("stage 3", 3, False, False), ("stage 2 + offload_optimizer", 2, True, False),
+                 ("stage 3 + offload_optimizer", 3, True, False), ("stage 3 + offload both", 3, True, True)]
+PLAN_DP = (1, 8, 64, 512)
+
+
+def plan(device_bytes, dtype="bfloat16", vocab=50257, seq=2048, threshold=100_000):
+    """{(setting, dp): largest shape name whose device model-state bytes fit (None: none fits)}."""
+    table = {}
+    for setting, stage, offload, offload_param in PLAN_SETTINGS:
+        for dp in PLAN_DP:
+            best = None
+            for name, layers, hidden, _ in PLAN_SHAPES:
+                padded = _vocab_size_with_padding(vocab, 128, 1)
+                sizes = memory.gpt2_parameter_sizes(layers, hidden, padded, seq)
+                counts = memory.gpt2_param_groups(layers, hidden, padded, seq)
+                persistent = sum(n for n, _ in sizes if n <= threshold) if stage == 3 else 0
+                states = memory.model_state_bytes(counts, dp, stage, dtype, offload=offload,
+                                                  offload_param=offload_param, persistent_elements=persistent)
+                if states["total"] <= device_bytes:
+                    best = name
+            table[setting, dp] = best
+    return table
+
+
+def print_plan(device_gb):
+    table = plan(device_gb * 1e9)
+    print(f"largest GPT shape whose model state (bf16 + Adam, no activations) fits {device_gb:g} GB per GPU "
+          f"(tensor/pipeline parallel 1; offloaded state needs host memory instead)")
+    print(f"{'setting':30s}" + "".join(f"{'dp ' + str(dp):>10s}" for dp in PLAN_DP))
+    for setting, *_ in PLAN_SETTINGS:
+        print(f"{setting:30s}" + "".join(f"{table[setting, dp] or '-':>10s}" for dp in PLAN_DP))
+    return table
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.plan:
+        return print_plan(args.device_memory_gb)
+    missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                                    "vocab_size") if getattr(args, k) is None]
+    if missing:
+        sys.exit(f"error: {', '.join(missing)} required (or --plan)")
+    if args.offload_param and args.zero_stage != 3:
+        sys.exit("error: --offload-param needs --zero-stage 3")
     if args.hidden_size % args.num_attention_heads or args.num_attention_heads % args.model_parallel_size:
         sys.exit("error: --hidden-size must divide by --num-attention-heads, and the heads by --model-parallel-size")
     total, counts, states, activations, padded_vocab, dtype = estimate(args)

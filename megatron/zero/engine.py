@@ -75,25 +75,23 @@ class ZeroEngine(torch.nn.Module):
             self.stage3.end_forward()
         return output
 
-    def backward(self, loss, output_grad=None):
+    def backward(self, loss, output_grad=None, before_reduce=None):
         """Backpropagate the (scaled) loss; reduce gradients at the accumulation boundary (every micro-step
         in stage 2).
 
         Pipelining (stages 0/1): on a stage before the last, `loss` is the stage's output and `output_grad` the
         gradient the next stage sent, already scaled by the last stage's loss scaling, so it is backpropagated
-        as it is (into the flat gradient buffer `param.grad` views). At the boundary the gradients of the tied
-        word embedding's two copies (`pipeline_tied`) are first summed over ctx.embedding_group."""
+        as it is (into the flat gradient buffer that `param.grad` views). `before_reduce()` runs after the
+        backward and before any reduction: the schedule sends the input gradient to the previous stage there
+        (which would otherwise wait on it while this stage waits in a reduction) and sums the tied embedding."""
         with self.timers("backward"):
             if output_grad is None:
                 self.optimizer.backward(loss, self.gradient_accumulation_steps())
             else:
                 torch.autograd.backward(loss, output_grad)
-            boundary = self.is_gradient_accumulation_boundary()
-            if boundary and self.ctx.embedding_group is not None:
-                for param in self.module.parameters():
-                    if getattr(param, "pipeline_tied", False):
-                        dist.all_reduce(param.grad, group=self.ctx.embedding_group)
-            self.optimizer.finish_micro_step(boundary)
+            if before_reduce is not None:
+                before_reduce()
+            self.optimizer.finish_micro_step(self.is_gradient_accumulation_boundary())
             if self.stage3 is not None:
                 self.stage3.release_all()
         return loss

@@ -28,12 +28,14 @@ def local_square_sums(partition_grads, ranges):
     return sums
 
 
-def global_norm_and_overflow(partition_grads, ranges, ctx, scale=1.0, partitioned=True):
+def global_norm_and_overflow(partition_grads, ranges, ctx, scale=1.0, partitioned=True, device=None):
     """(norm of the unscaled gradients, overflow) identical on every rank; norm is inf on overflow.
 
     `partitioned=False` (stage 0): every data-parallel rank holds all gradients, so nothing is summed over them.
     """
     sums = local_square_sums(partition_grads, ranges)
+    if device is not None:
+        sums = sums.to(device)      # offloaded gradients sum on the host; NCCL reduces device tensors only
     for group, size in ((ctx.data_parallel_group, ctx.data_parallel_size if partitioned else 1),
                         (ctx.model_parallel_group, ctx.model_parallel_size),
                         (ctx.pipeline_parallel_group, ctx.pipeline_parallel_size)):

@@ -9,7 +9,7 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
                 same for a NaN/inf gradient when `skip_nonfinite` is set (the training loop sets it, then stops
                 the run or counts the skip)
              3. master.grad = partition gradient x (clip coefficient / loss scale)
-             4. inner optimizer step on the fp32 master slices
+             4. inner optimizer step on the fp32 master slices (in tiles of sub_group_size elements)
              5. copy slices into the low-precision parameters; all-gather the slices
              6. zero gradients; return True
 """
@@ -51,8 +51,11 @@ class ZeroOptimizer:
         self.host = torch.device("cpu") if offload.enabled else None
         self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
         optimizer.state.clear()
-        for group, master in zip(optimizer.param_groups, self.masters):
-            group["params"] = [master]
+        # the inner optimizer steps each master in tiles of at most sub_group_size elements (views of it)
+        self.tiles = [list(m.split(zero_config.sub_group_size)) if m.numel() > zero_config.sub_group_size else [m]
+                      for m in self.masters]
+        for group, tiles in zip(optimizer.param_groups, self.tiles):
+            group["params"] = tiles
             if self.host is not None and not group.get("fused") and group.get("foreach") is None:
                 group["foreach"] = True          # torch's multi-tensor AdamW on the host
         if stage >= 2:
@@ -61,6 +64,8 @@ class ZeroOptimizer:
             self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
+        params = list(param_order)
+        self.collective_device = params[0].device if params and self.host is not None else None
 
     @staticmethod
     def _new_master(group, host, pin_memory):
@@ -102,7 +107,7 @@ class ZeroOptimizer:
     def step(self):
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.cur_scale,
-                                                   partitioned=self.stage >= 1)
+                                                   partitioned=self.stage >= 1, device=self.collective_device)
         self.overflow = found_inf and self.fp16
         scale = self.cur_scale
         if self.fp16:
@@ -117,13 +122,16 @@ class ZeroOptimizer:
             self.reducer.zero()
             return False
         factor = clip_coefficient(norm, self.gradient_clipping) / scale
-        for master, grad in zip(self.masters, partition_grads):
-            master.grad = grad.to(master.device, torch.float32)   # itself when already fp32 there
+        for master, tiles, grad in zip(self.masters, self.tiles, partition_grads):
+            grad = grad.to(master.device, torch.float32)   # itself when already fp32 there
             if factor != 1.0:
-                master.grad.mul_(factor)
+                grad.mul_(factor)
+            for tile, piece in zip(tiles, grad.split(tiles[0].numel()) if len(tiles) > 1 else [grad]):
+                tile.grad = piece
         self.optimizer.step()
-        for group, master in zip(self.groups, self.masters):
-            master.grad = None
+        for group, master, tiles in zip(self.groups, self.masters, self.tiles):
+            for tile in tiles:
+                tile.grad = None
             partition = group.own_partition()
             if partition.data_ptr() != master.data_ptr():
                 partition.copy_(master)
@@ -169,10 +177,10 @@ class ZeroOptimizer:
     # ---- checkpoint state: this rank's unpadded slice, re-partitionable ------------------------------------
     def partitioned_state_dict(self):
         groups = []
-        for group, master in zip(self.groups, self.masters):
+        for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
             own_start = group.own_range[0]
-            state = self.optimizer.state.get(master, {})
+            state = self._master_state(index)
             groups.append({NUMEL: group.numel, START: start, END: end,
                            MASTER: _host_copy(master[start - own_start:end - own_start]),
                            SLICE_STATE: {k: _host_copy(v[start - own_start:end - own_start]) for k, v in state.items()
@@ -218,9 +226,7 @@ class ZeroOptimizer:
                     value = torch.zeros_like(master)
                     _copy_own_range(saved, lambda s, key=key: s[SLICE_STATE][key], value, start, end)
                     state[key] = value
-            self.optimizer.state.pop(master, None)
-            if state:
-                self.optimizer.state[master] = state
+            self._set_master_state(index, state)
         for group, saved in zip(self.optimizer.param_groups, states[0][PARAM_GROUPS]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.loss_scaler.load_state_dict(states[0][LOSS_SCALER])
@@ -231,7 +237,7 @@ class ZeroOptimizer:
         (None: not saved). Only the parameters that overlap this rank's range are asked for."""
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
-            held = self.optimizer.state.get(master, {})   # reuse this rank's moment buffers when they exist
+            held = self._master_state(index)   # reuse this rank's moment buffers when they exist
             values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master)
                       for kind in ("exp_avg", "exp_avg_sq")}
             with torch.no_grad():
@@ -246,14 +252,38 @@ class ZeroOptimizer:
                         target[lo - start:hi - start].copy_(tensor.reshape(-1)[lo - param_start:hi - param_start])
             state = _scalar_state_on_device(scalar_states[index] if index < len(scalar_states) else {},
                                             self.optimizer.param_groups[index], master)
-            self.optimizer.state.pop(master, None)
-            if len(values) == 2:
-                self.optimizer.state[master] = {**{k: v.clone() if torch.is_tensor(v) else v
-                                                   for k, v in state.items()}, **values}
+            self._set_master_state(index, {**{k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()},
+                                           **values} if len(values) == 2 else {})
         for group, saved in zip(self.optimizer.param_groups, hyperparameters or []):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if loss_scaler_state is not None and self.fp16:
             self.loss_scaler.load_state_dict(loss_scaler_state)
+
+    def _master_state(self, index):
+        """The inner optimizer's state of group `index` as one dict over the whole master (tiles concatenated)."""
+        tiles = self.tiles[index]
+        states = [self.optimizer.state.get(tile, {}) for tile in tiles]
+        if len(tiles) == 1 or not states[0]:
+            return states[0]
+        return {k: torch.cat([s[k] for s in states]) if torch.is_tensor(v) and v.shape == tiles[0].shape else v
+                for k, v in states[0].items()}
+
+    def _set_master_state(self, index, state):
+        """Inverse of _master_state: whole-master tensors cut into the tiles' states."""
+        tiles, master = self.tiles[index], self.masters[index]
+        for tile in tiles:
+            self.optimizer.state.pop(tile, None)
+        if not state:
+            return
+        if len(tiles) == 1:
+            self.optimizer.state[tiles[0]] = state
+            return
+        offset = 0
+        for tile in tiles:
+            self.optimizer.state[tile] = {
+                k: v[offset:offset + tile.numel()].clone() if torch.is_tensor(v) and v.shape == master.shape
+                else v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            offset += tile.numel()
 
     def refresh_masters_from_parameters(self):
         """After loading module weights only: the fp32 master slices follow the parameters."""

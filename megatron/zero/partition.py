@@ -34,8 +34,6 @@ class ParallelContext:
     pipeline_parallel_group: Any = None
     """The stages of this rank's pipeline (the gradient norm and overflow span them)."""
     pipeline_parallel_size: int = 1
-    embedding_group: Any = None
-    """First and last stage when P > 1 (the tied word embedding's two copies); None elsewhere."""
 
     @classmethod
     def from_mpu(cls, mpu):
@@ -46,9 +44,7 @@ class ParallelContext:
             stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
             if stages > 1:
                 pipeline = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
-                            "pipeline_parallel_size": stages,
-                            "embedding_group": mpu.get_embedding_group() if mpu.is_rank_in_embedding_group()
-                            else None}
+                            "pipeline_parallel_size": stages}
             return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
                        mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
                        mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline)

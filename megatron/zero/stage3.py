@@ -99,6 +99,8 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
         groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
                                        group_dtype, host))
         groups[-1].offloaded = zero_config.offload_param.enabled
+        if groups[-1].offloaded and zero_config.offload_param.pin_memory and torch.cuda.is_available():
+            groups[-1].partition = groups[-1].partition.pin_memory()   # faster copies to the device
     return groups
 
 
@@ -319,10 +321,11 @@ class Stage3Parameters:
         index = self.order.index(unit)
         following = self.order[index - 1::-1] if backward and index > 0 else [] if backward else \
             self.order[index + 1:]
-        budget = self.prefetch_elements
+        budget = self.prefetch_elements      # elements gathered ahead of use, those already in flight included
         for later in following:
             for buffer in later.buffers:
                 if buffer.state != "released":
+                    budget -= 0 if buffer.persistent else buffer.numel
                     continue
                 if buffer.numel > budget or self.live_elements + buffer.numel > self.max_live_elements:
                     return
