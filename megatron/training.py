@@ -1,13 +1,14 @@
 """Megatron's training loop, driven by three providers (datasets, model, forward step), so pretrain_gpt.py
 stays short. The ZeRO (--deepspeed) branches sit exactly where the DeepSpeed-Megatron tutorial puts them:
 get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line."""
+import datetime
 import math
 import time
 
 import torch
 
 import mpu
-from megatron import memory, operations, p2p_communication, schedules, zero
+from megatron import breadcrumbs, memory, operations, p2p_communication, schedules, zero
 from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.initialize import initialize_megatron
@@ -116,19 +117,29 @@ def setup_model_and_optimizer(model_provider):
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
                                                             dist_init_required=False, config=args.zero_config)
         optimizer.skip_nonfinite = not args.fp16   # a NaN/inf step is never applied; train() stops or skips
+        if model.stage3 is not None:               # a forward one rank runs alone fails after this, naming the unit
+            model.stage3.gather_timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     options = CheckpointOptions.from_args(args)
     train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if args.load else TrainState()
     return model, optimizer, lr_scheduler, train_state
 
 
-def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None):
+def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, after_backward=None):
     """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks (and the tied
     word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
-    global gradient norm after the last micro-batch, else None. `output_grad`: on a pipeline stage before the
-    last, `loss` is the stage's output and output_grad the gradient the next stage sent (already scaled)."""
+    global gradient norm after the last micro-batch, else None. Pipelining (megatron.schedules): before the last
+    stage `loss` is the stage's output and `output_grad` the gradient the next stage sent (already scaled);
+    `after_backward()` sends this stage's input gradient back, before any reduction."""
     args, timers = get_args(), get_timers()
+    last = micro_batch_index == args.num_micro_batches - 1
+
+    def before_reduce():
+        if after_backward is not None:
+            after_backward()
+        if last:
+            schedules.allreduce_embedding_grads(unwrap_model(model))
     if args.deepspeed:
-        model.backward(loss, output_grad)  # scales, accumulates and reduces (at the boundary) inside the engine
+        model.backward(loss, output_grad, before_reduce)  # scales, accumulates, reduces (at the boundary)
         timers("allreduce").reset()
         return None
     if micro_batch_index == 0:
@@ -139,12 +150,13 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None):
         optimizer.backward(loss / args.num_micro_batches, update_master_grads=False)
     else:
         (loss / args.num_micro_batches).backward()
-    if micro_batch_index < args.num_micro_batches - 1:
-        return None
     timers("allreduce").start()
+    before_reduce()
+    if not last:
+        timers("allreduce").stop()
+        return None
     if args.DDP_impl == "local":
         model.allreduce_params(reduce_after=False, fp32_allreduce=args.fp32_allreduce)
-    schedules.allreduce_embedding_grads(unwrap_model(model))
     timers("allreduce").stop()
     if args.fp16 or args.bf16:
         optimizer.update_master_grads()
@@ -194,7 +206,7 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
     return _average(losses), skipped_iter, grad_norm
 
 
-def _forward_backward(forward_step_func, data_iterator, model, optimizer, after_backward=None, forward_only=False):
+def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step=None, forward_only=False):
     """This step's micro-batches through the schedule (megatron.schedules: a plain loop, or 1F1B across pipeline
     stages). Returns (every micro-batch's data-parallel averaged losses, on every rank; the gradient norm from
     backward_step, or None)."""
@@ -207,12 +219,12 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, after_
         timers("forward").stop()
         return result
 
-    def backward(output, output_grad, micro_batch_index):
+    def backward(output, output_grad, micro_batch_index, after_backward):
         timers("backward").start()
-        norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad))
+        norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad, after_backward))
         timers("backward").stop()
-        if after_backward is not None:
-            after_backward()
+        if engine_step is not None:
+            engine_step()
     spec = p2p_communication.TensorSpec((args.batch_size, args.seq_length, args.hidden_size),
                                         getattr(torch, args.params_dtype), mpu.get_device())
     losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward, args.num_micro_batches,
@@ -289,10 +301,12 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     first_iteration = train_state.iteration + 1
     estimate, setting = _print_model_state_estimate(model, args)
     min_scale_watch = operations.MinLossScaleWatch.from_args(args, getattr(optimizer, "cur_scale", 1.0))
+    step_watchdog = breadcrumbs.SlowStepWatchdog(args.slow_step_report_factor)
     while train_state.iteration < args.train_iters:
         try:
-            loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model, optimizer,
-                                                            lr_scheduler)
+            with step_watchdog.step(train_state.iteration + 1):
+                loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model,
+                                                                optimizer, lr_scheduler)
         except operations.NonFiniteStep as step:
             message = step.describe(train_state.iteration + 1)
             if not args.skip_nonfinite_steps:
@@ -352,6 +366,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             history["exit_reason"] = exit_controller.reason
             break
     exit_controller.close()
+    step_watchdog.close()
     return history
 
 
