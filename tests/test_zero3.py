@@ -56,11 +56,16 @@ def _working_set():
         seen.append(sorted(names[id(p)] for p in engine.module.parameters() if p.numel() > 0))
     handles = [m.register_forward_pre_hook(record) for m in (engine.module.fc1, engine.module.norm,
                                                               engine.module.fc2, engine.module.head)]
+    after_gradient = []       # registered after the engine's hooks: runs once the engine has seen the gradient
+    for name in ("head.weight", "fc2.weight"):
+        param = dict(engine.module.named_parameters())[name]
+        handles.append(param.register_post_accumulate_grad_hook(
+            lambda p, name=name: after_gradient.append((name, p.numel()))))
     engine_train_step(engine, 0, 4)
     for handle in handles:
         handle.remove()
     between = sorted(names[id(p)] for p in engine.module.parameters() if p.numel() > 0)
-    return seen, between
+    return seen, between, after_gradient
 
 
 def _prefetch_working_set():
@@ -195,9 +200,22 @@ def _zero_init():
     return tracker.peak, pieces, shapes_hidden, equal, edited, edited_weight, masters_follow
 
 
+def _save_16bit_model():
+    """save_16bit_model with and without stage3_gather_16bit_weights_on_model_save (every rank calls it)."""
+    import tempfile
+    directory = tempfile.mkdtemp()
+    off = _engine(_stage3()).save_16bit_model(directory, "off.bin")
+    engine = _engine({"bf16": {"enabled": True}, **_stage3(stage3_gather_16bit_weights_on_model_save=True)})
+    engine_train_step(engine, 0, 4)
+    on = engine.save_16bit_model(directory, "on.bin")
+    saved = torch.load(os.path.join(directory, "on.bin"), weights_only=True) if dist.get_rank() == 0 else None
+    return off, on, saved, engine.module_state_dict(), os.listdir(directory)
+
+
 def _all_dp2():
     return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": _memory_between_steps(), "offload": _offload_placement(),
-            "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init()}
+            "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init(),
+            "save16": _save_16bit_model()}
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +225,10 @@ def dp2():
 
 def test_forward_gathers_one_unit_at_a_time(dp2):
     persistent = ["fc1.bias", "fc2.bias", "head.bias", "norm.bias", "norm.weight"]
-    for seen, between in (rank["working_set"] for rank in dp2):
+    for seen, between, after_gradient in (rank["working_set"] for rank in dp2):
         assert between == persistent                       # partitioned weights released between steps
+        # in backward a unit is released as soon as its gradients are in, not at the end of backward
+        assert after_gradient == [("head.weight", 0), ("fc2.weight", 0)], after_gradient
         units = [["fc1.weight"], [], ["fc2.weight"], ["head.weight"]]   # fc1, norm (persistent), fc2, head
         assert seen == [sorted(persistent + unit) for unit in units], seen
 
@@ -268,6 +288,15 @@ def test_zero_init_builds_partitioned_and_equal(dp2):
         # the pieces kept so far plus one module's parameters, never the whole model
         assert peak <= total // 2 + biggest + 4 * 64, (peak, total, biggest)
         assert torch.equal(edited, torch.full((32,), 0.5)) and torch.equal(edited_weight, torch.full((32, 16), 0.25))
+
+
+def test_save_16bit_model_writes_the_whole_weights_when_asked(dp2):
+    off, on, saved, gathered, files = dp2[0]["save16"]
+    assert off is False and on is True and files == ["on.bin"]
+    assert set(saved) == set(gathered) and all(saved[k].dtype == torch.bfloat16 for k in saved)
+    assert all(torch.equal(saved[k], gathered[k]) for k in gathered)
+    assert saved["fc2.weight"].shape == (32, 32)
+    assert dp2[1]["save16"][2] is None                      # only data-parallel rank 0 writes
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
