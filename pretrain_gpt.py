@@ -4,12 +4,10 @@
     bash scripts/pretrain_gpt.sh                                                    # Megatron path
     bash scripts/ds_pretrain_gpt.sh                                                 # ZeRO-2 (--deepspeed)
 """
-import sys
-
 import torch
 
 import mpu
-from megatron.initialize import shutdown
+from megatron.initialize import run_main
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
 from megatron.operations import NonFiniteError
@@ -94,9 +92,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ConfigError, NonFiniteError, PreflightError) as error:  # one line naming the problem
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    shutdown()
+    run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError))  # one line naming the problem

@@ -7,12 +7,17 @@ Each wrapped collective records its name, group size, tensor shape and dtype and
 it starts; when it raises (a gloo timeout is a RuntimeError after --distributed-timeout-minutes) the rank prints
 'rank R: collective failed: <breadcrumb>: <error>' to stderr and re-raises the same exception with the breadcrumb
 added as a note. `install_stack_dump()` makes `kill -USR1 <pid>` print every thread's Python stack to stderr.
+`SlowStepWatchdog` prints the breadcrumb and every thread's stack once when a training step runs far longer than
+the median of the recent ones (a rank stuck in a collective says where long before the timeout).
 """
 import contextlib
 import faulthandler
 import signal
+import statistics
 import sys
+import threading
 import time
+import traceback
 
 _last = None      # the breadcrumb of this rank's last collective (a dict), None before the first
 _count = 0
@@ -86,3 +91,79 @@ def install_stack_dump():
             continue
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         return
+
+
+def format_all_stacks():
+    """Every thread's Python stack, most recent call last (what faulthandler prints, as text for any stream)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+class SlowStepWatchdog:
+    """A daemon thread that reports (once per step) a step that has run longer than max(factor x the median of the
+    last `history` steps, min_seconds), after at least `min_history` steps: the rank, the step, how long, its
+    breadcrumb and every thread's stack. The report must come from another thread: a rank stuck in a collective
+    never returns to say so. factor 0: off (no thread).
+
+        watchdog = SlowStepWatchdog(factor=10)
+        with watchdog.step(iteration):
+            train_step(...)
+    """
+
+    def __init__(self, factor, min_seconds=30.0, min_history=5, history=100, poll_seconds=0.1, stream=None):
+        self.factor, self.min_seconds, self.min_history = float(factor), float(min_seconds), int(min_history)
+        self.durations, self.history, self.poll_seconds = [], int(history), float(poll_seconds)
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._current = None          # (iteration, start time) of the running step, None between steps
+        self._stop = threading.Event()
+        self._thread = None
+        if self.factor > 0:
+            self._thread = threading.Thread(target=self._watch, name="slow-step-watchdog", daemon=True)
+            self._thread.start()
+
+    @contextlib.contextmanager
+    def step(self, iteration):
+        with self._lock:
+            self._current = (iteration, time.monotonic(), False)
+        try:
+            yield
+        finally:
+            with self._lock:
+                _, started, _ = self._current
+                self._current = None
+            self.durations = (self.durations + [time.monotonic() - started])[-self.history:]
+
+    def threshold(self):
+        """Seconds after which the running step is reported; None before min_history steps."""
+        if len(self.durations) < self.min_history:
+            return None
+        return max(self.factor * statistics.median(self.durations), self.min_seconds)
+
+    def _watch(self):
+        while not self._stop.wait(self.poll_seconds):
+            limit = self.threshold()
+            with self._lock:
+                if limit is None or self._current is None or self._current[2]:
+                    continue
+                iteration, started, _ = self._current
+                elapsed = time.monotonic() - started
+                if elapsed <= limit:
+                    continue
+                self._current = (iteration, started, True)   # once per step
+            self._report(iteration, elapsed)
+
+    def _report(self, iteration, elapsed):
+        median = statistics.median(self.durations)
+        stream = self.stream or sys.stderr
+        print(f"rank {_rank()}: step {iteration} has run {elapsed:.1f} s, {elapsed / median:.0f}x the median step "
+              f"({median:.3f} s); {describe()}\n{format_all_stacks()}", file=stream, flush=True)
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

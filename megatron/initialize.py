@@ -2,6 +2,7 @@
 --distributed-timeout-minutes collective timeout), build the model-parallel groups, check that every rank agrees on
 its settings and code (megatron.preflight), seed every generator. SIGUSR1 dumps every thread's stack."""
 import os
+import sys
 import random
 from datetime import timedelta
 
@@ -54,6 +55,17 @@ def set_random_seed(seed):
     random.seed(seed)
     np.random.seed(seed)
     mpu.model_parallel_cuda_manual_seed(seed)
+
+
+def run_main(main, errors):
+    """The entry point of pretrain_gpt.py and the tools: run `main()`; an exception of the classes `errors` (bad
+    input: a checkpoint, a config, a file) is printed as one line and exits with status 1; then shutdown()."""
+    try:
+        main()
+    except errors as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    shutdown()
 
 
 def shutdown():

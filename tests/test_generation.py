@@ -191,6 +191,7 @@ def test_generate_samples_bad_input_is_one_line(tmp_path, checkpoint):
     assert not out.exists()   # nothing was written
     # The command line: one line on stderr, exit status 1, no traceback.
     result = subprocess.run([sys.executable, "tools/generate_samples_gpt.py", *MODEL, *io, "--sample-input-file",
-                             str(tmp_path / "missing.txt")], cwd=REPO, capture_output=True, text=True, timeout=120)
+                             str(tmp_path / "missing.txt")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, MASTER_PORT=str(free_port())))   # port 6000 may be taken
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {messages[1]}"]

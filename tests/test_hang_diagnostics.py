@@ -124,3 +124,42 @@ def test_breadcrumb_helper_prints_and_notes_the_last_collective():
     assert printed.startswith("rank 0: collective failed: " + expected), printed
     assert any(expected in note for note in notes), notes
     assert name == "test collective"
+
+
+def _stuck_in_a_collective(seconds):
+    time.sleep(seconds)
+
+
+def test_slow_step_prints_breadcrumb_and_stacks_once():
+    import io
+    import torch
+    from megatron import breadcrumbs
+    stream = io.StringIO()
+    watchdog = breadcrumbs.SlowStepWatchdog(factor=5, min_seconds=0.0, min_history=3, poll_seconds=0.01,
+                                            stream=stream)
+    try:
+        for iteration in range(1, 4):            # the median: ~20 ms
+            with watchdog.step(iteration):
+                time.sleep(0.02)
+        assert stream.getvalue() == ""
+        breadcrumbs.record("test all-reduce", torch.zeros(4, 2))
+        with watchdog.step(4):                   # 20x the median: reported while it runs, once
+            _stuck_in_a_collective(0.4)
+        with watchdog.step(5):
+            time.sleep(0.02)
+    finally:
+        watchdog.close()
+    report = stream.getvalue()
+    assert report.count("rank 0: step 4 has run") == 1 and "step 5" not in report, report
+    assert "the median step (0.02" in report
+    assert "last collective: test all-reduce over 1 ranks, tensor [4, 2] float32" in report
+    assert "in _stuck_in_a_collective" in report and "Thread MainThread" in report   # where the main thread waits
+    assert watchdog.threshold() == 5 * sorted(watchdog.durations)[2]
+
+
+def test_no_watchdog_thread_when_off():
+    import threading
+    from megatron import breadcrumbs
+    before = threading.active_count()
+    breadcrumbs.SlowStepWatchdog(factor=0).close()
+    assert threading.active_count() == before

@@ -137,3 +137,13 @@ def test_missing_megatron_args_is_one_line():
     from megatron.text_generation.lm_eval_model import MegatronGPT2LM
     with pytest.raises(ValueError, match="needs megatron_args"):
         MegatronGPT2LM()
+
+
+def test_missing_lm_eval_gives_the_install_hint(monkeypatch):
+    import importlib
+    for name in [n for n in sys.modules if n == "lm_eval" or n.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)   # `import lm_eval` raises ImportError
+    monkeypatch.delitem(sys.modules, "megatron.text_generation.lm_eval_model", raising=False)
+    with pytest.raises(ImportError, match=r"needs lm-evaluation-harness .*: pip install lm-eval==0\.4\.13"):
+        importlib.import_module("megatron.text_generation.lm_eval_model")

@@ -195,8 +195,8 @@ def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_da
     assert 0 < loss < 20 and ppl == pytest.approx(math.exp(loss), rel=1e-5) and adjusted > ppl
     # Bad input: a missing file is one line on stderr and exit status 1.
     missing = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *tokenizer, "--load", save, "--task",
-                              "LAMBADA", "--valid-data", str(tmp_path / "none.jsonl")], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+                              "LAMBADA", "--valid-data", str(tmp_path / "none.jsonl")], cwd=REPO,
+                             env=dict(env, MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"error: --valid-data {tmp_path / 'none.jsonl'} does not exist"
 
@@ -239,7 +239,8 @@ def test_lambada_cli_on_a_zero_checkpoint_matches_huggingface(tmp_path, zero_che
     flags = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
              os.path.join(webtext_data, "merges.txt"), "--load", save, "--task", "LAMBADA", "--valid-data", str(data)]
     result = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *flags, "--strict-lambada"], cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+                            env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"validation results on LAMBADA \| number correct: (\d+) \| total examples: (\d+) \| "
                      r"avg accuracy: (\S+)", result.stdout)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
-from megatron.initialize import initialize_megatron, shutdown  # noqa: E402
+from megatron.initialize import initialize_megatron, run_main  # noqa: E402
 from megatron.text_generation import generate, load_inference_model  # noqa: E402
 from megatron.utils import get_checkpoint_iteration  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
@@ -166,9 +166,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    shutdown()
+    run_main(main, (CheckpointError, ValueError))

@@ -83,8 +83,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (PrintBatchError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    from megatron.initialize import run_main
+    run_main(main, (PrintBatchError, OSError))

@@ -3,9 +3,9 @@ model-parallel size, without converting it. lm-eval is optional (`pip install lm
 here.
 
     # the harness's CLI, with this model registered (model flags must match the checkpoint):
-    python -m megatron.text_generation.lm_eval_model --model megatron_gpt2 --tasks lambada_openai \\
+    python -m megatron.text_generation.lm_eval_model --model megatron_gpt2 --tasks lambada_openai --batch_size 8 \\
         --model_args "megatron_args=--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \\
-        --max-position-embeddings 1024 --vocab-file V --merge-file M --load CKPT,batch_size=8"
+        --max-position-embeddings 1024 --vocab-file V --merge-file M --load CKPT"
 
     # Python, on an already-loaded model (e.g. in a test or a notebook):
     lm = MegatronGPT2LM(model=load_inference_model(args), tokenizer=get_tokenizer(), batch_size=8)
@@ -38,15 +38,9 @@ except ImportError as error:   # the optional dependency: say how to get it
     raise ImportError(f"megatron.text_generation.lm_eval_model needs lm-evaluation-harness ({error}): "
                       "pip install lm-eval==0.4.13 (or: pip install -r requirements-test.txt)") from None
 
-from .generation import generate, load_inference_model
+from .generation import _unwrap, generate, load_inference_model
 
 MODEL_NAME = "megatron_gpt2"
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def load_from_megatron_args(args_list):
@@ -198,9 +192,15 @@ class MegatronGPT2LM(TemplateLM):
 
 
 def main():
-    """The harness's command line with this model registered."""
+    """The harness's command line with this model registered; our bad input (flags, checkpoint) is one line."""
+    import sys
     from lm_eval.__main__ import cli_evaluate
-    cli_evaluate()
+    from megatron.zero.checkpoint import CheckpointError
+    try:
+        cli_evaluate()
+    except (CheckpointError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
