@@ -4,7 +4,8 @@
         dist.all_reduce(tensor, group=group)
 
 Each wrapped collective records its name, group size, tensor shape and dtype and a per-rank sequence number before
-it starts; when it raises (a gloo timeout is a RuntimeError after --distributed-timeout-minutes) the rank prints
+it starts (`install_collective_breadcrumbs()`, called at initialization, makes every torch.distributed collective
+of the process leave one too, named by function and caller); when it raises (a gloo timeout is a RuntimeError after --distributed-timeout-minutes) the rank prints
 'rank R: collective failed: <breadcrumb>: <error>' to stderr and re-raises the same exception with the breadcrumb
 added as a note. `install_stack_dump()` makes `kill -USR1 <pid>` print every thread's Python stack to stderr.
 `SlowStepWatchdog` prints the breadcrumb and every thread's stack once when a training step runs far longer than
@@ -59,10 +60,15 @@ def describe(crumb=None):
             f"#{crumb['sequence']} of this rank, started {time.time() - crumb['started']:.1f} s ago)")
 
 
+_named = 0        # > 0 inside collective(): its descriptive name is kept over the generic one of the call
+
+
 @contextlib.contextmanager
 def collective(name, tensor=None, group=None):
     """Record the breadcrumb, run the block; on an exception print the breadcrumb with it, then re-raise."""
+    global _named
     crumb = record(name, tensor, group)
+    _named += 1
     try:
         yield crumb
     except Exception as error:
@@ -72,6 +78,44 @@ def collective(name, tensor=None, group=None):
         if hasattr(error, "add_note"):
             error.add_note(f"rank {_rank()}: {text}")
         raise
+    finally:
+        _named -= 1
+
+
+# torch.distributed's collectives that every caller (the ZeRO engine, mpu, the loop) reaches through `dist.<name>`
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all", "all_to_all_single", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+
+
+def install_collective_breadcrumbs():
+    """Wrap torch.distributed's collectives once, process-wide, so that every call (the ZeRO engine's buckets and
+    gathers, mpu's mappings, pipeline sends) leaves a breadcrumb naming the function and its caller; mpu stays free
+    of megatron imports. Returns the names wrapped (empty when already installed)."""
+    import torch.distributed as dist
+    wrapped = []
+    for name in COLLECTIVES:
+        function = getattr(dist, name, None)
+        if function is None or getattr(function, "_breadcrumb", False):
+            continue
+        setattr(dist, name, _recording(name, function))
+        wrapped.append(name)
+    return wrapped
+
+
+def _recording(name, function):
+    import functools
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if not _named:
+            caller = sys._getframe(1)
+            tensor = next((a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")), None)
+            where = "/".join(caller.f_code.co_filename.rsplit("/", 2)[-2:])
+            record(f"{name} from {where}:{caller.f_lineno} ({caller.f_code.co_name})", tensor, kwargs.get("group"))
+        return function(*args, **kwargs)
+    call._breadcrumb = True
+    return call
 
 
 def all_reduce(tensor, name, group=None, **kwargs):

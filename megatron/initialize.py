@@ -19,6 +19,7 @@ from megatron.global_vars import set_global_variables
 def initialize_megatron(extra_args_provider=None, args_list=None):
     """Returns the validated args; afterwards get_args()/get_timers() work."""
     breadcrumbs.install_stack_dump()
+    breadcrumbs.install_collective_breadcrumbs()   # the engine's and mpu's collectives leave breadcrumbs too
     args = parse_args(extra_args_provider, args_list)
     _initialize_distributed(args)
     preflight.check_agreement(args)   # one collective every rank reaches; raises PreflightError on every rank

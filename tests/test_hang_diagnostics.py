@@ -163,3 +163,33 @@ def test_no_watchdog_thread_when_off():
     before = threading.active_count()
     breadcrumbs.SlowStepWatchdog(factor=0).close()
     assert threading.active_count() == before
+
+
+def _engine_and_mpu_breadcrumbs():
+    import torch
+    import mpu
+    from megatron import breadcrumbs, zero
+    from tests.zero_helpers import TinyNet, batch, ds_config, param_groups
+    breadcrumbs.install_collective_breadcrumbs()
+    seen = []
+    mpu.broadcast_data(["text"], {"text": torch.zeros(2, 3, dtype=torch.int64)}, torch.int64)
+    seen.append(breadcrumbs.describe())
+    model = TinyNet()
+    engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=ds_config(3, micro=2), mpu=mpu, dist_init_required=False)
+    x, y = batch(0, 2)
+    engine.backward(engine(x, y))
+    seen.append(breadcrumbs.describe())
+    with breadcrumbs.collective("a named one"):
+        torch.distributed.barrier()
+    seen.append(breadcrumbs.describe())
+    return seen
+
+
+def test_collectives_inside_mpu_and_the_engine_leave_breadcrumbs():
+    """mpu imports only torch and the engine calls torch.distributed directly: the process-wide wrapper still
+    names their collectives (function, file and line); a named breadcrumb is not overwritten by its own call."""
+    seen = run_distributed(_engine_and_mpu_breadcrumbs, 2, model_parallel_size=1)[0]
+    assert seen[0].startswith("last collective: broadcast from mpu/data.py:"), seen
+    assert seen[1].startswith("last collective: reduce from zero/bucketing.py:"), seen   # a gradient bucket
+    assert seen[2].startswith("last collective: a named one over 2 ranks"), seen
