@@ -139,6 +139,9 @@ def _add_distributed_args(parser):
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
                        help="timeout of torch.distributed's rendezvous and of each collective: a rank left waiting "
                             "this long raises (printing its last collective) instead of hanging")
+    group.add_argument("--slow-step-report-factor", type=float, default=10.0,
+                       help="a training step running this many times longer than the median step (and over 30 s) "
+                            "prints this rank's last collective and every thread's stack, once; 0: off")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                        help="set by old launchers; torchrun's LOCAL_RANK is used otherwise")
     return parser
@@ -263,9 +266,6 @@ def _check_pipeline_combinations(args, parser):
         parser.error(f"--save/--load with --deepspeed and --pipeline-model-parallel-size {pp}: the ZeRO engine's "
                      "checkpoint names do not carry the pipeline stage yet; use the Megatron path (without "
                      "--deepspeed) or --pipeline-model-parallel-size 1")
-    if args.DDP_impl == "torch" and stage is None:
-        parser.error(f"--DDP-impl torch with --pipeline-model-parallel-size {pp}: torch DDP reduces in every backward "
-                     "and the 1F1B schedule interleaves micro-batches; use --DDP-impl local")
 
 
 def _reconcile_with_deepspeed_config(args, parser):

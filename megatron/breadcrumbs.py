@@ -83,9 +83,10 @@ def collective(name, tensor=None, group=None):
 
 
 # torch.distributed's collectives that every caller (the ZeRO engine, mpu, the loop) reaches through `dist.<name>`
+# (not isend/irecv: P2POp and batch_isend_irecv tell them apart by identity; batch_isend_irecv records the batch)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all", "all_to_all_single", "send", "recv",
-               "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+               "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
 
 
 def install_collective_breadcrumbs():

@@ -17,12 +17,13 @@ reduce-scatter of it (what ZeRO stages 1/2 do, megatron/zero/bucketing.py).
     reduce_scatter(_tensor)   (n-1)/n B     B = input (the list's sum, or the input tensor)
     all_gather(_into_tensor)  (n-1)/n B     B = output (n x input)
     reduce, broadcast         (n-1)/n B     averaged over the group's ranks
-    send, isend                     B       the sender's count (receives count 0)
+    send, batch_isend_irecv         B       the sends' tensors (receives count 0)
 
 Only the Python entry points of `torch.distributed` are wrapped (the module attributes, restored on exit: the one
 place torch lets us observe every collective our code and torch's DDP comm hooks issue). Collectives torch issues
 from C++ (DDP's built-in all-reduce without a comm hook, `*_object` helpers internally) are not seen; give torch
-DDP the default all-reduce hook (`count_ddp_allreduce(ddp)`) to count its gradient traffic.
+DDP the default all-reduce hook (`count_ddp_allreduce(ddp)`) to count its gradient traffic. `isend` itself is left
+unwrapped (batch_isend_irecv tells sends from receives by `op.op is isend`), so a lone isend is not counted.
 """
 import inspect
 from collections import defaultdict
@@ -41,14 +42,16 @@ _COST = {
     "all_gather_into_tensor": (lambda n: (n - 1) / n, "output_tensor"),
     "all_gather_single": (lambda n: (n - 1) / n, "output_tensor"),
     "send": (lambda n: 1.0, "tensor"),
-    "isend": (lambda n: 1.0, "tensor"),
+    "batch_isend_irecv": (lambda n: 1.0, "p2p_op_list"),
 }
 
 
 def payload_bytes(value):
-    """Bytes of a tensor or a list of tensors."""
+    """Bytes of a tensor, a list of tensors, or the sends of a list of P2POps (receives carry nothing out)."""
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
+    if value and isinstance(value[0], dist.P2POp):
+        return sum(payload_bytes(op.tensor) for op in value if op.op is dist.isend)
     return sum(t.numel() * t.element_size() for t in value)
 
 

@@ -19,6 +19,11 @@ against the attributes mpu gives the real parameters):
 
 Example, query_key_value.weight at mp 2 with h = 2 (rows q0 q1 k0 k1 v0 v1 of the full [3h, h] master):
 rank 0 holds [q0, k0, v0], rank 1 holds [q1, k1, v1]; at mp 1 the one rank holds all six in the full order.
+
+Pipeline stages (Megatron layout `mp_rank_{tp:02d}_{pp:03d}/`): each stage's file holds its layers under their
+global names, so the stages of one tensor-parallel rank merge into one view of the whole model (the last stage's
+LM-head copy of word_embeddings.weight is checked equal to the first stage's and dropped); their optimizer states
+are re-indexed into that merged order. A pipelined checkpoint therefore reads like a single-stage one.
 """
 import os
 import re
@@ -95,8 +100,8 @@ class SavedCheckpoint:
         self.directory = atomic_io.readable_directory(os.path.join(load_dir, self.tag))
         if not os.path.isdir(self.directory):
             raise ckpt.CheckpointError(f"{self.directory} does not exist (named by {load_dir}'s tracker)")
-        self.path, ranks = _layout_and_ranks(self.directory)
-        first = ckpt.safe_torch_load(self._model_file(ranks[0]), mmap=True)
+        self.path, ranks, self.pipeline_model_parallel_size = _layout_and_ranks(self.directory)
+        first = self._load_model_file(ranks[0])
         recorded = first[ckpt.MODEL_PARALLEL_SIZE] if self.path == "zero" else \
             (first.get(ckpt.MODEL_SHAPE) or {}).get("model_parallel_size")
         self.model_parallel_size = max(recorded or 0, max(ranks) + 1)
@@ -104,8 +109,7 @@ class SavedCheckpoint:
         if missing:
             raise ckpt.CheckpointError(f"{self.directory}: the shards of model-parallel ranks {missing} are missing "
                                        f"(found {ranks})")
-        self.files = [first] + [ckpt.safe_torch_load(self._model_file(r), mmap=True)
-                                for r in range(1, self.model_parallel_size)]
+        self.files = [first] + [self._load_model_file(r) for r in range(1, self.model_parallel_size)]
         self.run_state = first[ckpt.CLIENT_STATE] if self.path == "zero" else first
         self.model_shape = self.run_state.get(ckpt.MODEL_SHAPE) or {}
         self.weights_of = [f[ckpt.MODULE] if self.path == "zero" else f[ckpt.MODEL] for f in self.files]
@@ -115,14 +119,30 @@ class SavedCheckpoint:
         self._optim_files = {}
 
     # ---- description --------------------------------------------------------------------------------------
-    def _model_file(self, mp_rank):
+    def _model_file(self, mp_rank, stage=None):
         if self.path == "zero":
             return os.path.join(self.directory, ckpt.model_states_name(mp_rank))
-        return os.path.join(self.directory, ckpt.megatron_rank_dir_name(mp_rank), ckpt.CHECKPOINT_FILENAME)
+        name = ckpt.megatron_rank_dir_name(mp_rank) + ("" if stage is None else f"_{stage:03d}")
+        return os.path.join(self.directory, name, ckpt.CHECKPOINT_FILENAME)
+
+    def _load_model_file(self, mp_rank):
+        """One tensor-parallel rank's file; its pipeline stages' files merged into one (memory-mapped)."""
+        if self.pipeline_model_parallel_size == 1:
+            return ckpt.safe_torch_load(self._model_file(mp_rank), mmap=True)
+        stages = []
+        for stage in range(self.pipeline_model_parallel_size):
+            path = self._model_file(mp_rank, stage)
+            if not os.path.isfile(path):
+                raise ckpt.CheckpointError(f"{self.directory}: {os.path.relpath(path, self.directory)} (pipeline "
+                                           f"stage {stage} of model-parallel rank {mp_rank}) is missing")
+            stages.append(ckpt.safe_torch_load(path, mmap=True))
+        return _merge_stages(stages, self.directory)
 
     def describe(self):
         if self.path == "zero":
             return f"mp{self.model_parallel_size} x dp{self.data_parallel_size} (zero-{self.zero_stage})"
+        if self.pipeline_model_parallel_size > 1:
+            return f"mp{self.model_parallel_size} x pp{self.pipeline_model_parallel_size} (megatron)"
         return f"mp{self.model_parallel_size} (megatron)"
 
     def padded_vocab_size(self):
@@ -310,15 +330,61 @@ class SavedCheckpoint:
 
 
 def _layout_and_ranks(directory):
+    """(path, sorted model-parallel ranks, pipeline stages)."""
     names = os.listdir(directory)
     if any(n.endswith("_model_states.pt") for n in names):
-        path, pattern = "zero", re.compile(r"mp_rank_(\d+)_model_states\.pt$")
-    elif any(re.fullmatch(r"mp_rank_\d+", n) for n in names):
-        path, pattern = "megatron", re.compile(r"mp_rank_(\d+)$")
+        pattern = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+        return "zero", sorted(int(m.group(1)) for m in map(pattern.match, names) if m), 1
+    staged = [m for m in map(re.compile(r"mp_rank_(\d+)_(\d{3})$").match, names) if m]
+    if staged:
+        return "megatron", sorted({int(m.group(1)) for m in staged}), max(int(m.group(2)) for m in staged) + 1
+    if any(re.fullmatch(r"mp_rank_\d+", n) for n in names):
+        pattern = re.compile(r"mp_rank_(\d+)$")
+        return "megatron", sorted(int(m.group(1)) for m in map(pattern.match, names) if m), 1
+    raise ckpt.CheckpointError(f"{directory} is not a checkpoint: it holds neither mp_rank_*/"
+                               f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
+
+
+def _merge_stages(stages, directory):
+    """One Megatron-path file from the pipeline stages' files of one model-parallel rank: weights under their
+    global names, each optimizer group's param names in stage order, the optimizer state re-indexed to that order
+    (the last stage's tied LM-head copy dropped). Counters, RNG, lr scheduler and loss scaler: the first stage's."""
+    merged = dict(stages[0])
+    weights = {}
+    for number, stage in enumerate(stages):
+        for name, tensor in stage[ckpt.MODEL].items():
+            if name not in weights:
+                weights[name] = tensor
+            elif not torch.equal(weights[name], tensor):
+                raise ckpt.CheckpointError(f"{directory}: {name} differs between pipeline stage {number} and the "
+                                           "first stage (the tied copies must be identical)")
+    merged[ckpt.MODEL] = weights
+    if not all(ckpt.OPTIMIZER in stage for stage in stages):
+        return merged
+    sources, groups = {}, None          # name -> (its stage's optimizer state dict, its index there)
+    for stage in stages:
+        names = stage.get(ckpt.PARAM_NAMES) or default_param_names(list(stage[ckpt.MODEL]))
+        groups = groups or [[] for _ in names]
+        flat = [(group_index, name) for group_index, group in enumerate(names) for name in group]
+        for position, (group_index, name) in enumerate(flat):
+            if name not in sources:
+                sources[name] = (stage[ckpt.OPTIMIZER], position)
+                groups[group_index].append(name)
+    order = [name for group in groups for name in group]
+
+    def inner(optimizer):
+        return optimizer.get("optimizer", optimizer)
+    state = {i: inner(sources[n][0])["state"][sources[n][1]] for i, n in enumerate(order)
+             if sources[n][1] in inner(sources[n][0])["state"]}
+    optimizer = dict(stages[0][ckpt.OPTIMIZER])
+    if "optimizer" in optimizer:
+        optimizer["optimizer"] = dict(optimizer["optimizer"], state=state)
     else:
-        raise ckpt.CheckpointError(f"{directory} is not a checkpoint: it holds neither mp_rank_*/"
-                                   f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
-    return path, sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+        optimizer["state"] = state
+    if "fp32_master_params" in optimizer:
+        optimizer["fp32_master_params"] = [sources[n][0]["fp32_master_params"][sources[n][1]] for n in order]
+    merged[ckpt.OPTIMIZER], merged[ckpt.PARAM_NAMES] = optimizer, groups
+    return merged
 
 
 def _tracked_tag(load_dir):

@@ -4,10 +4,13 @@
 (PipeDream-Flush, Narayanan et al. 2021) otherwise. Both take the same callbacks:
 
     forward_step_func(data_iterator, model) -> (output, reduced losses dict)   # pretrain_gpt.forward_step
-    backward_func(output, output_grad, micro_batch_index)                       # training.py's backward
+    backward_func(output, output_grad, micro_batch_index, after_backward)       # training.py's backward
 
 On the last stage `output` is the micro-batch's loss and `output_grad` is None; before it, `output` is the
 stage's activations and `output_grad` the gradient the next stage sent back (already scaled like the loss).
+backward_func must call `after_backward()` once, right after the autograd backward and before any gradient
+reduction: it sends the input gradient to the previous stage, which waits for it (a stage that entered a
+data-parallel or embedding all-reduce first would leave that stage waiting forever: a deadlock).
 
 1F1B on stage s of P, M micro-batches: warmup of min(P - s - 1, M) forwards, then alternately one forward
 and one backward, then the remaining backwards (cooldown). Example, P = 4, M = 4 (F3 = forward of
@@ -27,6 +30,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import mpu
 from megatron import p2p_communication as p2p
@@ -67,7 +71,7 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, back
             _record(trace, "F", index)
             losses.append(reduced)
             if not forward_only:
-                backward_func(output, None, index)
+                backward_func(output, None, index, lambda: None)
                 _record(trace, "B", index)
     return losses
 
@@ -77,7 +81,17 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
                                                      trace=None):
     """1F1B over the pipeline (see the module docstring); `tensor_spec` (p2p.TensorSpec) is the shape of the
     activations between stages. Returns the reduced-losses dicts on the last stage, [] elsewhere. `trace`: a
-    list that gets ("F" | "B", micro-batch) in execution order."""
+    list that gets ("F" | "B", micro-batch) in execution order. torch DDP runs under no_sync (its per-backward
+    reduction cannot follow interleaved micro-batches): finish_deferred_ddp_reduction() averages afterwards."""
+    no_sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        else contextlib.nullcontext()
+    with no_sync:
+        return _one_forward_one_backward(forward_step_func, data_iterator, model, backward_func, num_micro_batches,
+                                         tensor_spec, forward_only, trace)
+
+
+def _one_forward_one_backward(forward_step_func, data_iterator, model, backward_func, num_micro_batches,
+                              tensor_spec, forward_only, trace):
     stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     warmup = num_micro_batches if forward_only else num_warmup_micro_batches(stages, stage, num_micro_batches)
     remaining = num_micro_batches - warmup
@@ -92,11 +106,18 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
             losses.append(reduced)
         return output
 
-    def backward(input_tensor, output, output_grad):
-        backward_func(output, output_grad, counts["B"])
+    def backward(input_tensor, output, output_grad, communicate):
+        """Backward of the oldest micro-batch in flight; `communicate(input grad)` is the p2p exchange that
+        follows it (run as backward_func's after_backward). Returns what communicate received."""
+        received = []
+
+        def after_backward():
+            received.append(communicate(None if input_tensor is None else input_tensor.grad))
+        backward_func(output, output_grad, counts["B"], after_backward)
+        assert len(received) == 1, "backward_func must call after_backward() once"
         _record(trace, "B", counts["B"])
         counts["B"] += 1
-        return None if input_tensor is None else input_tensor.grad
+        return received[0]
 
     for _ in range(warmup):
         input_tensor = p2p.recv_forward(tensor_spec)
@@ -111,15 +132,14 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
         output_grad = p2p.send_forward_recv_backward(output, tensor_spec)
         inputs.append(input_tensor)
         outputs.append(output)
-        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)
         if i == remaining - 1:
-            p2p.send_backward(input_grad, tensor_spec)
+            backward(inputs.pop(0), outputs.pop(0), output_grad, lambda grad: p2p.send_backward(grad, tensor_spec))
         else:
-            input_tensor = p2p.send_backward_recv_forward(input_grad, tensor_spec)
+            input_tensor = backward(inputs.pop(0), outputs.pop(0), output_grad,
+                                    lambda grad: p2p.send_backward_recv_forward(grad, tensor_spec))
     for _ in range(0 if forward_only else warmup):
         output_grad = p2p.recv_backward(tensor_spec)
-        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)
-        p2p.send_backward(input_grad, tensor_spec)
+        backward(inputs.pop(0), outputs.pop(0), output_grad, lambda grad: p2p.send_backward(grad, tensor_spec))
     return losses
 
 
@@ -140,6 +160,24 @@ def broadcast_losses_from_last_stage(losses):
     return box[0]
 
 
+def finish_deferred_ddp_reduction(model):
+    """torch DDP under pipelining (the schedule ran it under no_sync): average the gradients over the
+    data-parallel group now, in one flat buffer per dtype. A no-op at pipeline size 1 or without torch DDP."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1 or \
+            not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    world = mpu.get_data_parallel_world_size()
+    grads = {}
+    for param in model.module.parameters():
+        if param.grad is not None:
+            grads.setdefault(param.grad.dtype, []).append(param.grad)
+    for same_dtype in grads.values():
+        flat = _flatten_dense_tensors(same_dtype).div_(world)
+        dist.all_reduce(flat, group=mpu.get_data_parallel_group())
+        for grad, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+            grad.copy_(reduced)
+
+
 def allreduce_embedding_grads(module):
     """Sum the gradients of the word embedding (first stage) and its LM-head copy (last stage), so the two
     copies take the same step and stay identical (Megatron's embedding all-reduce)."""
@@ -154,11 +192,15 @@ def clip_grad_norm(optimizer, module, max_norm):
     """Clip the gradients the optimizer steps on (FP16_Optimizer's fp32 masters, else the parameters) to the
     global norm `max_norm` (<= 0: no clipping); returns that norm. Across pipeline stages the squares are summed
     over the pipeline group, the last stage's LM-head copy (`shared`) left out: the tied weight counts once."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        if hasattr(optimizer, "clip_master_grads"):
+            return optimizer.clip_master_grads(max_norm)
+        return mpu.clip_grad_norm(module.parameters(), max_norm if max_norm > 0 else math.inf)
+    if getattr(optimizer, "overflow", False):   # fp16: FP16_Optimizer found inf/nan on some rank; the step skips
+        return -1.0
     max_norm = max_norm if max_norm > 0 else math.inf
     model_params = list(getattr(optimizer, "model_params", None) or module.parameters())
     stepped = list(getattr(optimizer, "master_params", None) or model_params)
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
-        return mpu.clip_grad_norm(stepped, max_norm)
     counted = [s for m, s in zip(model_params, stepped, strict=True) if not getattr(m, "shared", False)]
     stage_norm = mpu.clip_grad_norm(counted, math.inf)       # over tensor-parallel ranks; clips nothing
     square = torch.tensor([stage_norm ** 2], dtype=torch.float64, device=mpu.get_device())

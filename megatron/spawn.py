@@ -4,7 +4,7 @@ benchmarks' process launcher; training itself is always launched by torchrun).
     results = run_distributed(fn, world_size=2, args=(x,), model_parallel_size=2)
 
 `fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
-torch.distributed (gloo, env://) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
+torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests' --device cuda) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
 and sends back its return value serialized with torch.save (tensors are cloned, so no shared memory
 outlives the worker). A worker's exception fails the caller with that worker's traceback.
 """
@@ -30,7 +30,10 @@ def _worker(fn, rank, world_size, port, args, model_parallel_size, queue):
     try:
         import torch.distributed as dist
         import mpu
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = "nccl" if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda" else "gloo"   # tests' --device cuda
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         if model_parallel_size is not None:
             mpu.initialize_model_parallel(model_parallel_size)
         result = fn(*args)

@@ -157,6 +157,7 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
         return None
     if args.DDP_impl == "local":
         model.allreduce_params(reduce_after=False, fp32_allreduce=args.fp32_allreduce)
+    schedules.finish_deferred_ddp_reduction(model)   # torch DDP under pipelining
     timers("allreduce").stop()
     if args.fp16 or args.bf16:
         optimizer.update_master_grads()
@@ -236,12 +237,18 @@ def _average(losses):
     return {key: sum(d[key] for d in losses) / len(losses) for key in losses[0]}
 
 
+def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False):
+    """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
+    6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
+    passes, 4 with activation recomputation; the LM head 2hV per pass, 3 passes (it is not recomputed)."""
+    L, h, s = num_layers, hidden_size, seq_length
+    passes = 4 if checkpoint_activations else 3
+    return passes * 24 * L * h * h * (1 + s / (6 * h)) + 3 * 2 * h * padded_vocab_size
+
+
 def _flops_per_iteration(args):
-    """Megatron's count (Narayanan et al. 2021): 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) multiply-adds x2 = FLOPs of
-    forward + backward (3 matmul passes); activation checkpointing adds one forward (4 passes instead of 3)."""
-    passes = 4 if args.checkpoint_activations else 3
-    b, s, L, h, V = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size, args.padded_vocab_size
-    return 8 * passes * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return args.global_batch_size * args.seq_length * flops_per_token(
+        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size, args.checkpoint_activations)
 
 
 def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):

@@ -7,6 +7,9 @@ Megatron-path layout (one file per model-parallel rank, written by data-parallel
     SAVE/iter_0000200/mp_rank_01/model_optim_rng.pt
     SAVE/latest_checkpointed_iteration.txt          "200" (or "release" for SAVE/release/...)
 
+Under pipeline parallelism each stage has its own directory, Megatron's name: mp_rank_{tp:02d}_{pp:03d}/ (P = 1
+keeps the names above), holding that stage's parameters under the single-stage model's names.
+
 ZeRO path (--deepspeed): the engine writes SAVE/iter_0000200/ and SAVE/latest itself; save_ds_checkpoint adds
 the client_state (counters, RNG, model shape) and Megatron's tracker file.
 
@@ -102,8 +105,12 @@ def get_checkpoint_dir(checkpoints_path, iteration, release=False):
 
 
 def _rank_file(directory, mp_rank=None):
+    """This rank's file: mp_rank_{tp:02d}/, or mp_rank_{tp:02d}_{pp:03d}/ under pipelining (Megatron's names)."""
     rank = mpu.get_model_parallel_rank() if mp_rank is None else mp_rank
-    return os.path.join(directory, megatron_rank_dir_name(rank), CHECKPOINT_FILENAME)
+    name = megatron_rank_dir_name(rank)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{mpu.get_pipeline_model_parallel_rank():03d}"
+    return os.path.join(directory, name, CHECKPOINT_FILENAME)
 
 
 def get_checkpoint_tracker_filename(checkpoints_path):
@@ -256,8 +263,9 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, iteratio
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)
     same_padding = config is None or saved.padded_vocab_size() == config.vocab_size
+    same_pipeline = saved.pipeline_model_parallel_size == mpu.get_pipeline_model_parallel_world_size()
     if saved.path == ("zero" if zero else "megatron") and \
-            saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding:
+            saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding and same_pipeline:
         if zero:
             _load_ds_checkpoint(result, model, options, iteration, release)
         else:
@@ -329,7 +337,7 @@ def _checkpoint_path_for_load(load_dir, iteration, release):
     directory = atomic_io.readable_directory(get_checkpoint_dir(load_dir, iteration, release))
     path = _rank_file(directory)
     if not os.path.isfile(path):
-        ranks = sorted(name for name in os.listdir(directory) if re.fullmatch(r"mp_rank_\d+", name))
+        ranks = sorted(name for name in os.listdir(directory) if re.fullmatch(r"mp_rank_\d+(_\d{3})?", name))
         raise CheckpointError(f"{path} does not exist: {directory} holds {ranks or 'no mp_rank_* directories'} "
                               f"(model-parallel size {len(ranks)}), this run has model-parallel size "
                               f"{mpu.get_model_parallel_world_size()}")

@@ -43,7 +43,9 @@ def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=
     assert _MODEL_PARALLEL_GROUP is None, "model parallel groups are already initialized"
     world_size = dist.get_world_size()
     mp, pp = model_parallel_size, pipeline_model_parallel_size
-    if mp < 1 or pp < 1 or world_size % (mp * pp) != 0:
+    if mp < 1 or world_size % mp != 0:
+        raise ValueError(f"world size ({world_size}) is not divisible by model-parallel size ({mp})")
+    if pp < 1 or world_size % (mp * pp) != 0:
         raise ValueError(f"world size ({world_size}) is not divisible by pipeline size ({pp}) x model-parallel "
                          f"size ({mp}) = {mp * pp}")
     rank = dist.get_rank()

@@ -51,28 +51,32 @@ def test_engine_bf16_steps_fp32_masters_with_the_fused_kernel():
     assert max_relative_difference(fused_state, torch_state) <= 1e-2
 
 
-def _megatron_kernel_choice(extra):
+def _megatron_kernel_choices(extras):
+    """(fused, foreach) of get_optimizer's AdamW under each list of extra flags."""
     from megatron import training
     from megatron.arguments import parse_args
     from megatron.global_vars import set_global_variables
-    set_global_variables(parse_args(args_list=TINY + extra))
-    group = training.get_optimizer(torch.nn.Linear(4, 4)).param_groups[0]
-    return bool(group.get("fused")), bool(group.get("foreach"))
+    choices = []
+    for extra in extras:
+        set_global_variables(parse_args(args_list=TINY + extra))
+        group = training.get_optimizer(torch.nn.Linear(4, 4)).param_groups[0]
+        choices.append((bool(group.get("fused")), bool(group.get("foreach"))))
+    return choices
 
 
-def _megatron_losses(extra):
+def _megatron_losses(extras):
+    """The losses of one pretrain_gpt run per list of extra flags, one after the other in this process."""
     import pretrain_gpt
-    return pretrain_gpt.main(TINY + NO_DROPOUT + ["--batch-size", "2"] + extra)["lm loss"]
+    return [pretrain_gpt.main(TINY + NO_DROPOUT + ["--batch-size", "2"] + extra)["lm loss"] for extra in extras]
 
 
 def test_megatron_get_optimizer_is_fused_unless_turned_off():
-    assert run_distributed(_megatron_kernel_choice, 1, args=([],))[0] == (True, False)
-    assert run_distributed(_megatron_kernel_choice, 1, args=(["--no-fused-adam"],))[0] == (False, False)
+    choices = run_distributed(_megatron_kernel_choices, 1, args=([[], ["--no-fused-adam"]],))[0]
+    assert choices == [(True, False), (False, False)]
 
 
 def test_megatron_training_with_fused_adam_equals_the_default_kernel():
-    fused = run_distributed(_megatron_losses, 1, args=([],))[0]
-    default = run_distributed(_megatron_losses, 1, args=(["--no-fused-adam"],))[0]
+    fused, default = run_distributed(_megatron_losses, 1, args=([[], ["--no-fused-adam"]],))[0]
     assert len(fused) == len(default) == 10
     assert max(abs(a - b) for a, b in zip(fused, default)) <= TOLERANCE, (fused, default)
     assert fused[-1] < fused[0]

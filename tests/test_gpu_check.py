@@ -107,9 +107,30 @@ def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     (row,) = json.loads(out.read_text())
     m = bench_gpu.MODELS["tiny"]
     L, h, s, vocab = m["layers"], m["hidden"], m["seq"], -(-m["vocab"] // 128) * 128
-    flops_per_token = 24 * L * h * h * (1 + s / (6 * h) + vocab / (16 * L * h)) * 2 * 3 / 2
+    # matmul FLOPs per token and forward: per layer qkv 2*3h*h, projection 2*h*h, MLP 2*2*4h*h, attention scores
+    # and values 2*2*s*h; the head 2*h*V. Forward + backward = 3 forwards.
+    flops_per_token = 3 * (L * (2 * 3 * h * h + 2 * h * h + 2 * 2 * 4 * h * h + 2 * 2 * s * h) + 2 * h * vocab)
     assert row["tokens_per_s"] > 0 and row["mfu"] is None and row["max_allocated_gb"] is None
     assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(flops_per_token, rel=1e-6)
     params = (vocab + s) * h + L * (12 * h * h + 13 * h) + 2 * h
     assert row["model_state_formula_gb"] * 2 ** 30 == pytest.approx(16 * params, rel=0.01)
     assert done.stdout.strip().splitlines()[-1] == bench_gpu.format_row(row)
+
+
+def test_bench_summaries_are_medians_with_spread_and_paired_ratios():
+    """bench_train and bench_zero report the median of the repeats, their min-max, and the median of per-repeat
+    ratios (each ratio from one repeat), not the best repeat."""
+    import bench_common
+    import bench_train
+    import bench_zero
+    assert bench_common.median_and_spread([5.0, 1.0, 3.0, float("nan")]) == (3.0, 1.0, 5.0)
+    samples = {"plain PyTorch": [100.0, 50.0, 100.0, 100.0, 10.0], "ours": [110.0, 60.0, 90.0, 120.0, 12.0]}
+    # per-round ratios 1.1, 1.2, 0.9, 1.2, 1.2; the ratio of the medians would be 90 / 100 = 0.9
+    assert bench_train.summarize(samples)["ours"] == pytest.approx((90.0, 12.0, 120.0, 1.2, 0.9, 1.2))
+
+    def run(tokens_per_s):
+        return [{"tokens_per_s": tokens_per_s, "state_bytes": 8.0, "peak_rss_mb": 100.0, "params": 1}] * 2
+    runs = {"ddp-fp32": [run(100.0), run(50.0), run(100.0)], "zero2-fp32": [run(120.0), run(40.0), run(150.0)]}
+    lines = bench_zero.throughput_table(runs, 2)
+    zero2 = [cell.strip() for cell in lines[3].split("|")[1:-1]]
+    assert zero2[:5] == ["zero2-fp32", "120", "40-150", "1.20", "0.80-1.50"]

@@ -46,6 +46,12 @@ def _check(records, history, printed, world_size, megatron_path):
         assert record["grad_norm"] == history["grad norm"][(index + 1) * INTERVAL - 1]
         assert record["loss_scale"] == 1.0 and record["skipped_iterations"] == 0
         assert record["ms_per_iteration"] > 0 and record["tokens_per_second"] > 0 and record["tflops_per_rank"] > 0
+        # matmul FLOPs per token, counted by hand for TINY (L 2, h 32, s 16, V 64): per layer qkv 2*3h*h,
+        # projection 2*h*h, MLP 2*2*4h*h, attention 2*2*s*h, the head 2*h*V; forward + backward = 3 forwards
+        L, h, s, V = 2, 32, 16, 64
+        per_token = 3 * (L * (2 * 3 * h * h + 2 * h * h + 2 * 2 * 4 * h * h + 2 * 2 * s * h) + 2 * h * V)
+        measured = record["tflops_per_rank"] * 1e12 * world_size / record["tokens_per_second"]
+        assert abs(measured - per_token) <= 1e-6 * per_token, (measured, per_token)
         timers = record["timers_ms"]
         assert set(timers) == {"forward", "backward", "allreduce", "optimizer"}
         assert timers["forward"] > 0 and timers["backward"] > 0 and timers["optimizer"] > 0

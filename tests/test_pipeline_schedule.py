@@ -1,6 +1,8 @@
 """The 1F1B schedule as data (no processes): per-stage order of forwards and backwards, the activation-memory
-bound, and that the stages' orders together run to completion with blocking sends and receives."""
+bound, and that the stages' orders together run to completion with blocking sends and receives; then the executor
+itself on two gloo processes follows that order."""
 import pytest
+import torch
 
 from megatron.schedules import num_warmup_micro_batches, pipeline_order
 
@@ -90,3 +92,46 @@ def test_orders_run_together_and_bubble(num_stages, num_micro_batches):
     """With forward = backward = 1 time step, 1F1B takes 2 (M + P - 1) steps: bubble (P-1)/(M+P-1)."""
     steps = _simulate(num_stages, num_micro_batches)
     assert steps == 2 * (num_micro_batches + num_stages - 1)
+
+
+class _Stage(torch.nn.Module):
+    """One linear layer per stage; the last stage's output is a scalar loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4)
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+
+def _executed_orders(num_micro_batches):
+    """The executor's own order of forwards and backwards on this stage of a 2-stage gloo pipeline."""
+    import mpu
+    from megatron import p2p_communication, schedules
+    mpu.initialize_model_parallel(1, 2)
+    model, trace = _Stage(), []
+    batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])
+
+    def forward_step(iterator, module):
+        x = next(iterator) if mpu.is_pipeline_first_stage() else module.input_tensor
+        out = module.linear(x)
+        return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
+
+    def backward(output, output_grad, index, after_backward):
+        torch.autograd.backward(output, output_grad)
+        after_backward()
+    spec = p2p_communication.TensorSpec((2, 3, 4), torch.float32, torch.device("cpu"))
+    losses = schedules.get_forward_backward_func()(forward_step, batches, model, backward, num_micro_batches, spec,
+                                                   trace=trace)
+    return mpu.get_pipeline_model_parallel_rank(), trace, len(losses)
+
+
+def test_executor_runs_the_pure_order_on_two_processes():
+    from megatron.spawn import run_distributed
+    results = run_distributed(_executed_orders, 2, args=(4,))
+    for stage, trace, num_losses in results:
+        assert trace == pipeline_order(2, stage, 4)
+        assert num_losses == (4 if stage == 1 else 0)

@@ -8,6 +8,12 @@ import torch.nn.functional as F
 IN, HIDDEN, OUT = 16, 32, 8
 
 
+def device():
+    """Where the tests' tensors live: the CPU, or the rank's GPU under `pytest --device cuda` (mpu decides)."""
+    import mpu
+    return mpu.get_device()
+
+
 class TinyNet(nn.Module):
     """Linear -> GELU -> LayerNorm -> Linear -> tanh -> Linear; ~1.9k parameters."""
 
@@ -18,6 +24,7 @@ class TinyNet(nn.Module):
         self.norm = nn.LayerNorm(HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, OUT)
+        self.to(device())
 
     def forward(self, x, y):
         h = self.norm(F.gelu(self.fc1(x)))
@@ -28,7 +35,7 @@ def batch(step, size, seed=99):
     """The global batch of `step`: x [size, IN], y = tanh(x @ teacher) [size, OUT]."""
     teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(seed))
     x = torch.randn(size, IN, generator=torch.Generator().manual_seed(seed * 1000 + step))
-    return x, torch.tanh(x @ teacher)
+    return x.to(device()), torch.tanh(x @ teacher).to(device())
 
 
 def engine_train_step(engine, step, global_batch):
@@ -38,7 +45,7 @@ def engine_train_step(engine, step, global_batch):
     ctx = engine.ctx
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     x, y = batch(step, global_batch)
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=device())
     for k in range(accumulation):
         lo = (ctx.data_parallel_rank * accumulation + k) * micro
         loss = engine(x[lo:lo + micro], y[lo:lo + micro])
@@ -89,6 +96,7 @@ class ParallelTinyNet(nn.Module):
         self.fc2 = mpu.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True)
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, OUT)
+        self.to(device())
 
     def forward(self, x, y):
         h = self.norm(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))

@@ -7,9 +7,11 @@ achieved TFLOP/s, MFU and peak memory against the ZeRO formula, one markdown tab
 
 Each cell (model x precision x stage) is one fresh process (`--cell`), so `torch.cuda.max_memory_allocated` is its
 own and an out-of-memory cell does not stop the others. A cell runs 2 x --steps iterations on mock data with
---log-interval --steps and reports the second interval (the first holds the warm-up). TFLOP/s is the training
-log's (megatron/training.py, Megatron's count 24 B s L h^2 (1 + s/6h + V/16Lh) x 2 x 3 passes); MFU = that / the
-GPU's dense peak for the precision (PEAK_TFLOPS, datasheet figures without sparsity; --peak-tflops overrides).
+--log-interval --steps and reports the second interval's tokens/s (the first holds the warm-up). TFLOP/s =
+tokens/s x `flops_per_token` (Narayanan et al. 2021, eq. 3: 24 L h^2 (1 + s/6h) FLOPs per token and pass, 3 passes,
+4 with activation recomputation, plus 6 h V for the LM head); MFU = that / the GPU's dense peak for the precision
+(PEAK_TFLOPS, datasheet figures without sparsity; --peak-tflops overrides). The training log's own "TFLOP/s per
+rank" (megatron/training.py `_flops_per_iteration`) is recorded too, as `log_tflops`.
 Memory: max_memory_allocated next to the model-state formula (megatron/memory.py, the ZeRO paper's 2P + 2P + 12P
 at dp 1) plus the activation estimate (Korthikanti et al. 2022) for the micro-batch.
 """
@@ -83,6 +85,17 @@ def default_stages():
         return [2]
 
 
+def flops_per_token(model, checkpoint_activations=False, vocab=None):
+    """Training FLOPs per token (Narayanan et al. 2021, eq. 3): each transformer pass costs 24 L h^2 (1 + s/6h)
+    (the four h x h-sized matmuls per layer, 24 h^2, and attention scores and values, 4 s h), forward + backward
+    = 3 passes (4 when recomputing activations); the LM head 2 h V per pass, 3 passes. `vocab`: the padded
+    vocabulary (default: MODELS' vocabulary padded to a multiple of 128, as the training script does)."""
+    from megatron.training import flops_per_token as training_flops_per_token   # the training log's count
+    m = MODELS[model]
+    vocab = vocab or -(-m["vocab"] // 128) * 128
+    return training_flops_per_token(m["layers"], m["hidden"], m["seq"], vocab, checkpoint_activations)
+
+
 def peak_tflops(device_name, override=None):
     """Dense bf16/fp16 peak of the named GPU (None when unknown: MFU is then not reported)."""
     if override:
@@ -129,12 +142,13 @@ def run_cell(model, precision, stage, args):
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(name, args.peak_tflops) if precision != "fp32" else None
+    tflops = record["tokens_per_second"] * flops_per_token(model, args.checkpoint_activations) / 1e12
     activations = memory.activation_bytes(m["layers"], m["seq"], micro, m["hidden"], m["heads"],
                                           checkpoint_activations=args.checkpoint_activations,
                                           bytes_per_element=4 if precision == "fp32" else 2)
     return {"model": model, "precision": precision, "stage": stage, "micro_batch": micro, "device": name,
-            "tokens_per_s": record["tokens_per_second"], "tflops": record["tflops_per_rank"],
-            "mfu": record["tflops_per_rank"] / peak if peak else None,
+            "tokens_per_s": record["tokens_per_second"], "tflops": tflops, "mfu": tflops / peak if peak else None,
+            "log_tflops": record["tflops_per_rank"],
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
             "model_state_formula_gb": history["model_state_estimate"]["total"] / 2 ** 30,
             "activation_estimate_gb": activations / 2 ** 30,

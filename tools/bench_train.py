@@ -7,7 +7,8 @@ loop and Hugging Face GPT2LMHeadModel on the same config, run alternately in one
 Every implementation runs `--steps` steps per round, alternating, for `--rounds` rounds (>= 5): tokens/s is the
 median over rounds with its min-max, and "vs plain PyTorch" the median of the per-round ratios (each from the same
 round, so slow phases of the shared machine cancel). "ours, torch-default AdamW" is ours with --no-fused-adam: its
-ratio to "ours" is the step-time gain of the fused AdamW kernel.
+ratio to "ours" is the step-time gain of the fused AdamW kernel (printed after the table); `--adam-step-only` times
+AdamW.step() alone for torch's three kernels.
 Peak RSS is measured separately (one short subprocess per cell) because a process's peak only grows.
 TFLOP/s uses Megatron's count, 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) x 2 x 3 (forward + backward).
 """
@@ -131,7 +132,8 @@ def make_ours(c, dtype, extra_flags=()):
     return step
 
 
-IMPLS = {"ours": make_ours, "ours, torch-default AdamW": functools.partial(make_ours, extra_flags=["--no-fused-adam"]),
+UNFUSED = "ours, torch-default AdamW"
+IMPLS = {"ours": make_ours, UNFUSED: functools.partial(make_ours, extra_flags=["--no-fused-adam"]),
          "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf}
 
 
@@ -179,6 +181,29 @@ def summarize(samples, baseline="plain PyTorch"):
     return out
 
 
+ADAM_KERNELS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def measure_adam_step(config_name, rounds, steps=3):
+    """{kernel: [ms per AdamW.step() of round 0, ...]} on fp32 parameters of the config's model (random
+    gradients), the kernels alternating (reversed every other round)."""
+    torch.manual_seed(0)
+    params = list(PlainGPT(CONFIGS[config_name]).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizers = {name: torch.optim.AdamW(params, lr=1e-4, **options) for name, options in ADAM_KERNELS.items()}
+    for optimizer in optimizers.values():
+        optimizer.step()      # allocates the moments
+    samples, names = {name: [] for name in optimizers}, list(optimizers)
+    for index in range(rounds):
+        for name in (names if index % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            for _ in range(steps):
+                optimizers[name].step()
+            samples[name].append((time.perf_counter() - start) / steps * 1e3)
+    return samples
+
+
 def peak_rss_mb(config_name, dtype, impl):
     """Peak RSS of a fresh process that builds `impl` and runs 3 steps."""
     code = (f"import sys; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
@@ -201,6 +226,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--no-rss", action="store_true", help="skip the per-cell peak RSS subprocesses")
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
+    parser.add_argument("--adam-step-only", action="store_true",
+                        help="time AdamW.step() alone (for-loop, foreach, fused kernels) on each config's parameters")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds {args.rounds} --steps {args.steps}: both must be >= 1")
@@ -208,14 +235,26 @@ def main():
     print(precision_header())
     args.dtypes = args.dtypes or default_precisions()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    if args.adam_step_only:
+        print("| config | parameters | AdamW kernel | ms per step | vs for-loop |\n|---|---:|---|---:|---:|")
+        for config_name in args.configs:
+            samples = measure_adam_step(config_name, args.rounds)
+            count = sum(p.numel() for p in PlainGPT(CONFIGS[config_name]).parameters())
+            for name, ms in samples.items():
+                ratio = median_and_spread([a / b for a, b in zip(samples["for-loop"], ms)])
+                print(f"| {config_name} | {count / 1e6:.2f}M | {name} | {median_and_spread(ms)[0]:.2f} | "
+                      f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f}) |")
+        return
     _init_process_group()
-    rows = []
+    rows, fused_gains = [], []
     print(f"# median of {args.rounds} alternating rounds of {args.steps} steps (min-max in brackets)")
     print("| config | dtype | implementation | tokens/s | vs plain PyTorch | TFLOP/s | peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|")
     for config_name in args.configs:
         for dtype in args.dtypes:
-            summary = summarize(measure_throughput(config_name, dtype, args.rounds, args.steps))
+            samples = measure_throughput(config_name, dtype, args.rounds, args.steps)
+            summary = summarize(samples)
+            fused_gains.append((config_name, dtype, summarize(samples, baseline=UNFUSED)["ours"][3:]))
             for impl, (tokens_per_s, lo, hi, ratio, ratio_lo, ratio_hi) in summary.items():
                 c = CONFIGS[config_name]
                 tflops = flops_per_step(c) * tokens_per_s / (c["batch"] * c["seq"]) / 1e12
@@ -225,6 +264,9 @@ def main():
                                  ratio_max=ratio_hi, tflops=tflops, rss_mb=rss))
                 print(f"| {config_name} | {dtype} | {impl} | {tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
                       f"{ratio:.2f}x ({ratio_lo:.2f}-{ratio_hi:.2f}) | {tflops:.3f} | {rss:,.0f} |", flush=True)
+    for config_name, dtype, (gain, lo, hi) in fused_gains:
+        print(f"# {config_name} {dtype}: ours with fused AdamW / with torch's default kernel, per-round median "
+              f"{gain:.2f}x ({lo:.2f}-{hi:.2f})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -1,6 +1,6 @@
-"""Benchmark: torch DDP vs our ZeRO stages 0/1/2 (and DeepSpeed's, when installed), fp32 and bf16.
+"""Benchmark: torch DDP vs our ZeRO stages 0-3 (and DeepSpeed's 0-2, when installed), fp32 and bf16.
 
-    .venv/bin/python tools/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~2-3 minutes
+    .venv/bin/python tools/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~3 minutes on a quiet machine
     .venv/bin/python tools/bench_zero.py --steps 10 --repeats 7 --variants ddp-fp32,zero2-fp32
     .venv/bin/python tools/bench_zero.py --repeats 0     # communication table only
 
@@ -14,8 +14,9 @@ held by real tensors) next to the ZeRO formula, and peak RSS per rank. Every var
 
 A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
 counted by megatron.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
-2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total. This
-figure does not depend on the machine's speed.
+2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total; stage 3
+reduce-scatter + a gather before forward and one before backward (parameters under the persistence threshold stay
+whole: one refresh after the step instead). This figure does not depend on the machine's speed.
 DeepSpeed peers: `DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, run with DS_ACCELERATOR=cpu.
 """
 import argparse
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import median_and_spread, peak_rss_mb  # noqa: E402
 
+from megatron import zero  # noqa: E402
 from megatron.spawn import run_distributed  # noqa: E402  (gloo processes on this machine)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 4, 256, 4, 256, 8192, 4
@@ -63,6 +65,8 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(HIDDEN)
+        # the tied head uses wte's weight in this forward: ZeRO-3 gathers it here too (a no-op for the others)
+        zero.register_external_parameter(self, self.wte.weight)
 
     def forward(self, tokens, targets):                            # tokens, targets: [b, s]
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
@@ -83,11 +87,12 @@ def _tensor_bytes(tensors):
 
 
 def _build(variant, zero_options, adam, count_ddp_comm=False):
-    """(model, train_step(tokens, targets), state_bytes()) for one variant on this rank. `count_ddp_comm` routes
-    torch DDP's all-reduce through Python so megatron.comm_bytes sees it."""
+    """(parameter count, train_step(tokens, targets), state_bytes()) for one variant on this rank.
+    `count_ddp_comm` routes torch DDP's all-reduce through Python so megatron.comm_bytes sees it."""
     kind, precision = variant.split("-")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = GPT()
+    params = sum(p.numel() for p in model.parameters())     # before stage 3 partitions them
     if kind == "ddp":
         model.to(dtype)   # ddp-bf16 keeps everything in bf16; ddpamp-bf16: fp32 params and Adam, bf16 autocast
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, **adam_options(adam))
@@ -109,7 +114,7 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         def state_bytes():
             return (_tensor_bytes(p for p in model.parameters()) + _tensor_bytes(p.grad for p in model.parameters())
                     + _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0))
-        return model, train_step, state_bytes
+        return params, train_step, state_bytes
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
               "bf16": {"enabled": precision == "bf16"},
               "zero_optimization": {"stage": int(kind[-1]), **zero_options}}
@@ -130,7 +135,7 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         if hasattr(optimizer, "partitioned_state_bytes"):
             return sum(optimizer.partitioned_state_bytes().values())
         return float("nan")
-    return model, train_step, state_bytes
+    return params, train_step, state_bytes
 
 
 def adam_options(adam):
@@ -148,7 +153,7 @@ def _data():
 
 
 def _worker(variant, steps, warmup, zero_options, adam):
-    model, train_step, state_bytes = _build(variant, zero_options, adam)
+    params, train_step, state_bytes = _build(variant, zero_options, adam)
     data = _data()
     for step in range(warmup + steps):
         if step == warmup:
@@ -161,22 +166,28 @@ def _worker(variant, steps, warmup, zero_options, adam):
     tokens = steps * MICRO * SEQ * dist.get_world_size()
     return {"tokens_per_s": tokens / elapsed, "state_bytes": state_bytes(),
             "peak_rss_mb": peak_rss_mb(),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": params}
 
 
 def _comm_worker(variants, zero_options, adam):
-    """{variant: (bytes sent by op in the second step, gradient bytes)} on this rank; the first step warms up."""
+    """{variant: (bytes sent by op in the second step, gradient bytes, bytes of stage-3 persistent parameters)}
+    on this rank; the first step warms up."""
+    from megatron import zero
     from megatron.comm_bytes import CommCounter
+    numels = [p.numel() for p in GPT().parameters()]       # full sizes (stage 3 partitions the model's own)
+    threshold = zero.load_config({"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {
+        "stage": 3, **zero_options}}, dist.get_world_size()).zero_optimization.stage3_param_persistence_threshold
     out = {}
     for variant in variants:
-        model, train_step, _ = _build(variant, zero_options, adam, count_ddp_comm=True)
+        _, train_step, _ = _build(variant, zero_options, adam, count_ddp_comm=True)
         batch = _data()[0]
         train_step(batch[:, :-1], batch[:, 1:])
         with CommCounter() as counter:
             train_step(batch[:, :-1], batch[:, 1:])
-        grad_bytes = sum(p.numel() * gradient_element_size(variant) for p in model.parameters())
-        out[variant] = (dict(counter.bytes_by_op), grad_bytes)
-        del model, train_step
+        size = gradient_element_size(variant)
+        persistent = sum(n for n in numels if n <= threshold) * size if variant.startswith("zero3") else 0
+        out[variant] = (dict(counter.bytes_by_op), sum(numels) * size, persistent)
+        del train_step
     return out
 
 
@@ -187,13 +198,16 @@ def gradient_element_size(variant):
     return 2 if precision == "bf16" and kind != "ddpamp" else 4
 
 
-def ideal_comm_bytes(variant, grad_bytes, dp):
+def ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes=0):
     """Bytes per rank per step at the ideal volume: one ring all-reduce for DDP and stage 0; reduce-scatter plus
-    all-gather, (dp-1)/dp each, for the partitioned stages (the same total)."""
-    kind = variant.split("-")[0]
+    all-gather, (dp-1)/dp each, for stages 1-2 (the same total); stage 3 gathers its partitioned parameters before
+    forward and again before backward, and refreshes the persistent (whole) ones once after the step."""
+    kind, share = variant.split("-")[0], (dp - 1) / dp
     if kind in ("ddp", "ddpamp") or kind.endswith("0"):
-        return 2 * (dp - 1) / dp * grad_bytes
-    return (dp - 1) / dp * grad_bytes + (dp - 1) / dp * grad_bytes
+        return 2 * share * grad_bytes
+    if kind.endswith("3"):
+        return share * (grad_bytes + 2 * (grad_bytes - persistent_bytes) + persistent_bytes)
+    return share * grad_bytes + share * grad_bytes
 
 
 def formula_bytes(variant, params, dp):
@@ -203,10 +217,12 @@ def formula_bytes(variant, params, dp):
         return 16 * params                                         # fp32 params, grads, two fp32 moments
     stage = 0 if kind == "ddp" else int(kind[-1])
     if precision == "bf16" and kind != "ddp":
-        return {0: 16 * params, 1: 4 * params + 12 * params / dp, 2: 2 * params + 14 * params / dp}[stage]
+        return {0: 16 * params, 1: 4 * params + 12 * params / dp, 2: 2 * params + 14 * params / dp,
+                3: 16 * params / dp}[stage]
     if precision == "bf16":
         return 8 * params                                          # bf16 params, grads, two bf16 moments
-    return {0: 16 * params, 1: 8 * params + 8 * params / dp, 2: 4 * params + 12 * params / dp}[stage]
+    return {0: 16 * params, 1: 8 * params + 8 * params / dp, 2: 4 * params + 12 * params / dp,
+            3: 16 * params / dp}[stage]
 
 
 def parse_args(argv=None):
@@ -231,7 +247,8 @@ def parse_args(argv=None):
 
 
 def default_variants(precisions, deepspeed_installed):
-    variants = [f"{kind}-{precision}" for precision in precisions for kind in ("ddp", "zero0", "zero1", "zero2")]
+    variants = [f"{kind}-{precision}" for precision in precisions
+                for kind in ("ddp", "zero0", "zero1", "zero2", "zero3")]
     if "bf16" in precisions:
         variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if deepspeed_installed:
@@ -272,12 +289,12 @@ def throughput_table(runs, world_size):
 
 
 def comm_table(measured):
-    """Markdown rows from {dp: {variant: (bytes by op, gradient bytes)}} (rank 0's counts)."""
+    """Markdown rows from {dp: {variant: (bytes by op, gradient bytes, stage-3 persistent bytes)}} (rank 0's)."""
     lines = ["| dp | variant     | MB sent/rank/step | ideal MB | measured/ideal | by collective |",
              "|---:|-------------|------------------:|---------:|---------------:|---------------|"]
     for dp, by_variant in measured.items():
-        for variant, (by_op, grad_bytes) in by_variant.items():
-            sent, ideal = sum(by_op.values()), ideal_comm_bytes(variant, grad_bytes, dp)
+        for variant, (by_op, grad_bytes, persistent_bytes) in by_variant.items():
+            sent, ideal = sum(by_op.values()), ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes)
             split = ", ".join(f"{op} {value / 2 ** 20:.2f}" for op, value in sorted(by_op.items()) if value)
             lines.append(f"| {dp:>2} | {variant:<11} | {sent / 2 ** 20:>17.2f} | {ideal / 2 ** 20:>8.2f} | "
                          f"{sent / ideal:>14.3f} | {split} |")
@@ -307,7 +324,8 @@ def main():
         measured = {dp: run_distributed(_comm_worker, dp, args=(variants, zero_options, args.adam),
                                         timeout=1800)[0] for dp in comm_sizes}
         print("# bytes each rank sends in one training step (megatron.comm_bytes cost model), ideal: DDP/stage 0 "
-              "2(dp-1)/dp G, stages 1-2 (dp-1)/dp G reduce-scatter + (dp-1)/dp G all-gather")
+              "2(dp-1)/dp G, stages 1-2 (dp-1)/dp G reduce-scatter + (dp-1)/dp G all-gather, stage 3 reduce-scatter "
+              "+ 2 gathers of the partitioned parameters + 1 refresh of the persistent ones")
         print("\n".join(comm_table(measured)))
 
 

@@ -1,0 +1,197 @@
+"""Pipeline parallelism (1F1B) on gloo processes: pp2, pp2 x mp2 and pp2 x dp2 equal one process step for step on
+the Megatron path and the ZeRO-1 path (fp32, dropout off, 4 micro-batches per step); the tied word embedding and
+its LM-head copy stay identical; checkpoints resume exactly at pp2 (dropout on) and a pp2 checkpoint continues at
+pp1; inconsistent flags stop before anything is built."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.spawn import run_distributed
+from tests.test_training import NO_DROPOUT, TINY
+
+PIPELINE = TINY + NO_DROPOUT + ["--global-batch-size", "8"]
+EVALUATE = ["--eval-iters", "1", "--eval-interval", "5"]   # evaluation under pipelining, in the pp2 run only
+MICRO_4 = ["--batch-size", "2"]          # 8 / (2 x dp1) = 4 micro-batches per step
+TOLERANCE = 1e-6
+
+
+def _train_recording_embeddings(args_list):
+    """Train; also return, on the first and last stage, the tied weight as every forward saw it (so after every
+    step), and the losses and validation losses."""
+    import mpu
+    import pretrain_gpt
+    from megatron.training import pretrain
+    from megatron.utils import unwrap_model
+    seen = []
+
+    def forward_step(data_iterator, model):
+        module = unwrap_model(model)
+        if module.word_embeddings is not None:
+            seen.append(module.word_embeddings.weight.detach().clone())
+        return pretrain_gpt.forward_step(data_iterator, model)
+    history = pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, forward_step,
+                       args_list=args_list)
+    return {"losses": history["lm loss"], "valid": [v["lm loss"] for v in history["valid"]],
+            "stage": mpu.get_pipeline_model_parallel_rank(), "embeddings": seen}
+
+
+def _run(world_size, extra):
+    results = run_distributed(_train_recording_embeddings, world_size, args=(PIPELINE + extra,))
+    for result in results[1:]:
+        assert result["losses"] == results[0]["losses"], "ranks disagree on the logged loss"
+    return results
+
+
+def _relative(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _check_tied_copies(results, stages=2):
+    """Every first-stage rank's word embedding equals the last-stage rank at the same tensor/data position."""
+    per_stage = len(results) // stages
+    for position in range(per_stage):
+        first, last = results[position], results[(stages - 1) * per_stage + position]
+        assert first["stage"] == 0 and last["stage"] == stages - 1
+        assert len(first["embeddings"]) == len(last["embeddings"]) >= 40   # 10 steps x 4 micro-batches (+ eval)
+        for a, b in zip(first["embeddings"], last["embeddings"]):
+            assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(1, MICRO_4 + EVALUATE)[0]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_config(tmp_path_factory):
+    def write(micro, accumulation):
+        path = tmp_path_factory.mktemp("ds") / "ds_config.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+                                    "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}))
+        return str(path)
+    return write
+
+
+@pytest.fixture(scope="module")
+def saved_pp2(tmp_path_factory):
+    """The pp2 Megatron-path run, saving at iterations 5 and 10 (used by the equivalence and the pp1-load test)."""
+    save = str(tmp_path_factory.mktemp("pp2"))
+    results = _run(2, MICRO_4 + EVALUATE + ["--pipeline-model-parallel-size", "2", "--save", save,
+                                            "--save-interval", "5"])
+    return save, results
+
+
+def test_pp2_megatron_equals_single_process(reference, saved_pp2):
+    save, results = saved_pp2
+    assert len(results[0]["losses"]) == 10
+    assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
+    assert _relative(results[0]["valid"], reference["valid"]) <= TOLERANCE
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    _check_tied_copies(results)
+    assert sorted(os.listdir(os.path.join(save, "iter_0000005"))) == ["mp_rank_00_000", "mp_rank_00_001"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--model-parallel-size", "2"] + MICRO_4,
+    ["--batch-size", "1"],                  # dp2: 8 / (1 x 2) = 4 micro-batches
+], ids=["pp2xmp2", "pp2xdp2"])
+def test_pp2_times_tensor_or_data_parallel_megatron(reference, extra):
+    results = _run(4, extra + ["--pipeline-model-parallel-size", "2"])
+    assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
+    _check_tied_copies(results)
+
+
+@pytest.mark.parametrize("world_size,extra,micro", [
+    (2, ["--checkpoint-activations"], 2),   # recomputation inside a stage changes nothing
+    (4, ["--model-parallel-size", "2", "--checkpoint-activations", "--deepspeed_activation_checkpointing"], 2),
+    (4, [], 1),                             # dp2: micro 1 x 4 accumulation x dp 2 = 8
+], ids=["pp2", "pp2xmp2", "pp2xdp2"])
+def test_pipeline_zero1_equals_single_process(reference, deepspeed_config, world_size, extra, micro):
+    config = deepspeed_config(micro, 4)
+    results = _run(world_size, extra + ["--pipeline-model-parallel-size", "2", "--deepspeed",
+                                        "--deepspeed_config", config])
+    assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
+    _check_tied_copies(results)
+
+
+def _train(args_list):
+    import pretrain_gpt
+    return pretrain_gpt.main(args_list)
+
+
+def _set_tracker(save_dir, iteration):
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+
+
+def test_pp2_checkpoint_continues_at_pp1(saved_pp2):
+    save, results = saved_pp2
+    _set_tracker(save, 5)
+    resumed = run_distributed(_train, 1, args=(PIPELINE + MICRO_4 + ["--load", save],))[0]
+    assert resumed["iteration"] == list(range(6, 11))
+    assert _relative(resumed["lm loss"], results[0]["losses"][5:]) <= TOLERANCE
+
+
+def test_pp2_resume_is_exact_with_dropout(tmp_path):
+    common = TINY + ["--global-batch-size", "4"] + MICRO_4 + [   # 2 micro-batches: the schedule, half the time
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4",
+        "--pipeline-model-parallel-size", "2", "--save", str(tmp_path), "--save-interval", "2"]
+    straight = run_distributed(_train, 2, args=(common,))[0]
+    _set_tracker(str(tmp_path), 2)
+    resumed = run_distributed(_train, 2, args=(common + ["--load", str(tmp_path)],))[0]
+    assert resumed["iteration"] == [3, 4]
+    assert resumed["lm loss"] == straight["lm loss"][2:]   # bitwise: every RNG state and the optimizer came back
+
+
+@pytest.mark.parametrize("flags,world_size,message", [
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"),
+    (["--pipe-parallel-size", "2", "--model-parallel-size", "2"], 6,
+     "world size (6) is not divisible by --pipeline-model-parallel-size (2) x --model-parallel-size (2) = 4"),
+    (["--pipeline-model-parallel-size", "2", "--deepspeed"], 2,
+     "ZeRO stage 2 cannot be combined with --pipeline-model-parallel-size 2: pipeline parallelism allows ZeRO "
+     "stages 0 and 1 only"),
+])
+def test_bad_pipeline_flags_exit_2(tmp_path, monkeypatch, capsys, flags, world_size, message):
+    from megatron.arguments import parse_args
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    if "--deepspeed" in flags:
+        flags = flags + ["--deepspeed_config", str(config)]
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(args_list=["--mock-data"] + flags)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _train_failing_on_last_stage(args_list):
+    """The last stage raises in its third forward; every rank returns the error it ended with."""
+    import mpu
+    import pretrain_gpt
+    from megatron.training import pretrain
+    calls = [0]
+
+    def forward_step(data_iterator, model):
+        calls[0] += 1
+        if mpu.is_pipeline_last_stage() and calls[0] == 3:
+            raise ValueError("boom on the last stage")
+        return pretrain_gpt.forward_step(data_iterator, model)
+    try:
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, forward_step,
+                 args_list=args_list)
+    except Exception as error:  # noqa: BLE001 - the test wants whatever ended this rank
+        return f"{type(error).__name__}: {error}"
+    return "finished"
+
+
+def test_exception_on_one_stage_ends_every_rank_within_the_timeout():
+    import time
+    start = time.monotonic()
+    ended = run_distributed(_train_failing_on_last_stage, 2, timeout=120, args=(
+        PIPELINE + MICRO_4 + ["--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "0.05"],))
+    assert ended[1] == "ValueError: boom on the last stage"
+    assert "timed out" in ended[0].lower() or "timeout" in ended[0].lower(), ended[0]
+    assert time.monotonic() - start < 60

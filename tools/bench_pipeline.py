@@ -1,0 +1,96 @@
+"""Pipeline parallelism: measured 1F1B bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage.
+
+    python tools/bench_pipeline.py                       # P = 2, M = 2, 4, 8; markdown table
+    python tools/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
+
+Each cell runs megatron.schedules on gloo processes with a GPT2Model split into P stages (fp32, dropout off).
+Bubble = 1 - (time inside forward/backward) / (step time), averaged over the stages: the share of a step a stage
+waits for its neighbours (the formula assumes equal stage times and free communication). tokens/s is the same
+global batch (M micro-batches) through pp1 on one process and through pp2 on two; on a CPU with one core per
+process the pp2 number is the relevant one only relative to pp1 (two processes, two cores). The first step of
+each cell is a warm-up and not timed; the median step time of the rest is reported.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cell(stages, micro_batches, steps, layers, hidden, seq, micro):
+    """On every rank of a P-stage pipeline: (median step s, median compute s) over `steps` timed steps."""
+    import torch
+    import mpu
+    from megatron import p2p_communication, schedules
+    from megatron.model import GPT2Model, GPT2ModelConfig
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, stages)
+    mpu.model_parallel_cuda_manual_seed(1)
+    config = GPT2ModelConfig(num_layers=layers, vocab_size=1024, hidden_size=hidden, num_attention_heads=4,
+                             max_sequence_length=seq)
+    model = GPT2Model(config)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 1024, (micro, seq + 1), generator=generator) for _ in range(micro_batches)]
+    compute = [0.0]
+
+    def forward_step(iterator, module):
+        start = time.perf_counter()
+        text = next(iterator)
+        losses = module(text[:, :-1], labels=text[:, 1:])
+        compute[0] += time.perf_counter() - start
+        return (losses.mean(), {}) if mpu.is_pipeline_last_stage() else (losses, {})
+
+    def backward(output, output_grad, index, after_backward):
+        start = time.perf_counter()
+        if output_grad is None:
+            (output / micro_batches).backward()
+        else:
+            torch.autograd.backward(output, output_grad)
+        compute[0] += time.perf_counter() - start
+        after_backward()
+    spec = p2p_communication.TensorSpec((micro, seq, hidden), torch.float32, torch.device("cpu"))
+    run = schedules.get_forward_backward_func()
+    step_times, compute_times = [], []
+    for step in range(steps + 1):
+        compute[0] = 0.0
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        run(forward_step, iter(batches), model, backward, micro_batches, spec)
+        elapsed = time.perf_counter() - start
+        if step > 0:
+            step_times.append(elapsed)
+            compute_times.append(compute[0])
+    return statistics.median(step_times), statistics.median(compute_times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro", type=int, default=2)
+    args = parser.parse_args()
+    from megatron.spawn import run_distributed
+    print(f"# GPT-2 L{args.layers} h{args.hidden} s{args.seq}, micro batch {args.micro}, fp32, gloo, "
+          f"{os.cpu_count()} CPUs; median of {args.steps} steps")
+    print(f"| P | M | bubble measured | (P-1)/(M+P-1) | pp1 tokens/s | pp{args.stages} tokens/s | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for m in args.micro_batches:
+        cell = (args.steps, args.layers, args.hidden, args.seq, args.micro)
+        single = run_distributed(_cell, 1, args=(1, m) + cell)[0]
+        staged = run_distributed(_cell, args.stages, args=(args.stages, m) + cell)
+        step = max(s for s, _ in staged)
+        bubble = statistics.mean(1 - c / s for s, c in staged)
+        tokens = m * args.micro * args.seq
+        formula = (args.stages - 1) / (m + args.stages - 1)
+        print(f"| {args.stages} | {m} | {bubble:.2f} | {formula:.2f} | {tokens / single[0]:.0f} | "
+              f"{tokens / step:.0f} | {single[0] / step:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
