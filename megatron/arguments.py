@@ -262,10 +262,6 @@ def _check_pipeline_combinations(args, parser):
         parser.error(f"ZeRO stage {stage} cannot be combined with --pipeline-model-parallel-size {pp}: pipeline "
                      "parallelism allows ZeRO stages 0 and 1 only (DeepSpeed's rule: gradient partitioning does not "
                      "fit gradients accumulated across micro-batches); set zero_optimization.stage to 0 or 1")
-    if stage is not None and (args.save or args.load):
-        parser.error(f"--save/--load with --deepspeed and --pipeline-model-parallel-size {pp}: the ZeRO engine's "
-                     "checkpoint names do not carry the pipeline stage yet; use the Megatron path (without "
-                     "--deepspeed) or --pipeline-model-parallel-size 1")
 
 
 def _reconcile_with_deepspeed_config(args, parser):

@@ -23,7 +23,10 @@ rank 0 holds [q0, k0, v0], rank 1 holds [q1, k1, v1]; at mp 1 the one rank holds
 Pipeline stages (Megatron layout `mp_rank_{tp:02d}_{pp:03d}/`): each stage's file holds its layers under their
 global names, so the stages of one tensor-parallel rank merge into one view of the whole model (the last stage's
 LM-head copy of word_embeddings.weight is checked equal to the first stage's and dropped); their optimizer states
-are re-indexed into that merged order. A pipelined checkpoint therefore reads like a single-stage one.
+are re-indexed into that merged order. A pipelined checkpoint therefore reads like a single-stage one. The ZeRO
+layout's stage files (`mp_rank_{tp:02d}_{pp:03d}_model_states.pt`, `zero_pp_rank_{dp}_mp_rank_{tp:02d}_{pp:03d}_...`)
+merge the same way; each parameter's optimizer state is read from the flat groups of the stage that holds it (its
+param_names say where).
 """
 import os
 import re
@@ -101,6 +104,7 @@ class SavedCheckpoint:
         if not os.path.isdir(self.directory):
             raise ckpt.CheckpointError(f"{self.directory} does not exist (named by {load_dir}'s tracker)")
         self.path, ranks, self.pipeline_model_parallel_size = _layout_and_ranks(self.directory)
+        self._stage_files = {}            # ZeRO layout under pipelining: mp rank -> its stages' model-states files
         first = self._load_model_file(ranks[0])
         recorded = first[ckpt.MODEL_PARALLEL_SIZE] if self.path == "zero" else \
             (first.get(ckpt.MODEL_SHAPE) or {}).get("model_parallel_size")
@@ -121,7 +125,7 @@ class SavedCheckpoint:
     # ---- description --------------------------------------------------------------------------------------
     def _model_file(self, mp_rank, stage=None):
         if self.path == "zero":
-            return os.path.join(self.directory, ckpt.model_states_name(mp_rank))
+            return os.path.join(self.directory, ckpt.model_states_name(mp_rank, stage))
         name = ckpt.megatron_rank_dir_name(mp_rank) + ("" if stage is None else f"_{stage:03d}")
         return os.path.join(self.directory, name, ckpt.CHECKPOINT_FILENAME)
 
@@ -136,11 +140,27 @@ class SavedCheckpoint:
                 raise ckpt.CheckpointError(f"{self.directory}: {os.path.relpath(path, self.directory)} (pipeline "
                                            f"stage {stage} of model-parallel rank {mp_rank}) is missing")
             stages.append(ckpt.safe_torch_load(path, mmap=True))
+        if self.path == "zero":
+            self._stage_files[mp_rank] = stages
+            return _merge_zero_stages(stages, self.directory)
         return _merge_stages(stages, self.directory)
+
+    def _stage_name(self, stage):
+        """The stage as the ZeRO file names carry it: None at P = 1 (names without the stage)."""
+        return None if self.pipeline_model_parallel_size == 1 else stage
+
+    def _stage_of(self, mp_rank, name):
+        """(stage, its model-states file) holding parameter `name` (the first one: a tied copy is read from the
+        first stage); at P = 1 the one file."""
+        for stage, state in enumerate(self._stage_files.get(mp_rank) or [self.files[mp_rank]]):
+            if name in state[ckpt.MODULE]:
+                return stage, state
+        raise ckpt.CheckpointError(f"{self.directory}: model-parallel rank {mp_rank} has no parameter {name}")
 
     def describe(self):
         if self.path == "zero":
-            return f"mp{self.model_parallel_size} x dp{self.data_parallel_size} (zero-{self.zero_stage})"
+            stages = f" x pp{self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
+            return f"mp{self.model_parallel_size}{stages} x dp{self.data_parallel_size} (zero-{self.zero_stage})"
         if self.pipeline_model_parallel_size > 1:
             return f"mp{self.model_parallel_size} x pp{self.pipeline_model_parallel_size} (megatron)"
         return f"mp{self.model_parallel_size} (megatron)"
@@ -155,7 +175,7 @@ class SavedCheckpoint:
 
     def has_optimizer_state(self):
         if self.path == "zero":
-            return bool(ckpt.optim_states_ranks(self.directory, 0))
+            return bool(ckpt.optim_states_ranks(self.directory, 0, self._stage_name(0)))
         return ckpt.OPTIMIZER in self.files[0]
 
     # ---- tensors --------------------------------------------------------------------------------------------
@@ -246,26 +266,39 @@ class SavedCheckpoint:
         inner = optimizer.get("optimizer", optimizer)
         return inner["state"].get(index, {}).get(kind)
 
-    def _zero_optim_files(self, rank):
-        if rank not in self._optim_files:
+    def _zero_optim_files(self, rank, stage=0):
+        """The optimizer-states files of model-parallel rank `rank` and pipeline stage `stage`, or None."""
+        if (rank, stage) not in self._optim_files:
             ranks = [0] if self.zero_stage == 0 else list(range(self.data_parallel_size))
-            found = ckpt.optim_states_ranks(self.directory, rank)
+            pp = self._stage_name(stage)
+            found = ckpt.optim_states_ranks(self.directory, rank, pp)
             if not found:
+                if stage > 0 and ckpt.optim_states_ranks(self.directory, rank, self._stage_name(0)):
+                    raise ckpt.CheckpointError(f"{self.directory}: the optimizer-states files of pipeline stage "
+                                               f"{stage} (model-parallel rank {rank}) are missing")
                 return None
             missing = sorted(set(ranks) - set(found))
             if missing:
+                where = f"model-parallel rank {rank}" + ("" if pp is None else f", pipeline stage {pp}")
                 raise ckpt.CheckpointError(f"{self.directory}: optimizer-states files of data-parallel ranks "
-                                           f"{missing} (model-parallel rank {rank}) are missing")
-            self._optim_files[rank] = [ckpt.safe_torch_load(
-                os.path.join(self.directory, ckpt.optim_states_name(r, rank)), mmap=True) for r in ranks]
-        return self._optim_files[rank]
+                                           f"{missing} ({where}) are missing")
+            self._optim_files[(rank, stage)] = [ckpt.safe_torch_load(
+                os.path.join(self.directory, ckpt.optim_states_name(r, rank, pp)), mmap=True) for r in ranks]
+        return self._optim_files[(rank, stage)]
 
     def _zero_shard(self, rank, name, kind, weights):
-        files = self._zero_optim_files(rank)
+        """From the flat groups of the stage holding `name`: that stage's param_names say where it sits."""
+        stage, state = self._stage_of(rank, name)
+        files = self._zero_optim_files(rank, stage)
         if files is None:
             return None
-        group_index, _, position = self._flat_index(name)
-        names = self.param_names[group_index]
+        weights = state[ckpt.MODULE]
+        stage_names = state.get(ckpt.PARAM_NAMES) or default_param_names(list(weights))
+        found = [(g, names.index(name)) for g, names in enumerate(stage_names) if name in names]
+        if not found:
+            raise ckpt.CheckpointError(f"{self.directory}: parameter {name} is in no optimizer param group")
+        group_index, position = found[0]
+        names = stage_names[group_index]
         start = sum(weights[n].numel() for n in names[:position])
         shape = weights[name].shape
         end = start + shape.numel()
@@ -332,6 +365,9 @@ class SavedCheckpoint:
 def _layout_and_ranks(directory):
     """(path, sorted model-parallel ranks, pipeline stages)."""
     names = os.listdir(directory)
+    staged = [m for m in map(re.compile(r"mp_rank_(\d+)_(\d{3})_model_states\.pt$").match, names) if m]
+    if staged:   # names with the stage exist only at P > 1 (a lost last stage is caught by the recorded size)
+        return "zero", sorted({int(m.group(1)) for m in staged}), max(2, max(int(m.group(2)) for m in staged) + 1)
     if any(n.endswith("_model_states.pt") for n in names):
         pattern = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
         return "zero", sorted(int(m.group(1)) for m in map(pattern.match, names) if m), 1
@@ -345,20 +381,51 @@ def _layout_and_ranks(directory):
                                f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
 
 
-def _merge_stages(stages, directory):
-    """One Megatron-path file from the pipeline stages' files of one model-parallel rank: weights under their
-    global names, each optimizer group's param names in stage order, the optimizer state re-indexed to that order
-    (the last stage's tied LM-head copy dropped). Counters, RNG, lr scheduler and loss scaler: the first stage's."""
-    merged = dict(stages[0])
+def _merge_stage_weights(stage_weights, directory):
+    """{name: tensor} of every stage, each name once (a tied copy checked equal to the first stage's)."""
     weights = {}
-    for number, stage in enumerate(stages):
-        for name, tensor in stage[ckpt.MODEL].items():
+    for number, stage in enumerate(stage_weights):
+        for name, tensor in stage.items():
             if name not in weights:
                 weights[name] = tensor
             elif not torch.equal(weights[name], tensor):
                 raise ckpt.CheckpointError(f"{directory}: {name} differs between pipeline stage {number} and the "
                                            "first stage (the tied copies must be identical)")
-    merged[ckpt.MODEL] = weights
+    return weights
+
+
+def _merge_zero_stages(stages, directory):
+    """One ZeRO model-states view of one model-parallel rank's stages: the module under global names, each
+    optimizer group's param names in stage order (a tied copy once). The optimizer state stays in the stages'
+    own files (SavedCheckpoint._zero_shard reads it from the stage holding each parameter). Counters, client
+    state (RNG) and lr scheduler: the first stage's."""
+    for number, stage in enumerate(stages):
+        if stage.get(ckpt.PIPELINE_PARALLEL_SIZE, 1) != len(stages):
+            raise ckpt.CheckpointError(f"{directory}: pipeline stage {number}'s model states record pipeline size "
+                                       f"{stage.get(ckpt.PIPELINE_PARALLEL_SIZE, 1)}, the directory has "
+                                       f"{len(stages)} stages")
+    merged = dict(stages[0])
+    merged[ckpt.MODULE] = _merge_stage_weights([stage[ckpt.MODULE] for stage in stages], directory)
+    groups, seen = None, set()
+    for stage in stages:
+        names = stage.get(ckpt.PARAM_NAMES) or default_param_names(list(stage[ckpt.MODULE]))
+        groups = groups or [[] for _ in names]
+        if len(names) != len(groups):
+            raise ckpt.CheckpointError(f"{directory}: the pipeline stages have different numbers of optimizer "
+                                       f"param groups ({len(groups)} and {len(names)})")
+        for group_index, group in enumerate(names):
+            groups[group_index] += [name for name in group if name not in seen]
+            seen.update(group)
+    merged[ckpt.PARAM_NAMES] = groups
+    return merged
+
+
+def _merge_stages(stages, directory):
+    """One Megatron-path file from the pipeline stages' files of one model-parallel rank: weights under their
+    global names, each optimizer group's param names in stage order, the optimizer state re-indexed to that order
+    (the last stage's tied LM-head copy dropped). Counters, RNG, lr scheduler and loss scaler: the first stage's."""
+    merged = dict(stages[0])
+    merged[ckpt.MODEL] = _merge_stage_weights([stage[ckpt.MODEL] for stage in stages], directory)
     if not all(ckpt.OPTIMIZER in stage for stage in stages):
         return merged
     sources, groups = {}, None          # name -> (its stage's optimizer state dict, its index there)

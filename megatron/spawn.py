@@ -59,7 +59,17 @@ def _context():
 
 
 def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=300):
-    """Returns [result of rank 0, result of rank 1, ...]."""
+    """Returns [result of rank 0, result of rank 1, ...]. A launch whose rendezvous port was taken meanwhile by
+    another process (free_port() cannot hold it) is retried once on a new port."""
+    try:
+        return _launch(fn, world_size, args, model_parallel_size, timeout)
+    except RuntimeError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        return _launch(fn, world_size, args, model_parallel_size, timeout)
+
+
+def _launch(fn, world_size, args, model_parallel_size, timeout):
     ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()

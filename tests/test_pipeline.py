@@ -1,7 +1,8 @@
 """Pipeline parallelism (1F1B) on gloo processes: pp2, pp2 x mp2 and pp2 x dp2 equal one process step for step on
 the Megatron path and the ZeRO-1 path (fp32, dropout off, 4 micro-batches per step); the tied word embedding and
 its LM-head copy stay identical; checkpoints resume exactly at pp2 (dropout on) and a pp2 checkpoint continues at
-pp1; inconsistent flags stop before anything is built."""
+pp1, on both paths (ZeRO-1: stage-named engine files; also pp1 -> pp2 and zero_to_fp32); inconsistent flags stop
+before anything is built."""
 import json
 import os
 
@@ -195,3 +196,82 @@ def test_exception_on_one_stage_ends_every_rank_within_the_timeout():
     assert ended[1] == "ValueError: boom on the last stage"
     assert "timed out" in ended[0].lower() or "timeout" in ended[0].lower(), ended[0]
     assert time.monotonic() - start < 60
+
+
+# ---- ZeRO-engine checkpoints under pipelining (--deepspeed, stage 1) ------------------------------------------
+ZERO_PP2_FILES = ["mp_rank_00_000_model_states.pt", "mp_rank_00_001_model_states.pt",
+                  "zero_pp_rank_0_mp_rank_00_000_optim_states.pt", "zero_pp_rank_0_mp_rank_00_001_optim_states.pt"]
+
+
+def test_pp2_zero1_resume_is_exact_with_dropout(tmp_path, deepspeed_config):
+    """4 straight steps == 2 + save + fresh processes + the engine's own load + 2, bitwise, dropout on."""
+    common = TINY + ["--global-batch-size", "4"] + MICRO_4 + [
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4",
+        "--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", deepspeed_config(2, 2),
+        "--save", str(tmp_path), "--save-interval", "2"]
+    straight = run_distributed(_train, 2, args=(common,))
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "iter_0000002"))) == ZERO_PP2_FILES
+    assert open(os.path.join(str(tmp_path), "latest")).read() == "iter_0000004"
+    _set_tracker(str(tmp_path), 2)
+    resumed = run_distributed(_train, 2, args=(common + ["--load", str(tmp_path)],))
+    for s, r in zip(straight, resumed):
+        assert r["iteration"] == [3, 4]
+        assert r["lm loss"] == s["lm loss"][2:]   # bitwise: every stage's RNG, weights and optimizer came back
+
+
+@pytest.fixture(scope="module")
+def saved_zero_pp2(tmp_path_factory, deepspeed_config):
+    """A pp2 ZeRO-1 run (dropout off, 4 micro-batches) saving at iterations 5 and 10."""
+    save = str(tmp_path_factory.mktemp("zero_pp2"))
+    results = _run(2, MICRO_4 + ["--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
+                                 deepspeed_config(2, 4), "--save", save, "--save-interval", "5"])
+    assert sorted(os.listdir(os.path.join(save, "iter_0000010"))) == ZERO_PP2_FILES
+    return save, results
+
+
+@pytest.mark.parametrize("zero", [True, False], ids=["zero1", "megatron"])
+def test_pp2_zero_checkpoint_continues_at_pp1(saved_zero_pp2, deepspeed_config, tmp_path, zero):
+    """The stages' weights and optimizer partitions merge into a pp1 model of either path: iterations 6-10
+    within 1e-6 of the uninterrupted pp2 run; the pp1 ZeRO run's iteration-10 checkpoint and the pp2 one
+    consolidate (tools/zero_to_fp32.py) to the same fp32 weights; the pp1 ZeRO checkpoint continues at pp2."""
+    from tools.zero_to_fp32 import consolidate
+    save, results = saved_zero_pp2
+    _set_tracker(save, 5)
+    zero_args = ["--deepspeed", "--deepspeed_config", deepspeed_config(2, 4)]
+    extra = zero_args + ["--save", str(tmp_path / "pp1"), "--save-interval", "2"] if zero else []
+    resumed = run_distributed(_train, 1, args=(PIPELINE + MICRO_4 + ["--load", save] + extra,))[0]
+    assert resumed["iteration"] == list(range(6, 11))
+    assert _relative(resumed["lm loss"], results[0]["losses"][5:]) <= TOLERANCE
+    if zero:
+        pp2 = str(tmp_path / "pp2.pt")
+        consolidate(save, pp2, tag="iter_0000010")
+        consolidate(str(tmp_path / "pp1"), str(tmp_path / "pp1.pt"))
+        pp2, pp1 = torch.load(pp2, weights_only=True), torch.load(str(tmp_path / "pp1.pt"), weights_only=True)
+        assert sorted(pp2) == sorted(pp1) and any(n.startswith("transformer.layers.1.") for n in pp2)
+        for name in pp1:
+            torch.testing.assert_close(pp2[name], pp1[name], rtol=1e-5, atol=1e-6)
+        # and back: the pp1 ZeRO checkpoint of iteration 8 continues at pp2 (split into stages by name)
+        _set_tracker(str(tmp_path / "pp1"), 8)
+        split = run_distributed(_train, 2, args=(PIPELINE + MICRO_4 + zero_args + [
+            "--pipeline-model-parallel-size", "2", "--load", str(tmp_path / "pp1")],))[0]
+        assert split["iteration"] == [9, 10]
+        assert _relative(split["lm loss"], results[0]["losses"][8:]) <= TOLERANCE
+
+
+def test_pp2_zero_checkpoint_missing_stage_is_named(saved_zero_pp2, tmp_path):
+    import shutil
+
+    from megatron.reshard import SavedCheckpoint
+    from megatron.zero.checkpoint import CheckpointError
+    save, _ = saved_zero_pp2
+    shutil.copytree(os.path.join(save, "iter_0000010"), tmp_path / "iter_0000010")
+    saved = SavedCheckpoint(str(tmp_path), "iter_0000010")
+    assert saved.describe() == "mp1 x pp2 x dp1 (zero-1)" and saved.pipeline_model_parallel_size == 2
+    assert saved.full_tensor("transformer.layers.1.mlp.dense_h_to_4h.weight", "exp_avg") is not None
+    os.remove(tmp_path / "iter_0000010" / "zero_pp_rank_0_mp_rank_00_001_optim_states.pt")
+    with pytest.raises(CheckpointError, match="optimizer-states files of pipeline stage 1"):
+        SavedCheckpoint(str(tmp_path), "iter_0000010").full_tensor("transformer.layers.1.mlp.dense_h_to_4h.weight",
+                                                                   "exp_avg")
+    os.remove(tmp_path / "iter_0000010" / "mp_rank_00_001_model_states.pt")
+    with pytest.raises(CheckpointError, match="pipeline stage 1 of model-parallel rank 0"):
+        SavedCheckpoint(str(tmp_path), "iter_0000010")

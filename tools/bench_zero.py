@@ -115,11 +115,15 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
             return (_tensor_bytes(p for p in model.parameters()) + _tensor_bytes(p.grad for p in model.parameters())
                     + _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0))
         return params, train_step, state_bytes
+    stage, offload = stage_and_offload(kind)
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
               "bf16": {"enabled": precision == "bf16"},
-              "zero_optimization": {"stage": int(kind[-1]), **zero_options}}
+              "zero_optimization": {"stage": stage, **zero_options, **offload}}
     if kind.startswith("ds"):
         import deepspeed
+        if stage == 3:   # the tied head reads wte's weight in GPT.forward: DeepSpeed must gather it there too
+            deepspeed.zero.register_external_parameter(model, model.wte.weight)
+        config["zero_allow_untested_optimizer"] = True
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     else:
         from megatron import zero
@@ -131,11 +135,22 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         engine.backward(loss)
         engine.step()
 
-    def state_bytes():
+    def state_bytes():     # on the device (what offload moves to the host is not counted)
         if hasattr(optimizer, "partitioned_state_bytes"):
-            return sum(optimizer.partitioned_state_bytes().values())
+            from megatron.memory import measured_model_state_bytes
+            return measured_model_state_bytes(optimizer)["total"]
         return float("nan")
     return params, train_step, state_bytes
+
+
+def stage_and_offload(kind):
+    """("zero3off" | "ds2" | ...) -> (ZeRO stage, the offload keys of zero_optimization): "off" offloads the
+    optimizer (and, at stage 3, the parameters) to host memory."""
+    stage = int(kind[4] if kind.startswith("zero") else kind[2])
+    if not kind.endswith("off"):
+        return stage, {}
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    return stage, {**offload, **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}
 
 
 def adam_options(adam):
@@ -203,9 +218,10 @@ def ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes=0):
     all-gather, (dp-1)/dp each, for stages 1-2 (the same total); stage 3 gathers its partitioned parameters before
     forward and again before backward, and refreshes the persistent (whole) ones once after the step."""
     kind, share = variant.split("-")[0], (dp - 1) / dp
-    if kind in ("ddp", "ddpamp") or kind.endswith("0"):
+    stage = 0 if kind in ("ddp", "ddpamp") else stage_and_offload(kind)[0]
+    if stage == 0:
         return 2 * share * grad_bytes
-    if kind.endswith("3"):
+    if stage == 3:
         return share * (grad_bytes + 2 * (grad_bytes - persistent_bytes) + persistent_bytes)
     return share * grad_bytes + share * grad_bytes
 
@@ -215,6 +231,8 @@ def formula_bytes(variant, params, dp):
     kind, precision = variant.split("-")
     if kind == "ddpamp":
         return 16 * params                                         # fp32 params, grads, two fp32 moments
+    if kind.endswith("off"):                # on the device: stage 2 keeps the 16-bit params, stage 3 nothing
+        return (2 if precision == "bf16" else 4) * params if kind.startswith("zero2") else 0
     stage = 0 if kind == "ddp" else int(kind[-1])
     if precision == "bf16" and kind != "ddp":
         return {0: 16 * params, 1: 4 * params + 12 * params / dp, 2: 2 * params + 14 * params / dp,
@@ -248,11 +266,11 @@ def parse_args(argv=None):
 
 def default_variants(precisions, deepspeed_installed):
     variants = [f"{kind}-{precision}" for precision in precisions
-                for kind in ("ddp", "zero0", "zero1", "zero2", "zero3")]
+                for kind in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2off", "zero3off")]
     if "bf16" in precisions:
         variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if deepspeed_installed:
-        variants += [f"ds{stage}-{precision}" for precision in precisions for stage in (0, 1, 2)]
+        variants += [f"ds{stage}-{precision}" for precision in precisions for stage in (0, 1, 2, 3)]
     return variants
 
 
@@ -311,7 +329,10 @@ def main():
     variants = args.variants.split(",") if args.variants else default_variants(default_precisions(),
                                                                                  deepspeed_installed)
     zero_options = {"overlap_comm": not args.no_overlap_comm, "contiguous_gradients": not args.no_contiguous_gradients,
-                    "reduce_bucket_size": args.reduce_bucket_size, "allgather_bucket_size": args.allgather_bucket_size}
+                    "reduce_bucket_size": args.reduce_bucket_size, "allgather_bucket_size": args.allgather_bucket_size,
+                    # stage 3: what "auto" resolves to for this hidden size (0.9 h^2, 10 h), as in the ZeRO-3 configs
+                    "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
+                    "stage3_param_persistence_threshold": 10 * HIDDEN}
     print(f"# GPT-2 L={LAYERS} h={HIDDEN} s={SEQ} V={VOCAB} micro={MICRO}, AdamW kernel: {args.adam} "
           f"{adam_options(args.adam) or '(torch default)'}")
     if args.repeats:

@@ -9,6 +9,8 @@ ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt         this data-parallel rank's fp32 slice,
                                                                          moments, loss scaler (unpadded)
     SAVE/latest                                                           the tag, written last
+    Under pipelining (P > 1) both names carry the stage, Megatron-style: mp_rank_{mp:02d}_{pp:03d}_model_states.pt,
+    zero_pp_rank_{dp}_mp_rank_{mp:02d}_{pp:03d}_optim_states.pt (each stage's parameters under their global names).
 Megatron layout (written by megatron.utils):
     SAVE/iter_{:07d}/mp_rank_{mp:02d}/model_optim_rng.pt                  model, optimizer, lr scheduler, RNG
     SAVE/latest_checkpointed_iteration.txt                                the iteration (both paths write it)
@@ -34,6 +36,7 @@ MICRO_STEPS = "micro_steps"
 CLIENT_STATE = "client_state"
 DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
+PIPELINE_PARALLEL_SIZE = "pipeline_parallel_size"   # absent in checkpoints saved before pipelining: 1
 ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
 
 # Keys of the optimizer-states file (this data-parallel rank's unpadded slice of every param group).
@@ -83,17 +86,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, or holds objects that weights_only loading refuses."""
 
 
-def model_states_name(model_parallel_rank):
-    return f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
+def _rank_suffix(model_parallel_rank, pipeline_rank=None):
+    """mp_rank_{tp:02d}, or mp_rank_{tp:02d}_{pp:03d} under pipelining (pipeline_rank None: P = 1, as before)."""
+    return f"mp_rank_{model_parallel_rank:02d}" + ("" if pipeline_rank is None else f"_{pipeline_rank:03d}")
 
 
-def optim_states_name(data_parallel_rank, model_parallel_rank):
-    return f"zero_pp_rank_{data_parallel_rank}_mp_rank_{model_parallel_rank:02d}_optim_states.pt"
+def model_states_name(model_parallel_rank, pipeline_rank=None):
+    return f"{_rank_suffix(model_parallel_rank, pipeline_rank)}_model_states.pt"
 
 
-def optim_states_ranks(directory, model_parallel_rank):
-    """Data-parallel ranks that have an optimizer-states file for `model_parallel_rank` in `directory`."""
-    pattern = re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{model_parallel_rank:02d}_optim_states\.pt$")
+def optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None):
+    return f"zero_pp_rank_{data_parallel_rank}_{_rank_suffix(model_parallel_rank, pipeline_rank)}_optim_states.pt"
+
+
+def optim_states_ranks(directory, model_parallel_rank, pipeline_rank=None):
+    """Data-parallel ranks that have an optimizer-states file for `model_parallel_rank` (and pipeline stage
+    `pipeline_rank`, None at P = 1) in `directory`."""
+    suffix = _rank_suffix(model_parallel_rank, pipeline_rank)
+    pattern = re.compile(rf"zero_pp_rank_(\d+)_{suffix}_optim_states\.pt$")
     return sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(directory)) if m)
 
 

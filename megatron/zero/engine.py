@@ -205,8 +205,14 @@ class ZeroEngine(torch.nn.Module):
                                                f"the model {tuple(full_shape(param))}")
                 self.load_parameter(param, state_dict[name])
 
+    def _pipeline_rank(self):
+        """This rank's stage for the checkpoint names: None at P = 1 (the names without the stage)."""
+        return self.ctx.pipeline_parallel_rank if self.ctx.pipeline_parallel_size > 1 else None
+
     def _write_checkpoint_files(self, directory, client_state):
-        mp_rank = self.ctx.model_parallel_rank
+        """Data-parallel rank 0 of every (tensor-parallel rank, stage) writes its model states; every rank its
+        optimizer partition. Under pipelining each stage's module holds its layers under their global names."""
+        mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
         module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
         if self.ctx.data_parallel_rank == 0:
             state = {ckpt.MODULE: module_state,
@@ -215,11 +221,12 @@ class ZeroEngine(torch.nn.Module):
                      ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
                      ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
                      ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
+                     ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
                      ckpt.ZERO_STAGE: self.zero_optimization_stage(),
                      ckpt.PARAM_NAMES: self._param_names()}
-            ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank)))
-        ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(),
-                               os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank)))
+            ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)))
+        ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(), os.path.join(
+            directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)))
 
     def _param_names(self):
         """Per flat group, the module's names of its parameters in flat order (how other topologies find them)."""
@@ -236,24 +243,33 @@ class ZeroEngine(torch.nn.Module):
         if tag is None:
             return None, {}
         directory = atomic_io.readable_directory(os.path.join(load_dir, str(tag)))
-        mp_rank = self.ctx.model_parallel_rank
-        path = os.path.join(directory, ckpt.model_states_name(mp_rank))
+        mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
+        path = os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank))
+        if not os.path.isfile(path) and os.path.isdir(directory):
+            found = sorted(n for n in os.listdir(directory) if n.endswith("_model_states.pt"))
+            raise ckpt.CheckpointError(f"{path} does not exist: {directory} holds {found or 'no model-states files'} "
+                                       f"(this rank: model-parallel rank {mp_rank}, pipeline stage "
+                                       f"{self.ctx.pipeline_parallel_rank} of {self.ctx.pipeline_parallel_size})")
         state = ckpt.safe_torch_load(path)
         if state[ckpt.MODEL_PARALLEL_SIZE] != self.ctx.model_parallel_size:
             raise ckpt.CheckpointError(f"{path} was saved at model-parallel size {state[ckpt.MODEL_PARALLEL_SIZE]}, "
                                        f"this run uses {self.ctx.model_parallel_size}")
+        saved_stages = state.get(ckpt.PIPELINE_PARALLEL_SIZE, 1)
+        if saved_stages != self.ctx.pipeline_parallel_size:
+            raise ckpt.CheckpointError(f"{path} was saved at pipeline-parallel size {saved_stages}, this run uses "
+                                       f"{self.ctx.pipeline_parallel_size}")
         self._load_module_state_dict(state[ckpt.MODULE], load_module_strict)
         if load_optimizer_states:
             # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
             saved_ranks = [0] if state[ckpt.ZERO_STAGE] == 0 else list(range(state[ckpt.DATA_PARALLEL_SIZE]))
-            missing = sorted(set(saved_ranks) - set(ckpt.optim_states_ranks(directory, mp_rank)))
+            missing = sorted(set(saved_ranks) - set(ckpt.optim_states_ranks(directory, mp_rank, pp_rank)))
             if missing:
                 raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} "
                                            f"(of {len(saved_ranks)}) are missing")
             self.optimizer.load_partitioned_state_dicts(  # memory-mapped: only this rank's pieces are read
-                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank)), mmap=True)
-                 for r in saved_ranks])
+                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank, pp_rank)),
+                                      mmap=True) for r in saved_ranks])
         else:
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:

@@ -34,6 +34,8 @@ class ParallelContext:
     pipeline_parallel_group: Any = None
     """The stages of this rank's pipeline (the gradient norm and overflow span them)."""
     pipeline_parallel_size: int = 1
+    pipeline_parallel_rank: int = 0
+    """This rank's stage (its checkpoint files' names carry it when pipeline_parallel_size > 1)."""
 
     @classmethod
     def from_mpu(cls, mpu):
@@ -44,7 +46,8 @@ class ParallelContext:
             stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
             if stages > 1:
                 pipeline = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
-                            "pipeline_parallel_size": stages}
+                            "pipeline_parallel_size": stages,
+                            "pipeline_parallel_rank": mpu.get_pipeline_model_parallel_rank()}
             return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
                        mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
                        mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline)
