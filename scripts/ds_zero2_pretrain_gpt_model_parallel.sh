@@ -11,8 +11,8 @@
 # Reads: GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MP_SIZE, DS_CONFIG, and what ds_pretrain_gpt.sh reads.
 # PP_SIZE (pipeline stages, default 1: ZeRO-2 as above). PP_SIZE > 1 allows ZeRO stages 0-1 only (DeepSpeed's rule):
 # the default config is then DS_CONFIG with stage 1 and gradient_accumulation_steps ACCUMULATION (default 4, the
-# micro-batches per step), written under CHECKPOINT_PATH; the ZeRO engine does not save pipelined checkpoints
-# yet, so that run neither saves nor loads (the Megatron-path script does, with PP_SIZE).
+# micro-batches per step), written under CHECKPOINT_PATH. Checkpoints carry the stage in their names and load at
+# another PP_SIZE too.
 # With DEEPSPEED_ACTIVATION_CHECKPOINTING=1: --checkpoint-activations --deepspeed_activation_checkpointing
 # (checkpointed activations partitioned across the model-parallel ranks).
 source "$(dirname "$0")/_common.sh"
@@ -32,9 +32,7 @@ config.pop("train_batch_size", None)
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 PY
   DS_CONFIG="$CHECKPOINT_PATH/ds_config_pp.json"
-  CHECKPOINT_ARGS=""
-  TRAINING_ARGS=${TRAINING_ARGS/--save-interval $SAVE_INTERVAL/}
-  echo "PP_SIZE=$PP_SIZE: ZeRO stage 1 ($DS_CONFIG); pipelined ZeRO checkpoints are not saved yet"
+  echo "PP_SIZE=$PP_SIZE: ZeRO stage 1 ($DS_CONFIG)"
 fi
 AC_ARGS=""
 if [ "${DEEPSPEED_ACTIVATION_CHECKPOINTING:-0}" = "1" ]; then

@@ -21,7 +21,10 @@ SCRIPT_CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(o
 # DeepSpeed's documented defaults for what a config leaves out.
 ZERO_DEFAULTS = {"stage": 0, "allgather_partitions": True, "allgather_bucket_size": 500_000_000,
                  "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 500_000_000,
-                 "contiguous_gradients": False}
+                 "contiguous_gradients": False, "sub_group_size": 1_000_000_000,
+                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+                 "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                 "stage3_gather_16bit_weights_on_model_save": False}   # DeepSpeed's defaults
 FP16_DEFAULTS = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}
 CHECKPOINTING_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False,
@@ -65,7 +68,9 @@ def test_example_configs_give_the_values_they_write(path, dp):
     for key, default in ZERO_DEFAULTS.items():
         value = getattr(config.zero_optimization, key)
         assert value == zero_raw.get(key, default), key
-        assert type(value) is type(default), key     # 5e8 in the file is the int 500000000
+        assert type(value) is type(default) or value == "auto", key     # 5e8 in the file is the int 500000000
+    for key in ("offload_optimizer", "offload_param"):     # device "none" unless the file says otherwise
+        assert getattr(config.zero_optimization, key).device == zero_raw.get(key, {}).get("device", "none"), key
 
     fp16_raw = raw.get("fp16", {})
     for key, default in FP16_DEFAULTS.items():
@@ -218,3 +223,18 @@ def test_warmup_schedules_follow_deepspeed_formulas():
     for _ in range(7):
         decay.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(2 / 4)        # (8 - 6) / (8 - 4)
+
+
+def test_auto_values_resolve_from_the_hidden_size_and_cpu_offload_is_offload_optimizer():
+    from megatron.zero.config import resolve_auto_values
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9}}, data_parallel_size=2)
+    assert resolve_auto_values(config, 64) == {"reduce_bucket_size": 64 * 64, "stage3_prefetch_bucket_size": 3686,
+                                               "stage3_param_persistence_threshold": 640}
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 3686          # int(0.9 * 64^2)
+    with pytest.raises(ConfigError, match="is \"auto\" but the model has no config.hidden_size"):
+        resolve_auto_values(load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": "auto"}}, 2), None)
+    old = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 2)
+    assert old.zero_optimization.offload_optimizer.device == "cpu" and old.zero_optimization.offload_optimizer.enabled
