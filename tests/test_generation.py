@@ -195,3 +195,13 @@ def test_generate_samples_bad_input_is_one_line(tmp_path, checkpoint):
                             env=dict(os.environ, MASTER_PORT=str(free_port())))   # port 6000 may be taken
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {messages[1]}"]
+
+
+def test_generation_under_pipelining_is_refused_in_one_line(tmp_path, checkpoint):
+    io = ["--load", checkpoint, "--sample-output-file", str(tmp_path / "out.txt"), "--greedy", "--out-seq-length", "2",
+          "--sample-input-file", str(tmp_path / "prompts.txt"), "--pipeline-model-parallel-size", "2"]
+    (tmp_path / "prompts.txt").write_text("5 9 3\n")
+    for message in run_distributed(_generation_errors, 2, args=([MODEL + io],)):
+        assert message == ["generation and evaluation need the whole model on one stage, not "
+                           "--pipeline-model-parallel-size 2: run with --pipeline-model-parallel-size 1 (a pipelined "
+                           "checkpoint loads there)"]

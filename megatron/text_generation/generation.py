@@ -137,6 +137,10 @@ def load_inference_model(args):
     from megatron.model import GPT2Model, GPT2ModelConfig
     from megatron.train_state import CheckpointOptions
     from megatron.utils import load_checkpoint
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(f"generation and evaluation need the whole model on one stage, not "
+                         f"--pipeline-model-parallel-size {mpu.get_pipeline_model_parallel_world_size()}: run with "
+                         "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
     model = GPT2Model(GPT2ModelConfig.from_args(args), parallel_output=False)
     model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
     options = dataclasses.replace(CheckpointOptions.from_args(args), finetune=True, no_load_optim=True,
