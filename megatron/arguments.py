@@ -60,6 +60,10 @@ def _add_regularization_args(parser):
 
 def _add_training_args(parser):
     group = parser.add_argument_group("training")
+    group.add_argument("--torch-compile", action="store_true",
+                       help="the fused compute path: each layer's layer norm, bias + GeLU, bias + dropout + residual "
+                            "and attention around SDPA, and the loss, compiled with torch.compile between the "
+                            "tensor-parallel collectives (the same math; the first step compiles)")
     group.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=4,
                        help="micro batch per data-parallel rank")
     group.add_argument("--global-batch-size", type=int, default=None,

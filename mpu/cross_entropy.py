@@ -3,10 +3,13 @@
 Each rank holds logits for a contiguous vocabulary range (ranges may be uneven: rank r's range starts at the
 sum of the lower ranks' widths). Three all-reduces (max, target logit, sum of exponentials) give the exact
 loss without ever gathering the full [.., V] logits. The input is never modified.
+`fused=True` computes the same loss with mpu/fused.py's compiled passes (the --torch-compile path); its backward
+overwrites the logits with their gradient, so it is for logits nothing else uses (GPT2Model's).
 """
 import torch
 import torch.distributed as dist
 
+from . import fused as compiled_ops
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 
 
@@ -31,10 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)  # a new tensor: the caller's logits are untouched
 
-        partition_vocab_size = shifted.size(-1)
-        vocab_start = _vocab_start_index(partition_vocab_size, shifted.device)
-        outside = (target < vocab_start) | (target >= vocab_start + partition_vocab_size)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
+        local_target, outside = _local_target(target, shifted.size(-1), shifted.device)
         predicted = torch.gather(shifted, -1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = predicted.masked_fill(outside, 0.0)
         dist.all_reduce(predicted, group=group)
@@ -59,6 +59,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_input.to(ctx.input_dtype), None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target):
-    """Per-token loss [..] from logits [.., V/p] (this rank's vocabulary slice) and global target ids [..]."""
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)
+def _local_target(target, partition_vocab_size, device):
+    """(target - this rank's first vocabulary id, 0 where outside; the mask of targets another rank holds)."""
+    vocab_start = _vocab_start_index(partition_vocab_size, device)
+    outside = (target < vocab_start) | (target >= vocab_start + partition_vocab_size)
+    return (target - vocab_start).masked_fill(outside, 0), outside
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss as _VocabParallelCrossEntropy: two compiled passes over the logits forward, one backward
+    that writes the gradient into the saved logits."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target):
+        group = get_model_parallel_group()
+        logits_max = compiled_ops.logits_max(vocab_parallel_logits)
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        local_target, outside = _local_target(target, vocab_parallel_logits.size(-1), vocab_parallel_logits.device)
+        predicted, sum_exp = compiled_ops.target_logit_and_sum_exp(vocab_parallel_logits, logits_max, local_target, outside)
+        dist.all_reduce(predicted, group=group)
+        dist.all_reduce(sum_exp, group=group)
+        ctx.save_for_backward(vocab_parallel_logits, logits_max, sum_exp, local_target, outside)
+        return torch.log(sum_exp) - predicted
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits = ctx.saved_tensors[0]
+        compiled_ops.cross_entropy_grad_(*ctx.saved_tensors, grad_output.contiguous())
+        return logits, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, fused=False):
+    """Per-token loss [..] from logits [.., V/p] (this rank's vocabulary slice) and global target ids [..].
+    fused: the compiled passes of mpu/fused.py (the same loss, fewer passes over the logits); backward then
+    overwrites the logits with their gradient."""
+    function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return function.apply(vocab_parallel_logits, target)

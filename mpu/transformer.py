@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
 from .utils import divide, get_device
@@ -121,9 +123,13 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
+    """fused: run training and evaluation forwards through mpu/fused.py's compiled pieces (the same math;
+    incremental decoding stays eager)."""
+
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                 layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None):
+                 layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False):
         super().__init__()
+        self.fused = fused
         device = get_device()
         self.input_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
@@ -133,9 +139,28 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method)
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None):
+        if self.fused and layer_past is None:
+            return self._fused_forward(hidden_states, attention_mask)
         hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask,
                                                        layer_past)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def _fused_forward(self, hidden_states, attention_mask):
+        """The eager forward's math, compiled between the collectives (see mpu/fused.py)."""
+        attention, mlp, norm = self.attention, self.mlp, self.post_attention_layernorm
+        ln1 = copy_to_model_parallel_region(self.input_layernorm(hidden_states))
+        dropout_p = attention.attention_dropout_prob if self.training else 0.0
+        with attention.rng_tracker.fork():
+            partial = compiled_ops.attention(ln1, attention.query_key_value.weight, attention.query_key_value.bias,
+                                             attention.dense.weight, attention_mask, attention.heads_per_partition,
+                                             dropout_p)
+        hidden_states, ln2 = compiled_ops.bias_dropout_add_layernorm(
+            reduce_from_model_parallel_region(partial), attention.dense.bias, hidden_states,
+            attention.output_dropout.p, self.training, norm.weight, norm.bias, norm.eps)
+        partial = compiled_ops.mlp(copy_to_model_parallel_region(ln2), mlp.dense_h_to_4h.weight,
+                                   mlp.dense_h_to_4h.bias, mlp.dense_4h_to_h.weight)
+        return compiled_ops.bias_dropout_add(reduce_from_model_parallel_region(partial), mlp.dense_4h_to_h.bias,
+                                             hidden_states, mlp.dropout.p, self.training)
 
 
 class _StageLayers(nn.ModuleList):
@@ -160,13 +185,15 @@ class ParallelTransformer(nn.Module):
     dropped at once, so the default generator is consumed as for the whole model: each stage's weights equal
     the single-stage model's (one extra layer alive at a time while building).
 
+    `fused=True`: every layer's forward runs mpu/fused.py's compiled pieces (--torch-compile).
+
     `checkpoint_function(fn, *args)` and `rng_tracker` (the model-parallel dropout stream) default to mpu's; pass
     another pair (zero.checkpointing's) together, so that recomputation replays the tracker it checkpoints."""
 
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-                 final_layernorm=True):
+                 final_layernorm=True, fused=False):
         super().__init__()
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
@@ -179,7 +206,7 @@ class ParallelTransformer(nn.Module):
         for index in range(num_layers):
             layer = ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
                                              output_dropout_prob, layernorm_epsilon, init_method,
-                                             output_layer_init_method, rng_tracker)
+                                             output_layer_init_method, rng_tracker, fused)
             if start <= index < end:
                 kept.append(layer)
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)

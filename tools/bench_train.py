@@ -74,15 +74,17 @@ def _batch(c, seed):
     return torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), generator=g)
 
 
-def make_plain(c, dtype):
+def make_plain(c, dtype, compile_model=False):
+    """nanoGPT-style loop; compile_model: the whole model under torch.compile (the reference of --torch-compile)."""
     torch.manual_seed(0)
     model = PlainGPT(c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = dtype == "bf16"
+    forward = torch.compile(model) if compile_model else model
 
     def step(text):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(text[:, :-1], text[:, 1:])
+            loss = forward(text[:, :-1], text[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -133,8 +135,16 @@ def make_ours(c, dtype, extra_flags=()):
 
 
 UNFUSED = "ours, torch-default AdamW"
+COMPILED = {"ours --torch-compile": functools.partial(make_ours, extra_flags=["--torch-compile"]),
+            "plain PyTorch, torch.compile": functools.partial(make_plain, compile_model=True)}
 IMPLS = {"ours": make_ours, UNFUSED: functools.partial(make_ours, extra_flags=["--no-fused-adam"]),
-         "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf}
+         "plain PyTorch": make_plain, "HF GPT2LMHeadModel": make_hf, **COMPILED}
+
+
+# (implementation, baseline) pairs whose per-round ratio is printed after the table: the fused AdamW kernel's
+# gain, and the fused compute path against our eager step and against torch.compile of the plain model.
+GAINS = (("ours", UNFUSED), ("ours --torch-compile", "ours"),
+         ("ours --torch-compile", "plain PyTorch, torch.compile"))
 
 
 def _init_process_group():
@@ -151,12 +161,12 @@ def flops_per_step(c):
     return 24 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) * 3
 
 
-def measure_throughput(config_name, dtype, rounds, steps):
+def measure_throughput(config_name, dtype, rounds, steps, impls=tuple(IMPLS)):
     """{implementation: [tokens/s of round 0, round 1, ...]}; the order is reversed every other round so a drift
-    in the machine's speed favours no implementation."""
+    in the machine's speed favours no implementation. The compiled ones compile in the warm-up steps."""
     c = CONFIGS[config_name]
     text = _batch(c, 0)
-    steppers = {name: make(c, dtype) for name, make in IMPLS.items()}
+    steppers = {name: IMPLS[name](c, dtype) for name in impls}
     for step in steppers.values():  # warm-up
         step(text)
         step(text)
@@ -224,6 +234,8 @@ def main():
                         help="default: fp32, plus bf16 where it is native (see the header line)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (>= 5 for a median)")
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS), metavar="IMPL",
+                        help=f"implementations to compare (default: all): {', '.join(map(repr, IMPLS))}")
     parser.add_argument("--no-rss", action="store_true", help="skip the per-cell peak RSS subprocesses")
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     parser.add_argument("--adam-step-only", action="store_true",
@@ -231,6 +243,8 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds {args.rounds} --steps {args.steps}: both must be >= 1")
+    if "plain PyTorch" not in args.impls:
+        parser.error("--impls must include 'plain PyTorch' (the table's baseline)")
     from bench_common import default_precisions, precision_header
     print(precision_header())
     args.dtypes = args.dtypes or default_precisions()
@@ -246,15 +260,17 @@ def main():
                       f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f}) |")
         return
     _init_process_group()
-    rows, fused_gains = [], []
+    rows, gains = [], []
     print(f"# median of {args.rounds} alternating rounds of {args.steps} steps (min-max in brackets)")
     print("| config | dtype | implementation | tokens/s | vs plain PyTorch | TFLOP/s | peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|")
     for config_name in args.configs:
         for dtype in args.dtypes:
-            samples = measure_throughput(config_name, dtype, args.rounds, args.steps)
+            samples = measure_throughput(config_name, dtype, args.rounds, args.steps, args.impls)
             summary = summarize(samples)
-            fused_gains.append((config_name, dtype, summarize(samples, baseline=UNFUSED)["ours"][3:]))
+            for mine, theirs in GAINS:
+                if mine in samples and theirs in samples:
+                    gains.append((config_name, dtype, mine, theirs, summarize(samples, baseline=theirs)[mine][3:]))
             for impl, (tokens_per_s, lo, hi, ratio, ratio_lo, ratio_hi) in summary.items():
                 c = CONFIGS[config_name]
                 tflops = flops_per_step(c) * tokens_per_s / (c["batch"] * c["seq"]) / 1e12
@@ -264,9 +280,8 @@ def main():
                                  ratio_max=ratio_hi, tflops=tflops, rss_mb=rss))
                 print(f"| {config_name} | {dtype} | {impl} | {tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
                       f"{ratio:.2f}x ({ratio_lo:.2f}-{ratio_hi:.2f}) | {tflops:.3f} | {rss:,.0f} |", flush=True)
-    for config_name, dtype, (gain, lo, hi) in fused_gains:
-        print(f"# {config_name} {dtype}: ours with fused AdamW / with torch's default kernel, per-round median "
-              f"{gain:.2f}x ({lo:.2f}-{hi:.2f})")
+    for config_name, dtype, mine, theirs, (gain, lo, hi) in gains:
+        print(f"# {config_name} {dtype}: {mine} / {theirs}, per-round median {gain:.2f}x ({lo:.2f}-{hi:.2f})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -61,6 +61,8 @@ class GPT2ModelConfig:
     """LayerNorm epsilon."""
     real_vocab_size: Optional[int] = None
     """The tokenizer's vocabulary; word-embedding rows from it to vocab_size are padding (None: no padding)."""
+    fused_compute: bool = False
+    """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
 
     @classmethod
     def from_args(cls, args):
@@ -70,7 +72,8 @@ class GPT2ModelConfig:
                    embedding_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                    hidden_dropout=args.hidden_dropout, checkpoint_activations=args.checkpoint_activations,
                    checkpoint_num_layers=args.checkpoint_num_layers, init_method_std=args.init_method_std,
-                   layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size)
+                   layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size,
+                   fused_compute=args.torch_compile)
 
 
 def activation_checkpointing_pair():
@@ -131,7 +134,7 @@ class GPT2Model(nn.Module):
             checkpoint_num_layers=config.checkpoint_num_layers, layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
-            final_layernorm=self.post_process)
+            final_layernorm=self.post_process, fused=config.fused_compute)
 
         self.lm_head = TiedLMHead() if self.post_process else None
         if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
@@ -172,7 +175,7 @@ class GPT2Model(nn.Module):
             return hidden
         logits_parallel = self.lm_head(hidden, self.word_embeddings.weight)  # [b, s, V/p]
         if labels is not None:
-            return mpu.vocab_parallel_cross_entropy(logits_parallel, labels)
+            return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute)
         if self.parallel_output:
             return logits_parallel
         return mpu.gather_from_model_parallel_region(logits_parallel)

@@ -1,0 +1,101 @@
+"""The fused compute path (`--torch-compile`): the pure-compute pieces of a transformer layer and of the
+vocab-parallel loss, each compiled with torch.compile (inductor), called between the tensor-parallel collectives.
+
+A layer's forward runs as (collectives and the RNG fork stay eager, outside every compiled piece):
+
+    ln1 = input_layernorm(x)                          eager (one kernel already)
+    copy_to_model_parallel_region(ln1)                identity forward, all-reduce backward
+    partial = attention(ln1, Wqkv, bqkv, Wdense)      compiled: qkv + bias, SDPA, the dense matmul (no bias)
+                                                      (under the model-parallel RNG fork: attention dropout)
+    reduce_from_model_parallel_region(partial)        all-reduce
+    x, ln2 = bias_dropout_add_layernorm(...)          compiled: x + dropout(out + b), then LayerNorm
+    copy_to_model_parallel_region(ln2)
+    partial = mlp(ln2, W1, b1, W2)                    compiled: fc1 + bias + GeLU, the fc2 matmul (no bias)
+    reduce_from_model_parallel_region(partial)
+    x = bias_dropout_add(out, b2, x)                  compiled
+
+The math is the eager layer's (the bias of a row-parallel linear is added after the all-reduce in both), so
+model parallelism, pipeline stages, ZeRO and activation checkpointing see the same tensors. Dropout inside a
+compiled piece draws from torch's generator through aten's own random kernels (inductor's `fallback_random`),
+so the masks are eager's for the same generator state and a checkpointed recompute replays them.
+
+The loss: `fused_vocab_parallel_cross_entropy` keeps cross_entropy.py's three all-reduces and computes the local
+statistics in two compiled passes over the logits (max; exp-sum with the target logit) and the gradient in one,
+saving the logits instead of a softmax copy and writing the gradient into them (as Megatron's loss reuses its
+softmax buffer): the caller's logits must be dead after the loss (GPT2Model's are: the LM head's matmul does not
+save its output).
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def compiled(fn):
+    """`fn` compiled with torch.compile on its first call (static shapes; aten's random kernels)."""
+    @functools.cache
+    def build():
+        return torch.compile(fn, dynamic=False, options={"fallback_random": True})
+
+    @functools.wraps(fn)
+    def run(*args):
+        return build()(*args)
+    run.eager = fn
+    return run
+
+
+@compiled
+def attention(ln1, qkv_weight, qkv_bias, dense_weight, attention_mask, heads, dropout_p):
+    """[b, s, h] -> this rank's partial dense output [b, s, h] (before the all-reduce and the bias).
+    attention_mask: None (causal) or bool [b|1, 1, s, s], True = masked out."""
+    b, s, _ = ln1.shape
+    qkv = F.linear(ln1, qkv_weight, qkv_bias)                                # [b, s, 3h/p]
+    q, k, v = qkv.chunk(3, dim=-1)                                           # 3 x [b, s, h/p]
+    q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))
+    if attention_mask is None:
+        context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    else:
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
+    context = context.transpose(1, 2).reshape(b, s, -1)                      # [b, s, h/p]
+    return F.linear(context, dense_weight)
+
+
+@compiled
+def mlp(ln2, fc1_weight, fc1_bias, fc2_weight):
+    """[b, s, h] -> this rank's partial fc2 output [b, s, h] (before the all-reduce and the bias)."""
+    return F.linear(F.gelu(F.linear(ln2, fc1_weight, fc1_bias), approximate="tanh"), fc2_weight)
+
+
+@compiled
+def bias_dropout_add(out, bias, residual, dropout_p, training):
+    return residual + F.dropout(out + bias, p=dropout_p, training=training)
+
+
+@compiled
+def bias_dropout_add_layernorm(out, bias, residual, dropout_p, training, ln_weight, ln_bias, eps):
+    """(residual + dropout(out + bias), its LayerNorm)."""
+    hidden = residual + F.dropout(out + bias, p=dropout_p, training=training)
+    return hidden, F.layer_norm(hidden, hidden.shape[-1:], ln_weight, ln_bias, eps)
+
+
+@compiled
+def logits_max(logits):
+    return logits.float().amax(dim=-1)
+
+
+@compiled
+def target_logit_and_sum_exp(logits, global_max, local_target, outside):
+    """(shifted logit of the target, 0 where another rank holds it; sum of exp(shifted)) over this rank's slice."""
+    shifted = logits.float() - global_max.unsqueeze(-1)
+    predicted = torch.gather(shifted, -1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    return predicted, shifted.exp().sum(dim=-1)
+
+
+@compiled
+def cross_entropy_grad_(logits, global_max, sum_exp, local_target, outside, grad_output):
+    """Overwrites `logits` with d loss / d logits = (softmax - one_hot(target)) * grad_output. In place because
+    a fresh tensor of the logits' size costs more than the arithmetic (first-touch page faults on the CPU)."""
+    softmax = (logits.float() - global_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    vocab = torch.arange(logits.size(-1), device=logits.device)
+    one_hot = ((vocab == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)).to(softmax.dtype)
+    logits.copy_((softmax - one_hot) * grad_output.unsqueeze(-1))
