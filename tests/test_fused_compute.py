@@ -1,5 +1,5 @@
 """The fused compute path (--torch-compile, mpu/fused.py): the same training as eager, on both paths, under model
-and data parallelism, with activation checkpointing; the fused loss equals the eager loss and its gradient."""
+and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager loss and its gradient."""
 import json
 
 import pytest
@@ -45,13 +45,16 @@ def test_fused_model_parallel_equals_eager_model_parallel_with_dropout():
 
 @pytest.mark.parametrize("world_size,extra", [
     (2, ["--batch-size", "4", "--model-parallel-size", "2"]),
-    (2, ["--batch-size", "2", "--deepspeed", "--zero-stage", "2"]),
-], ids=["mp2-megatron", "dp2-zero2"])
+    (2, ["--batch-size", "2", "--deepspeed", "--zero-stage", "3"]),
+], ids=["mp2-megatron", "dp2-zero3"])
 def test_fused_parallel_equals_eager_single_process(eager_single_process, world_size, extra, tmp_path):
+    """The Megatron path at mp2, and the ZeRO path at stage 3 (every layer's weights gathered around its compiled
+    pieces and released after; no persistent parameters)."""
     if "--deepspeed" in extra:
         config = tmp_path / "ds_config.json"
         config.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
-                                      "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+                                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                      "gradient_clipping": 1.0}))
         extra = extra + ["--deepspeed_config", str(config)]
     fused = _losses(world_size, NO_DROPOUT + extra + ["--torch-compile"])
     assert _max_abs_difference(fused, eager_single_process) <= 1e-5, (fused, eager_single_process)
@@ -68,39 +71,45 @@ def test_activation_checkpointing_stays_bitwise_with_the_fused_path():
     assert checkpointed == plain
 
 
-def _fused_loss_matches_eager(dtype):
+def _fused_and_eager_losses(dtypes):
+    """{dtype: ({fused: (loss, logits grad)}, torch's loss, torch's logits grad)} on this rank (mp2)."""
     import mpu
     mpu.initialize_model_parallel(2)
     rank, world = mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
-    generator = torch.Generator().manual_seed(3)
-    full = (torch.randn(3, 5, 24, generator=generator) * 4).to(dtype)   # [b, s, V], V split over the ranks
-    target = torch.randint(0, 24, (3, 5), generator=generator)
-    grad_output = torch.rand(3, 5, generator=generator)
-    mine = full.chunk(world, dim=-1)[rank]
-    results = {}
-    for fused in (False, True):
-        leaf = mine.clone().requires_grad_()
-        logits = leaf * 1     # a non-leaf: the fused backward overwrites the logits it saved
-        loss = mpu.vocab_parallel_cross_entropy(logits, target, fused=fused)
-        assert torch.equal(leaf.detach(), mine), "the forward must not modify the logits"
-        loss.backward(grad_output)
-        results[fused] = loss.detach(), leaf.grad
-    # An independent reference: torch's cross entropy over the whole vocabulary, in fp32.
-    whole = full.float().requires_grad_()
-    expected = torch.nn.functional.cross_entropy(whole.view(-1, 24), target.view(-1), reduction="none").view(3, 5)
-    expected.backward(grad_output)
-    return results, expected.detach(), whole.grad.chunk(world, dim=-1)[rank]
+    out = {}
+    for dtype in dtypes:
+        generator = torch.Generator().manual_seed(3)
+        full = (torch.randn(3, 5, 24, generator=generator) * 4).to(dtype)   # [b, s, V], V split over the ranks
+        target = torch.randint(0, 24, (3, 5), generator=generator)
+        grad_output = torch.rand(3, 5, generator=generator)
+        mine = full.chunk(world, dim=-1)[rank]
+        results = {}
+        for fused in (False, True):
+            leaf = mine.clone().requires_grad_()
+            logits = leaf * 1     # a non-leaf: the fused backward overwrites the logits it saved
+            loss = mpu.vocab_parallel_cross_entropy(logits, target, fused=fused)
+            assert torch.equal(leaf.detach(), mine), "the forward must not modify the logits"
+            loss.backward(grad_output)
+            results[fused] = loss.detach(), leaf.grad
+        # An independent reference: torch's cross entropy over the whole vocabulary, in fp32.
+        whole = full.float().requires_grad_()
+        expected = torch.nn.functional.cross_entropy(whole.view(-1, 24), target.view(-1), reduction="none")
+        expected.view(3, 5).backward(grad_output)
+        out[dtype] = results, expected.detach().view(3, 5), whole.grad.chunk(world, dim=-1)[rank]
+    return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch(dtype):
-    """At mp2 (targets on both ranks' vocabulary slices): loss and gradient equal the eager function's and
-    torch.nn.functional.cross_entropy's."""
-    results, expected, expected_grad = run_distributed(_fused_loss_matches_eager, 2, args=(dtype,))[0]
-    (eager_loss, eager_grad), (fused_loss, fused_grad) = results[False], results[True]
-    assert fused_grad.dtype == dtype
-    torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused_grad, eager_grad)          # dtype-aware defaults (bf16: 1.6e-2 relative)
-    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(fused_loss, expected, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(fused_grad.float(), expected_grad, rtol=tolerance, atol=tolerance)
+def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch():
+    """At mp2 (targets on both ranks' vocabulary slices), fp32 and bf16: loss and gradient equal the eager
+    function's and torch.nn.functional.cross_entropy's."""
+    dtypes = (torch.float32, torch.bfloat16)
+    by_dtype = run_distributed(_fused_and_eager_losses, 2, args=(dtypes,))[0]
+    for dtype in dtypes:
+        results, expected, expected_grad = by_dtype[dtype]
+        (eager_loss, eager_grad), (fused_loss, fused_grad) = results[False], results[True]
+        assert fused_grad.dtype == dtype
+        torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused_grad, eager_grad)          # dtype-aware defaults (bf16: 1.6e-2 relative)
+        tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(fused_loss, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(fused_grad.float(), expected_grad, rtol=tolerance, atol=tolerance)

@@ -128,9 +128,15 @@ def test_bench_summaries_are_medians_with_spread_and_paired_ratios():
     # per-round ratios 1.1, 1.2, 0.9, 1.2, 1.2; the ratio of the medians would be 90 / 100 = 0.9
     assert bench_train.summarize(samples)["ours"] == pytest.approx((90.0, 12.0, 120.0, 1.2, 0.9, 1.2))
 
-    def run(tokens_per_s):
-        return [{"tokens_per_s": tokens_per_s, "state_bytes": 8.0, "peak_rss_mb": 100.0, "params": 1}] * 2
-    runs = {"ddp-fp32": [run(100.0), run(50.0), run(100.0)], "zero2-fp32": [run(120.0), run(40.0), run(150.0)]}
+    def run(tokens_per_s, forward_ms=10.0):
+        phases = {"forward": forward_ms, "backward": 2 * forward_ms, "step": 1.0}
+        return [{"tokens_per_s": tokens_per_s, "state_bytes": 8.0, "peak_rss_mb": 100.0, "params": 1,
+                 "phase_ms": phases}] * 2
+    runs = {"ddp-fp32": [run(100.0), run(50.0), run(100.0)],
+            "zero2-fp32": [run(120.0, 30.0), run(40.0, 10.0), run(150.0, 20.0)]}
     lines = bench_zero.throughput_table(runs, 2)
     zero2 = [cell.strip() for cell in lines[3].split("|")[1:-1]]
     assert zero2[:5] == ["zero2-fp32", "120", "40-150", "1.20", "0.80-1.50"]
+    # the phase table: each phase's median over repeats (forward 10/20/30 -> 20), and their sum
+    phases = [cell.strip() for cell in bench_zero.phase_table(runs)[3].split("|")[1:-1]]
+    assert phases == ["zero2-fp32", "20.0", "40.0", "1.0", "61.0"]

@@ -82,6 +82,31 @@ def param_groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+PHASES = ("forward", "backward", "step")
+PHASES_DOC = """Phases: forward; backward with the gradient reduction it overlaps (DDP's all-reduce, ZeRO's
+reduce-scatter buckets); step with what follows it (ZeRO's last buckets, the update, the parameter all-gather)."""
+
+
+def _no_clock(phase):
+    pass
+
+
+class PhaseClock:
+    """Seconds per phase: `clock(phase)` ends the phase that began at the previous call (or at start())."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.last = None
+
+    def start(self):
+        self.last = time.perf_counter()
+
+    def __call__(self, phase):
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+
 def _tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
@@ -104,12 +129,15 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         autocast = kind == "ddpamp" and precision == "bf16"
         device_type = next(model.parameters()).device.type
 
-        def train_step(tokens, targets):
+        def train_step(tokens, targets, clock=_no_clock):
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
                 loss = engine(tokens, targets)
+            clock("forward")
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
+            clock("backward")
             optimizer.step()
+            clock("step")
 
         def state_bytes():
             return (_tensor_bytes(p for p in model.parameters()) + _tensor_bytes(p.grad for p in model.parameters())
@@ -130,10 +158,13 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         engine, optimizer, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
 
-    def train_step(tokens, targets):
+    def train_step(tokens, targets, clock=_no_clock):
         loss = engine(tokens, targets)
+        clock("forward")
         engine.backward(loss)
+        clock("backward")
         engine.step()
+        clock("step")
 
     def state_bytes():     # on the device (what offload moves to the host is not counted)
         if hasattr(optimizer, "partitioned_state_bytes"):
@@ -170,18 +201,20 @@ def _data():
 def _worker(variant, steps, warmup, zero_options, adam):
     params, train_step, state_bytes = _build(variant, zero_options, adam)
     data = _data()
+    clock = PhaseClock()
     for step in range(warmup + steps):
         if step == warmup:
             dist.barrier()
             start = time.perf_counter()
         batch = data[step % len(data)]
-        train_step(batch[:, :-1], batch[:, 1:])
+        clock.start()
+        train_step(batch[:, :-1], batch[:, 1:], clock if step >= warmup else _no_clock)
     dist.barrier()
     elapsed = time.perf_counter() - start
     tokens = steps * MICRO * SEQ * dist.get_world_size()
     return {"tokens_per_s": tokens / elapsed, "state_bytes": state_bytes(),
-            "peak_rss_mb": peak_rss_mb(),
-            "params": params}
+            "peak_rss_mb": peak_rss_mb(), "params": params,
+            "phase_ms": {phase: seconds / steps * 1e3 for phase, seconds in clock.seconds.items()}}
 
 
 def _comm_worker(variants, zero_options, adam):
@@ -306,6 +339,18 @@ def throughput_table(runs, world_size):
     return lines
 
 
+def phase_table(runs):
+    """Markdown rows: rank 0's milliseconds per step in each phase (median over repeats), to say which phase
+    costs a difference between two variants."""
+    lines = ["| variant     | " + " | ".join(f"{phase} ms" for phase in PHASES) + " | total ms |",
+             "|-------------|" + "|".join("-" * (len(phase) + 5) + ":" for phase in PHASES) + "|---------:|"]
+    for variant, repeats in runs.items():
+        medians = [statistics.median(results[0]["phase_ms"][phase] for results in repeats) for phase in PHASES]
+        lines.append(f"| {variant:<11} | " + " | ".join(f"{ms:>{len(phase) + 3}.1f}" for ms, phase in
+                                                        zip(medians, PHASES)) + f" | {sum(medians):>8.1f} |")
+    return lines
+
+
 def comm_table(measured):
     """Markdown rows from {dp: {variant: (bytes by op, gradient bytes, stage-3 persistent bytes)}} (rank 0's)."""
     lines = ["| dp | variant     | MB sent/rank/step | ideal MB | measured/ideal | by collective |",
@@ -340,6 +385,8 @@ def main():
         print(f"# data parallel {args.world_size} (gloo), {runs[variants[0]][0][0]['params'] / 1e6:.2f}M parameters, "
               f"{args.steps} timed steps per run, median of {args.repeats} alternating repeats")
         print("\n".join(throughput_table(runs, args.world_size)), flush=True)
+        print("# ms per step by phase (rank 0, median over repeats). " + " ".join(PHASES_DOC.split()))
+        print("\n".join(phase_table(runs)), flush=True)
     comm_sizes = [int(size) for size in args.comm_world_sizes.split(",") if size]
     if comm_sizes:
         measured = {dp: run_distributed(_comm_worker, dp, args=(variants, zero_options, args.adam),
