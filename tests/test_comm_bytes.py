@@ -168,3 +168,34 @@ def test_stage3_gathers_before_forward_and_backward(measured, name, gathers):
         assert _close(sent.get("reduce", 0) + sent.get("reduce_scatter_tensor", 0), half), (name, sent, half)
         assert _close(sum(value for op, value in sent.items() if op in GATHERS), gathers * half), (name, sent)
         assert _close(sum(sent.values()), (1 + gathers) * half), (name, sent)
+
+
+def _gather_pieces_both_ways():
+    """{(strategy, layout): (every rank's pieces arrived, bytes this rank sent)} for gather_equal_pieces."""
+    from megatron.zero.collectives import gather_equal_pieces
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for per_owner_broadcast in (True, False):
+        for layout in ("contiguous", "strided"):
+            buffer = torch.zeros(n * 6)
+            if layout == "contiguous":      # one bucket: the pieces tile the buffer
+                pieces = list(buffer.view(n, 6))
+            else:                           # a second bucket: the first 4 of each 6, not adjacent
+                pieces = [buffer[r * 6: r * 6 + 4] for r in range(n)]
+            pieces[rank].copy_(torch.arange(4.0 if layout == "strided" else 6.0) + 100 * rank)
+            with CommCounter() as counter:
+                gather_equal_pieces(pieces, None, per_owner_broadcast=per_owner_broadcast)
+            arrived = all(torch.equal(piece, torch.arange(float(piece.numel())) + 100 * r)
+                          for r, piece in enumerate(pieces))
+            out[per_owner_broadcast, layout] = arrived, counter.total_bytes()
+    return out
+
+
+def test_gather_equal_pieces_broadcasts_and_all_gather_agree():
+    """The engine's parameter all-gather (stages 1/2): per-owner broadcasts (gloo) and the all-gather (NCCL)
+    deliver every piece to every rank and send the same bytes, (n-1)/n of the gathered buffer."""
+    for rank_result in run_distributed(_gather_pieces_both_ways, 4):
+        for (per_owner_broadcast, layout), (arrived, sent) in rank_result.items():
+            assert arrived, (per_owner_broadcast, layout)
+            gathered = 4 * 4 * (6 if layout == "contiguous" else 4)
+            assert sent == pytest.approx(3 / 4 * gathered), (per_owner_broadcast, layout, sent)

@@ -343,7 +343,7 @@ def phase_table(runs):
     """Markdown rows: rank 0's milliseconds per step in each phase (median over repeats), to say which phase
     costs a difference between two variants."""
     lines = ["| variant     | " + " | ".join(f"{phase} ms" for phase in PHASES) + " | total ms |",
-             "|-------------|" + "|".join("-" * (len(phase) + 5) + ":" for phase in PHASES) + "|---------:|"]
+             "|-------------|" + "|".join("-" * (len(phase) + 4) + ":" for phase in PHASES) + "|---------:|"]
     for variant, repeats in runs.items():
         medians = [statistics.median(results[0]["phase_ms"][phase] for results in repeats) for phase in PHASES]
         lines.append(f"| {variant:<11} | " + " | ".join(f"{ms:>{len(phase) + 3}.1f}" for ms, phase in

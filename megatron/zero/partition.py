@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_into_tensor
+from .collectives import gather_equal_pieces
 
 ALIGNMENT = 32   # elements; every partition size is a multiple of it (128 bytes in fp32)
 
@@ -176,12 +176,7 @@ class FlatGroup(FlatLayout):
         """Every rank's updated partition into every rank's flat buffer (pair: the owners' reduce)."""
         if self.num_partitions == 1 or self.partition_size == 0:
             return
-        start, end = self.own_range
-        if self.partition_size <= bucket_size:
-            all_gather_into_tensor(self.flat, self.flat[start:end], group)   # in place: input is output[rank]
-            return
         for lo in range(0, self.partition_size, bucket_size):
             hi = min(lo + bucket_size, self.partition_size)
-            outputs = [self.flat[r * self.partition_size + lo: r * self.partition_size + hi]
-                       for r in range(self.num_partitions)]
-            dist.all_gather(outputs, self.flat[start + lo: start + hi].clone(), group=group)
+            gather_equal_pieces([self.flat[r * self.partition_size + lo: r * self.partition_size + hi]
+                                 for r in range(self.num_partitions)], group)
