@@ -140,3 +140,5 @@ def test_bench_summaries_are_medians_with_spread_and_paired_ratios():
     # the phase table: each phase's median over repeats (forward 10/20/30 -> 20), and their sum
     phases = [cell.strip() for cell in bench_zero.phase_table(runs)[3].split("|")[1:-1]]
     assert phases == ["zero2-fp32", "20.0", "40.0", "1.0", "61.0"]
+    runs["ds2-fp32"] = [run(100.0), run(80.0), run(100.0)]     # our stage 2 / DeepSpeed's: 1.2, 0.5, 1.5
+    assert bench_zero.deepspeed_ratio_lines(runs) == ["# zero2-fp32 / ds2-fp32: per-repeat median 1.20x (0.50-1.50)"]

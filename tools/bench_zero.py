@@ -339,6 +339,19 @@ def throughput_table(runs, world_size):
     return lines
 
 
+def deepspeed_ratio_lines(runs):
+    """'# zeroK / dsK' lines: the median of per-repeat tokens/s ratios (min-max) of our stage K to DeepSpeed's."""
+    lines = []
+    for variant, repeats in runs.items():
+        kind, precision = variant.split("-")
+        peer = runs.get(f"ds{kind[4:]}-{precision}") if kind.startswith("zero") else None
+        if peer:
+            ratio, lo, hi = median_and_spread([mine[0]["tokens_per_s"] / theirs[0]["tokens_per_s"]
+                                               for mine, theirs in zip(repeats, peer)])
+            lines.append(f"# {variant} / ds{kind[4:]}-{precision}: per-repeat median {ratio:.2f}x ({lo:.2f}-{hi:.2f})")
+    return lines
+
+
 def phase_table(runs):
     """Markdown rows: rank 0's milliseconds per step in each phase (median over repeats), to say which phase
     costs a difference between two variants."""
@@ -384,7 +397,7 @@ def main():
         runs = run_repeats(variants, args, zero_options)
         print(f"# data parallel {args.world_size} (gloo), {runs[variants[0]][0][0]['params'] / 1e6:.2f}M parameters, "
               f"{args.steps} timed steps per run, median of {args.repeats} alternating repeats")
-        print("\n".join(throughput_table(runs, args.world_size)), flush=True)
+        print("\n".join(throughput_table(runs, args.world_size) + deepspeed_ratio_lines(runs)), flush=True)
         print("# ms per step by phase (rank 0, median over repeats). " + " ".join(PHASES_DOC.split()))
         print("\n".join(phase_table(runs)), flush=True)
     comm_sizes = [int(size) for size in args.comm_world_sizes.split(",") if size]
