@@ -3,7 +3,9 @@
 Every inconsistency is reported with `parser.error` (usage + message, exit status 2), naming the numbers.
 """
 import argparse
+import importlib.util
 import os
+import shutil
 
 from megatron import zero
 
@@ -197,6 +199,23 @@ def _add_logging_args(parser):
     return parser
 
 
+def _check_torch_compile_toolchain(args, parser):
+    """--torch-compile needs inductor's compiler: Triton on CUDA, a C++ compiler (CXX, default g++) on the CPU."""
+    if not args.torch_compile:
+        return
+    import torch
+    if torch.cuda.is_available():
+        if importlib.util.find_spec("triton") is None:
+            parser.error("--torch-compile on CUDA needs triton (pip install the triton your torch build names), "
+                         "or drop --torch-compile")
+        return
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        parser.error(f"--torch-compile on the CPU needs a C++ compiler for inductor: {compiler!r} (the CXX "
+                     "variable, default g++) is not on PATH; install g++ (apt install g++), set CXX, or drop "
+                     "--torch-compile")
+
+
 def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -223,6 +242,7 @@ def validate_args(args, parser):
                      f"({args.max_position_embeddings})")
     args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
     _check_pipeline_combinations(args, parser)
+    _check_torch_compile_toolchain(args, parser)
     if args.zero_config is None and args.zero_stage not in (None, 0):
         parser.error(f"--zero-stage {args.zero_stage} needs --deepspeed and a --deepspeed_config JSON with "
                      f"zero_optimization.stage {args.zero_stage}")

@@ -157,6 +157,8 @@ def test_exit_controller_with_foreign_previous_handler():
      "--num-attention-heads (3) is not divisible by --model-parallel-size (2)"),
     (["--model-parallel-size", "2"], {"WORLD_SIZE": "3"}, "world size (3) is not divisible by --model-parallel-size (2)"),
     (["--seq-length", "64", "--max-position-embeddings", "32"], {}, "--seq-length (64) is longer than --max-position-embeddings (32)"),
+    (["--torch-compile"], {"CXX": "no-such-c++"}, "--torch-compile on the CPU needs a C++ compiler for inductor: "
+     "'no-such-c++' (the CXX variable, default g++) is not on PATH"),
 ])
 def test_invalid_configuration_exits_with_message(flags, env, message):
     result = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
