@@ -76,7 +76,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = compiled_ops.logits_max(vocab_parallel_logits)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         local_target, outside = _local_target(target, vocab_parallel_logits.size(-1), vocab_parallel_logits.device)
-        predicted, sum_exp = compiled_ops.target_logit_and_sum_exp(vocab_parallel_logits, logits_max, local_target, outside)
+        predicted, sum_exp = compiled_ops.target_logit_and_sum_exp(vocab_parallel_logits, logits_max, local_target,
+                                                                   outside)
         dist.all_reduce(predicted, group=group)
         dist.all_reduce(sum_exp, group=group)
         ctx.save_for_backward(vocab_parallel_logits, logits_max, sum_exp, local_target, outside)

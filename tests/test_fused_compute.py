@@ -1,5 +1,6 @@
 """The fused compute path (--torch-compile, mpu/fused.py): the same training as eager, on both paths, under model
-and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager loss and its gradient."""
+and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager loss and
+its gradient."""
 import json
 
 import pytest
