@@ -38,10 +38,6 @@ def _neighbours():
     return previous, following
 
 
-def _op(function, tensor, peer, group):
-    return dist.P2POp(function, tensor, peer, group)
-
-
 def _communicate(spec, send_next=None, send_previous=None, recv_previous=False, recv_next=False):
     """Post the sends and receives asked for, wait for all; returns (from previous, from next) (None if not
     asked or no such neighbour). Received tensors require grad when they are activations (from previous)."""
@@ -50,14 +46,14 @@ def _communicate(spec, send_next=None, send_previous=None, recv_previous=False, 
     ops, from_previous, from_next = [], None, None
     if recv_previous and previous is not None:
         from_previous = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append(_op(dist.irecv, from_previous, previous, group))
+        ops.append(dist.P2POp(dist.irecv, from_previous, previous, group))
     if send_next is not None and following is not None:
-        ops.append(_op(dist.isend, send_next.contiguous(), following, group))
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), following, group))
     if recv_next and following is not None:
         from_next = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append(_op(dist.irecv, from_next, following, group))
+        ops.append(dist.P2POp(dist.irecv, from_next, following, group))
     if send_previous is not None and previous is not None:
-        ops.append(_op(dist.isend, send_previous.contiguous(), previous, group))
+        ops.append(dist.P2POp(dist.isend, send_previous.contiguous(), previous, group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()

@@ -4,7 +4,8 @@ benchmarks' process launcher; training itself is always launched by torchrun).
     results = run_distributed(fn, world_size=2, args=(x,), model_parallel_size=2)
 
 `fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
-torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests' --device cuda) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
+torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests'
+--device cuda) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
 and sends back its return value serialized with torch.save (tensors are cloned, so no shared memory
 outlives the worker). A worker's exception fails the caller with that worker's traceback.
 """

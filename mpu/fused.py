@@ -40,7 +40,6 @@ def compiled(fn):
     @functools.wraps(fn)
     def run(*args):
         return build()(*args)
-    run.eager = fn
     return run
 
 
