@@ -205,3 +205,55 @@ def test_generation_under_pipelining_is_refused_in_one_line(tmp_path, checkpoint
         assert message == ["generation and evaluation need the whole model on one stage, not "
                            "--pipeline-model-parallel-size 2: run with --pipeline-model-parallel-size 1 (a pipelined "
                            "checkpoint loads there)"]
+
+
+# ---- the sampler's exact supports and distribution (sample_logits is a pure function) ------------------------
+
+PROBS = torch.tensor([[0.6, 0.3, 0.1]])
+DRAWS = 4000
+
+
+def _draw_counts(**kwargs):
+    from megatron.text_generation.generation import sample_logits
+    generator = torch.Generator().manual_seed(0)
+    logits = PROBS.log().expand(DRAWS, 3)     # 4000 independent rows, one draw each
+    return torch.bincount(sample_logits(logits, generator=generator, **kwargs), minlength=3)
+
+
+@pytest.mark.parametrize("kwargs,support,expected", [
+    (dict(top_p=0.8), {0, 1}, [2 / 3, 1 / 3, 0.0]),      # 0.6 < 0.8: the token that crosses p (0.3) is kept
+    (dict(top_p=0.5), {0}, [1.0, 0.0, 0.0]),             # 0.6 alone crosses 0.5
+    (dict(top_p=0.95), {0, 1, 2}, [0.6, 0.3, 0.1]),      # 0.9 < 0.95: all three
+    (dict(top_k=2), {0, 1}, [2 / 3, 1 / 3, 0.0]),
+    (dict(top_k=1), {0}, [1.0, 0.0, 0.0]),
+    (dict(), {0, 1, 2}, [0.6, 0.3, 0.1]),
+    (dict(temperature=2.0), {0, 1, 2}, None),            # p_i ~ sqrt(p_i): 0.4636, 0.3278, 0.2086
+], ids=["top_p0.8", "top_p0.5", "top_p0.95", "top_k2", "top_k1", "plain", "temperature2"])
+def test_sampling_draws_exactly_the_support_with_the_renormalised_probabilities(kwargs, support, expected):
+    counts = _draw_counts(**kwargs)
+    assert {i for i in range(3) if counts[i] > 0} == support
+    if expected is None:
+        root = PROBS[0].sqrt()
+        expected = (root / root.sum()).tolist()
+    frequencies = counts.double() / DRAWS
+    for frequency, p in zip(frequencies.tolist(), expected):   # 4 standard errors of a binomial at n = 4000
+        assert abs(frequency - p) <= 4 * (max(p * (1 - p), 1e-12) / DRAWS) ** 0.5 + 1e-12, (frequencies, expected)
+
+
+def _stops_inside_a_prompt():
+    """End-of-text is the model's greedy next token at a position still inside the long prompt (decoding
+    starts after the short one): the long row must take its prompt token there and go on as if it were alone."""
+    from megatron.text_generation import generate
+    model = build_model()
+    short, long_prompt = [5, 9], [5, 9, 3, 17, 40, 2, 8]
+    with torch.no_grad():
+        eod = int(model(torch.tensor([long_prompt]))[0, len(short) - 1].argmax())
+    batched = generate(model, [short, long_prompt], NEW, greedy=True, eod_id=eod)
+    alone = [generate(model, [p], NEW, greedy=True, eod_id=eod)[0] for p in (short, long_prompt)]
+    return eod, batched, alone
+
+
+def test_end_of_text_inside_a_prompt_does_not_stop_that_row():
+    eod, batched, alone = run_distributed(_stops_inside_a_prompt, 1, model_parallel_size=1)[0]
+    assert batched[0] == alone[0] == [eod]          # the short row stops right after producing end-of-text
+    assert batched[1] == alone[1] and len(alone[1]) > 0

@@ -29,7 +29,8 @@ import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 import zero_to_fp32  # noqa: E402
 
-HF_SHAPE = dict(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100, activation_function="gelu_new")
+HF_SHAPE = dict(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100, activation_function="gelu_new",
+                layer_norm_epsilon=1e-3)   # not the default 1e-5: the epsilon must survive import and export
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0"]
 TRAINED_VOCAB = 8192                 # the default data's BPE
@@ -101,6 +102,7 @@ def _worker(imports, trainings, hf_tokens, trained_tokens):
     imported = []
     for flags in imports:
         initialize_megatron(args_list=MODEL + ["--mock-data", "--vocab-size", str(HF_SHAPE["vocab_size"]),
+                                               "--layernorm-epsilon", str(HF_SHAPE["layer_norm_epsilon"]),
                                                "--train-iters", "1", "--finetune"] + flags)
         model, _, _, train_state = setup_model_and_optimizer(pretrain_gpt.model_provider)
         assert train_state.iteration == 0
@@ -196,7 +198,7 @@ def test_imported_checkpoint_gives_hf_logits(runs, hf_model, mp, deepspeed):
 
 def test_import_then_export_gives_the_original_tensors_bitwise(runs, hf_model):
     from safetensors.torch import load_file
-    from megatron.model.hf_interchange import to_hf_state_dict
+    from megatron.model.hf_interchange import to_hf_config_dict, to_hf_state_dict
     from megatron.full_checkpoint import read_full_checkpoint
     original = load_file(os.path.join(hf_model["dir"], "model.safetensors"))
     original.pop("lm_head.weight", None)
@@ -206,6 +208,8 @@ def test_import_then_export_gives_the_original_tensors_bitwise(runs, hf_model):
                                                   "max_sequence_length", "vocab_size")} == {
             "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_sequence_length": 16,
             "vocab_size": 100}, key
+        assert full.model_config["layernorm_epsilon"] == HF_SHAPE["layer_norm_epsilon"], key
+        assert to_hf_config_dict(full.model_config, 0)["layer_norm_epsilon"] == HF_SHAPE["layer_norm_epsilon"], key
         back = to_hf_state_dict(full.weights(), full.model_config)
         assert back.keys() == original.keys(), key
         for name, tensor in original.items():
