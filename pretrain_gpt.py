@@ -7,6 +7,8 @@
 import torch
 
 import mpu
+from megatron.data.corpora import DataPathError
+from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.initialize import run_main
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
@@ -17,6 +19,7 @@ from megatron.utils import print_rank_0, reduce_losses
 from megatron import zero
 from megatron.zero import ConfigError
 from megatron.zero.checkpoint import CheckpointError
+from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 
 
 def model_provider():
@@ -92,4 +95,5 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError))  # one line naming the problem
+    run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError, DataPathError, IndexedDatasetError,
+                    TokenizerFileError))  # one line naming the problem

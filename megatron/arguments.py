@@ -1,13 +1,13 @@
 """Megatron's command line, in `_add_*_args` groups, validated up front (before any model is built).
 
-Every inconsistency is reported with `parser.error` (usage + message, exit status 2), naming the numbers.
+Every inconsistency is reported with `parser.error` (one line naming the flags and numbers, exit status 2; see
+megatron/cli.py).
 """
-import argparse
 import importlib.util
 import os
 import shutil
 
-from megatron import zero
+from megatron import cli, zero
 
 
 def parse_args(extra_args_provider=None, args_list=None):
@@ -18,8 +18,8 @@ def parse_args(extra_args_provider=None, args_list=None):
 
 
 def build_parser(extra_args_provider=None):
-    parser = argparse.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
-                                     allow_abbrev=False)
+    parser = cli.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
+                                allow_abbrev=False)
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
                       _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
@@ -216,8 +216,20 @@ def _check_torch_compile_toolchain(args, parser):
                      "--torch-compile")
 
 
+# Sizes, lengths and intervals: zero or a negative value is a typo, refused by name before anything is built.
+POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                  "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
+                  "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
+                  "pipeline_model_parallel_size", "checkpoint_num_layers", "loss_scale_window", "hysteresis",
+                  "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
+NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
+                      "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
+                      "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
+
+
 def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
+    cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mp, pp = args.model_parallel_size, args.pipeline_model_parallel_size
     if mp < 1 or world_size % mp != 0:

@@ -15,7 +15,9 @@ NUM_GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-6000}
+# One node without MASTER_PORT: torchrun --standalone picks a free port itself (a fixed 6000 may be another job's).
+# Many nodes need the same MASTER_PORT on every node (default 6000); node 0 checks that it is free before launching.
+if [ "$NNODES" -gt 1 ]; then MASTER_PORT=${MASTER_PORT:-6000}; fi
 
 if [ "$NUM_GPUS" -gt 0 ]; then
   DEFAULT_GPUS=$NUM_GPUS
@@ -58,8 +60,29 @@ else
   DS_CONFIG=${DS_CONFIG:-scripts/ds_zero2_config.json}
 fi
 
+check_port_free() {  # a port this node must listen on: one line naming it when another process holds it
+  if ! "$PYTHON" - "$1" <<'PORT_CHECK'
+import errno, socket, sys
+with socket.socket() as probe:
+    try:
+        probe.bind(("", int(sys.argv[1])))   # every address of this node, as torchrun's store listens
+    except OSError as error:
+        sys.exit(1 if error.errno == errno.EADDRINUSE else 0)
+PORT_CHECK
+  then
+    echo "error: MASTER_PORT $1 is already in use on this machine (another job?): choose another MASTER_PORT," \
+      "or on one node leave it unset to pick a free port" >&2
+    exit 1
+  fi
+}
+
 launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
   local nproc=$1; shift
+  if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc" "$@"
+    return
+  fi
+  if [ "$NODE_RANK" -eq 0 ]; then check_port_free "$MASTER_PORT"; fi
   "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
 }

@@ -43,6 +43,9 @@ def add_tasks_args(parser):
 
 
 def _check_inputs(args):
+    if args.task == "WIKITEXT103" and not 1 <= args.overlapping_eval <= args.seq_length:
+        raise TaskError(f"--overlapping-eval is {args.overlapping_eval}: give the window stride, from 1 to "
+                        f"--seq-length ({args.seq_length})")
     if not args.valid_data:
         raise TaskError("--valid-data FILE is required")
     if not os.path.isfile(args.valid_data[0]):

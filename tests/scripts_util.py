@@ -3,13 +3,17 @@ import os
 import re
 import subprocess
 
-from megatron.spawn import free_port
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def script_env(env_overrides):
+    """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
+    env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
+    return dict(env, **env_overrides)
+
+
 def run_script(script, env_overrides, timeout=600):
-    env = dict(os.environ, MASTER_PORT=str(free_port()), **env_overrides)
+    env = script_env(env_overrides)
     result = subprocess.run(["bash", os.path.join(REPO, "scripts", script)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

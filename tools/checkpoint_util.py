@@ -11,12 +11,11 @@ a data-parallel-1 checkpoint that loads at any data-parallel size. The Megatron 
 (as Megatron-LM's tool): resume from it with --no-load-optim, or load the original checkpoint directly. Bad input:
 one line, exit status 1.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
+from megatron import cli  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
 
 
@@ -37,7 +36,7 @@ def resize(load_dir, save_dir, target_tensor_parallel_size, target_path=None, ma
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--load-dir", required=True, help="a training run's --save directory (either path)")
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", "--target-model-parallel-size", type=int, required=True)

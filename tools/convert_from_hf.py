@@ -17,7 +17,7 @@ import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
-
+from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import InterchangeError, check_hf_config, from_hf_state_dict  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
 
@@ -128,8 +128,8 @@ def training_flags(model_config, options):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="local Hugging Face GPT2LMHeadModel directory")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (for --load ... --finetune)")
     parser.add_argument("--model-parallel-size", "--tensor-model-parallel-size", type=int, default=1,

@@ -24,7 +24,7 @@ import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
-
+from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import InterchangeError, to_hf_config_dict, to_hf_state_dict  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.zero.checkpoint import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
@@ -150,8 +150,8 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (a training run's --save)")
     parser.add_argument("--output", required=True, help="directory for the Hugging Face files")
     parser.add_argument("--vocab-file", default=DEFAULT_VOCAB_FILE, help="GPT-2 vocab.json the model was trained "

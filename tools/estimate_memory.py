@@ -9,12 +9,11 @@ Prints the parameters per model-parallel rank (our GPT2Model's shapes, vocabular
 the model-state bytes by kind (the same numbers `pretrain_gpt.py` prints at start-up for the same settings) and an
 activation estimate (Korthikanti et al. 2022; see memory.activation_bytes_per_layer).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from megatron import cli  # noqa: E402
 from megatron import memory  # noqa: E402
 
 
@@ -24,7 +23,7 @@ def _vocab_size_with_padding(vocab_size, divisible_by, model_parallel_size):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-attention-heads", type=int)
@@ -121,7 +120,12 @@ def print_plan(device_gb):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.require_range(parser, args, positive=(
+        "num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings", "vocab_size",
+        "make_vocab_size_divisible_by", "model_parallel_size", "data_parallel_size", "reduce_bucket_size",
+        "device_memory_gb", "micro_batch_size"), non_negative=("param_persistence_threshold",))
     if args.plan:
         return print_plan(args.device_memory_gb)
     missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",

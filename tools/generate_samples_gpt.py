@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
 from megatron.text_generation import generate, load_inference_model  # noqa: E402
+from megatron.text_generation.generation import check_sampling_options  # noqa: E402
 from megatron.utils import get_checkpoint_iteration  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
 
@@ -151,6 +152,7 @@ def generate_samples_interactive(model, args, codec):
 
 def main(args_list=None):
     args = initialize_megatron(extra_args_provider=add_text_generate_args, args_list=args_list)
+    check_sampling_options(args.out_seq_length, args.greedy, args.temperature, args.top_k, args.top_p)
     if not args.load:
         raise SystemExit("error: generation needs --load DIR (a checkpoint saved by pretrain_gpt.py)")
     if get_checkpoint_iteration(args.load)[0] is None:  # load_checkpoint would go on with random weights

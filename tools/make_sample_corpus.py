@@ -10,7 +10,6 @@ documents of at most --max-doc-chars at docstring boundaries. Files are visited 
 library first, then site-packages by top-level name), so the output is deterministic for a given Python
 installation; it stops once --max-mb of text has been written.
 """
-import argparse
 import ast
 import json
 import multiprocessing
@@ -20,6 +19,7 @@ import sysconfig
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron import cli  # noqa: E402
 from megatron.atomic_io import atomic_path  # noqa: E402
 
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -85,7 +85,7 @@ def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_char
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="JSON lines file to write")
     parser.add_argument("--max-mb", type=float, default=24.0, help="stop after this many MB (default 24)")
     parser.add_argument("--stdlib-only", action="store_true", help="only the standard library (~2 MB)")

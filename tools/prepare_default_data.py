@@ -10,7 +10,6 @@ Then train with:
   --data-path data/webtext/webtext_text_document --vocab-file data/webtext/vocab.json
   --merge-file data/webtext/merges.txt        (or --train-data webtext)
 """
-import argparse
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 sys.path.insert(0, REPO_ROOT)
-
+from megatron import cli  # noqa: E402
 import make_sample_corpus  # noqa: E402
 import preprocess_data  # noqa: E402
 import train_tokenizer  # noqa: E402
@@ -58,7 +57,7 @@ def prepare(out_dir, corpus_mb=24.0, vocab_size=8192, workers=2):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "data", "webtext"))
     parser.add_argument("--corpus-mb", type=float, default=24.0)
     parser.add_argument("--vocab-size", type=int, default=8192)

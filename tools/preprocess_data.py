@@ -12,7 +12,6 @@ under temporary names and renamed only when complete. Per document (as Megatron-
 (--split-sentences) or the whole text is one sequence, empty sequences are dropped, --append-eod appends the eod id
 to the last one, and a document with no tokens is skipped. A literal `<|endoftext|>` in the text is ordinary text.
 """
-import argparse
 import collections
 import json
 import multiprocessing
@@ -23,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
+from megatron import cli  # noqa: E402
 from megatron.data.indexed_dataset import (best_fitting_dtype, data_file_path, index_file_path,  # noqa: E402
                                            make_builder)
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
@@ -252,7 +251,7 @@ def _log_progress(stats, elapsed, fraction):
 
 
 def get_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", type=str, required=True, help="path to the input loose JSON file")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON object")
@@ -277,9 +276,9 @@ def get_args(argv=None):
     args = parser.parse_args(argv)
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
+    cli.require_range(parser, args, positive=("workers", "log_interval"))
     if args.keep_newlines and not args.split_sentences:
         print("note: --keep-newlines only matters with --split-sentences", file=sys.stderr)
-    args.log_interval = max(1, args.log_interval)
     return args
 
 

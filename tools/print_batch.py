@@ -11,13 +11,13 @@ Prints one JSON object per sample: {"iteration", "data_parallel_rank", "micro_ba
 labels ids[1:]); "text" is its detokenization (null with --mock-data). Iteration N (1-based) consumed the global
 batches after (N - 1) x global-batch-size samples, as a run resumed there would (a constant global batch size).
 """
-import argparse
 import contextlib
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron import cli  # noqa: E402
 
 
 class PrintBatchError(ValueError):
@@ -35,7 +35,7 @@ def add_print_batch_args(parser):
 def parse_args(argv):
     """Megatron's parser at the training run's world size (read from the environment by validate_args)."""
     from megatron.arguments import parse_args as megatron_parse_args
-    world = add_print_batch_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)[0].world_size
+    world = add_print_batch_args(cli.ArgumentParser(add_help=False)).parse_known_args(argv)[0].world_size
     if world < 1:
         raise PrintBatchError(f"--world-size must be at least 1, got {world}")
     os.environ["WORLD_SIZE"] = str(world)

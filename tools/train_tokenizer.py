@@ -9,13 +9,13 @@ If the trainer emits a merge whose result already exists (possible in HF's train
 dropped: it can never fire in GPT-2's algorithm, and without it tiktoken reproduces the merges exactly.
 Use this for a non-English corpus or the embedded default; with GPT-2's own files, skip it.
 """
-import argparse
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron import cli  # noqa: E402
 from megatron.atomic_io import atomic_write_text  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"
@@ -59,13 +59,17 @@ def train(paths, output_dir, vocab_size=8192, min_frequency=2, json_key="text"):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, nargs="+", help="loose JSON file(s)")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--json-key", default="text")
     args = parser.parse_args(argv)
+    cli.require_range(parser, args, positive=("vocab_size", "min_frequency"))
+    for path in args.input:
+        if not os.path.isfile(path):
+            parser.error(f"--input {path}: file not found")
     start = time.time()
     vocab_path, merges_path, dropped = train(args.input, args.output_dir, args.vocab_size, args.min_frequency,
                                              args.json_key)

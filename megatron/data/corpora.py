@@ -23,12 +23,16 @@ CORPORA = {
 }
 
 
+class DataPathError(FileNotFoundError):
+    """A named corpus or --data-path prefix whose .bin/.idx files are missing; the message says how to build them."""
+
+
 def corpus_names():
     return sorted(CORPORA)
 
 
 def resolve_corpus(name, root=REPO_ROOT):
-    """Absolute data prefix of the named corpus; FileNotFoundError with the build command if it is missing."""
+    """Absolute data prefix of the named corpus; DataPathError with the build command if it is missing."""
     if name not in CORPORA:
         raise ValueError(f"unknown --train-data {name!r}; known corpora: {', '.join(corpus_names())} "
                          "(or pass --data-path PREFIX)")
@@ -36,7 +40,7 @@ def resolve_corpus(name, root=REPO_ROOT):
     prefix = os.path.join(root, relative)
     if not dataset_exists(prefix):
         missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.exists(p)]
-        raise FileNotFoundError(f"--train-data {name}: missing {', '.join(missing)}. Build it from the "
+        raise DataPathError(f"--train-data {name}: missing {', '.join(missing)}. Build it from the "
                                 f"repository root with:\n  {command}")
     return prefix
 
@@ -56,7 +60,7 @@ def resolve_data_path(data_path=None, train_data=None, root=REPO_ROOT):
     for prefix in (prefixes if len(prefixes) == 1 else prefixes[1::2]):
         if not dataset_exists(prefix):
             missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.exists(p)]
-            raise FileNotFoundError(f"--data-path {prefix}: missing {', '.join(missing)} (run "
+            raise DataPathError(f"--data-path {prefix}: missing {', '.join(missing)} (run "
                                     "tools/preprocess_data.py; it writes PREFIX_text_document.{bin,idx}, and "
                                     "--data-path takes PREFIX_text_document)")
     return prefixes

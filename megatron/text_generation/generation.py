@@ -48,6 +48,19 @@ def sample_logits(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.0, gen
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_sampling_options(max_new_tokens, greedy=False, temperature=1.0, top_k=0, top_p=0.0):
+    """ValueError (one line, named by the tools' flags) for options that cannot mean anything: before any work."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--out-seq-length (max_new_tokens) is {max_new_tokens}: give the number of new tokens, "
+                         "at least 1")
+    if top_k < 0:
+        raise ValueError(f"--top_k is {top_k}: give 0 (off) or the number of most likely tokens to sample from")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"--top_p is {top_p}: give a probability mass in (0, 1], e.g. 0.9 (0 turns it off)")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"--temperature is {temperature}: it must be positive (or pass --greedy for argmax)")
+
+
 def _broadcast_from_model_parallel_src(tensor):
     if mpu.get_model_parallel_world_size() > 1:
         dist.broadcast(tensor, mpu.get_model_parallel_src_rank(), group=mpu.get_model_parallel_group())
@@ -60,6 +73,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens; returns a list of lists of the
     new token ids per prompt (ending with eod_id where it was produced). Every model-parallel rank must call it
     with the same prompts and arguments."""
+    check_sampling_options(max_new_tokens, greedy, temperature, top_k, top_p)
     module = _unwrap(model)
     config = module.config
     max_positions = config.max_sequence_length
