@@ -23,7 +23,7 @@ The loss: `fused_vocab_parallel_cross_entropy` keeps cross_entropy.py's three al
 statistics in two compiled passes over the logits (max; exp-sum with the target logit) and the gradient in one,
 saving the logits instead of a softmax copy and writing the gradient into them (as Megatron's loss reuses its
 softmax buffer): the caller's logits must be dead after the loss (GPT2Model's are: the LM head's matmul does not
-save its output).
+save its output). Padded vocabulary columns are masked to -inf inside each pass, as the eager loss excludes them.
 """
 import functools
 
@@ -77,24 +77,32 @@ def bias_dropout_add_layernorm(out, bias, residual, dropout_p, training, ln_weig
     return hidden, F.layer_norm(hidden, hidden.shape[-1:], ln_weight, ln_bias, eps)
 
 
-@compiled
-def logits_max(logits):
-    return logits.float().amax(dim=-1)
+def _real_logits(logits, real):
+    """fp32 logits with this rank's padded columns (from `real` on) at -inf: out of the max and the softmax."""
+    vocab = torch.arange(logits.size(-1), device=logits.device)
+    return logits.float().masked_fill(vocab >= real, float("-inf"))
 
 
 @compiled
-def target_logit_and_sum_exp(logits, global_max, local_target, outside):
-    """(shifted logit of the target, 0 where another rank holds it; sum of exp(shifted)) over this rank's slice."""
-    shifted = logits.float() - global_max.unsqueeze(-1)
+def logits_max(logits, real):
+    return _real_logits(logits, real).amax(dim=-1)
+
+
+@compiled
+def target_logit_and_sum_exp(logits, global_max, local_target, outside, real):
+    """(shifted logit of the target, 0 where another rank holds it; sum of exp(shifted)) over this rank's slice,
+    the padded columns (from `real` on) excluded."""
+    shifted = _real_logits(logits, real) - global_max.unsqueeze(-1)
     predicted = torch.gather(shifted, -1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
     return predicted, shifted.exp().sum(dim=-1)
 
 
 @compiled
-def cross_entropy_grad_(logits, global_max, sum_exp, local_target, outside, grad_output):
-    """Overwrites `logits` with d loss / d logits = (softmax - one_hot(target)) * grad_output. In place because
-    a fresh tensor of the logits' size costs more than the arithmetic (first-touch page faults on the CPU)."""
-    softmax = (logits.float() - global_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+def cross_entropy_grad_(logits, global_max, sum_exp, local_target, outside, grad_output, real):
+    """Overwrites `logits` with d loss / d logits = (softmax - one_hot(target)) * grad_output, exactly 0 in the
+    padded columns (from `real` on). In place because a fresh tensor of the logits' size costs more than the
+    arithmetic (first-touch page faults on the CPU)."""
+    softmax = (_real_logits(logits, real) - global_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
     vocab = torch.arange(logits.size(-1), device=logits.device)
     one_hot = ((vocab == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)).to(softmax.dtype)
     logits.copy_((softmax - one_hot) * grad_output.unsqueeze(-1))

@@ -60,7 +60,8 @@ class GPT2ModelConfig:
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
     real_vocab_size: Optional[int] = None
-    """The tokenizer's vocabulary; word-embedding rows from it to vocab_size are padding (None: no padding)."""
+    """The tokenizer's vocabulary; word-embedding rows from it to vocab_size are padding (None: no padding), out of
+    the loss's softmax (so the loss does not depend on the padding) and never generated."""
     fused_compute: bool = False
     """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
 
@@ -175,7 +176,8 @@ class GPT2Model(nn.Module):
             return hidden
         logits_parallel = self.lm_head(hidden, self.word_embeddings.weight)  # [b, s, V/p]
         if labels is not None:
-            return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute)
+            return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,
+                                                    real_vocab_size=self.config.real_vocab_size)
         if self.parallel_output:
             return logits_parallel
         return mpu.gather_from_model_parallel_region(logits_parallel)
