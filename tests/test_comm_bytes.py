@@ -92,7 +92,34 @@ def _measure_one_step(names):
             request.wait()
     out["known_p2p"] = (dict(counter.bytes_by_op), received[0].item() == partner)
     out["restored"] = dist.all_reduce is comm_bytes.dist.all_reduce and "counted" not in dist.all_reduce.__name__
+    out["known_each_op"] = _each_op_on_known_payloads()
     return out
+
+
+def _each_op_on_known_payloads():
+    """{op: bytes counted} for one call of every wrapped collective, each on its own fp32 payload size (so reading
+    the wrong argument shows): 3 elements per rank's piece for the scatters and gathers."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(5)),
+        "reduce": lambda: dist.reduce(torch.ones(6), dst=0),
+        "broadcast": lambda: dist.broadcast(torch.ones(7), src=0),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(3), [torch.ones(3) for _ in range(n)]),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(3 * n)),
+        "all_gather": lambda: dist.all_gather([torch.empty(3) for _ in range(n)], torch.ones(3)),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(3 * n), torch.ones(3)),
+        "all_gather_single": lambda: dist.all_gather_single(torch.empty(3 * n), torch.ones(3)),
+        # even ranks send 8 elements to their partner, odd ranks receive them (receives are not counted)
+        "send": lambda: dist.send(torch.ones(8), rank + 1) if rank % 2 == 0 else dist.recv(torch.empty(8), rank - 1),
+    }
+    counted = {}
+    for op, call in calls.items():
+        if getattr(dist, op, None) is None:     # all_gather_single: newer torch only
+            continue
+        with CommCounter() as counter:
+            call()
+        counted[op] = dict(counter.bytes_by_op)
+    return counted
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -110,19 +137,53 @@ def _close(value, ideal):
     return abs(value - ideal) <= TOLERANCE * ideal
 
 
+# Every op the counter wraps: bytes one rank sends on B = 1200 payload bytes over n = 2, 3, 4 ranks, worked by hand
+# from the ring volumes (all-reduce 2(n-1)/n B; reduce-scatter, all-gather, reduce, broadcast (n-1)/n B; sends B).
+HAND_TABLE = {
+    "all_reduce": {2: 1200, 3: 1600, 4: 1800},
+    "reduce": {2: 600, 3: 800, 4: 900},
+    "broadcast": {2: 600, 3: 800, 4: 900},
+    "reduce_scatter": {2: 600, 3: 800, 4: 900},
+    "reduce_scatter_tensor": {2: 600, 3: 800, 4: 900},
+    "all_gather": {2: 600, 3: 800, 4: 900},
+    "all_gather_into_tensor": {2: 600, 3: 800, 4: 900},
+    "all_gather_single": {2: 600, 3: 800, 4: 900},
+    "send": {2: 1200, 3: 1200, 4: 1200},
+    "batch_isend_irecv": {2: 1200, 3: 1200, 4: 1200},
+}
+
+
 def test_cost_model_table():
-    assert collective_bytes("all_reduce", 1000, 4) == 1500
-    assert collective_bytes("reduce", 1000, 4) == 750
-    assert collective_bytes("all_gather_into_tensor", 1000, 4) == 750
-    assert collective_bytes("all_reduce", 1000, 1) == 0
+    originals = {op: getattr(dist, op, None) for op in HAND_TABLE}
+    with CommCounter():
+        wrapped = {op for op in dir(dist) if not op.startswith("_") and callable(getattr(dist, op)) and
+                   "counted" in getattr(getattr(dist, op), "__name__", "")}
+    assert wrapped == {op for op, original in originals.items() if original is not None}, wrapped
+    for op, by_size in HAND_TABLE.items():
+        for n, sent in by_size.items():
+            assert collective_bytes(op, 1200, n) == pytest.approx(sent, rel=1e-12), (op, n)
+        assert collective_bytes(op, 1200, 1) == 0, op                 # a group of one sends nothing
 
 
 def test_counter_counts_a_known_collective_and_restores(measured):
     dp, results = measured
-    for rank_result in results:
+    for rank, rank_result in enumerate(results):
         assert rank_result["known_all_gather"] == {"all_gather_into_tensor": (dp - 1) * 10 * 4}
         assert rank_result["known_p2p"] == ({"batch_isend_irecv": 10 * 4}, True)
         assert rank_result["restored"]
+        # the same ops by hand, in bytes: all-reduce 2(n-1)/n x 20; reduce 24 and broadcast 28 times (n-1)/n;
+        # the scatters' input and the gathers' output are n x 12 bytes, times (n-1)/n; a send its 32 bytes
+        piece_ops = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
+                     "all_gather_single")
+        expected = {"all_reduce": 2 * (dp - 1) * 20 / dp, "reduce": (dp - 1) * 24 / dp,
+                    "broadcast": (dp - 1) * 28 / dp, **{op: (dp - 1) * 12 for op in piece_ops}}
+        for op, counted in rank_result["known_each_op"].items():
+            if op == "send":
+                assert counted == ({"send": 32} if rank % 2 == 0 else {}), counted
+            else:
+                assert counted.keys() == {op} and counted[op] == pytest.approx(expected[op], rel=1e-12), \
+                    (op, counted, expected[op])
+        assert set(rank_result["known_each_op"]) >= set(HAND_TABLE) - {"all_gather_single", "batch_isend_irecv"}
 
 
 @pytest.mark.parametrize("name", ["ddp", "stage0"])

@@ -18,41 +18,79 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = 300
 
 
+# (dtype, stage, offload_optimizer): stages 0-2 in fp32 and bf16, and stage 2 with the optimizer offloaded
+VARIANTS = [(dtype, stage, False) for dtype in ("float32", "bfloat16") for stage in (0, 1, 2)] + \
+    [(dtype, 2, True) for dtype in ("float32", "bfloat16")]
+
+
 def _engine_memory(model_parallel):
     import mpu
     from megatron import zero
     out = []
-    for dtype in ("float32", "bfloat16"):
-        for stage in (0, 1, 2):
-            model = ParallelTinyNet() if model_parallel else TinyNet()
-            groups = param_groups(model)
-            counts = [sum(p.numel() for p in g["params"]) for g in groups]
-            config = ds_config(stage, 2, reduce_bucket_size=BUCKET, overlap_comm=stage == 2,
-                               contiguous_gradients=True)
-            if dtype == "bfloat16":
-                config["bf16"] = {"enabled": True}
-            engine, optimizer, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
-                                                      config=config, mpu=mpu, dist_init_required=False)
-            dp = mpu.get_data_parallel_world_size()
-            estimate = memory.model_state_bytes(counts, dp, stage, dtype, reduce_bucket_size=BUCKET,
-                                                overlap_comm=stage == 2)
-            engine_train_step(engine, 0, 2 * dp)
-            out.append((dtype, stage, counts, estimate, memory.measured_model_state_bytes(optimizer)))
+    for dtype, stage, offload in VARIANTS:
+        model = ParallelTinyNet() if model_parallel else TinyNet()
+        groups = param_groups(model)
+        counts = [sum(p.numel() for p in g["params"]) for g in groups]
+        config = ds_config(stage, 2, reduce_bucket_size=BUCKET, overlap_comm=stage == 2, contiguous_gradients=True)
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if dtype == "bfloat16":
+            config["bf16"] = {"enabled": True}
+        engine, optimizer, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                                  config=config, mpu=mpu, dist_init_required=False)
+        dp = mpu.get_data_parallel_world_size()
+        estimate = memory.model_state_bytes(counts, dp, stage, dtype, offload=offload, reduce_bucket_size=BUCKET,
+                                            overlap_comm=stage == 2)
+        engine_train_step(engine, 0, 2 * dp)
+        out.append(((dtype, stage, offload), counts, estimate, memory.measured_model_state_bytes(optimizer)))
     return out
+
+
+_RESULTS = {}
+
+
+def _engine_memory_results(mp):
+    """Every rank's [(variant, group counts, estimate, measured)] at model-parallel size mp, dp 2 (one run each)."""
+    if mp not in _RESULTS:
+        _RESULTS[mp] = run_distributed(_engine_memory, 2 * mp, args=(mp > 1,), model_parallel_size=mp)
+    return _RESULTS[mp]
 
 
 @pytest.mark.parametrize("mp", [1, 2])
 def test_estimate_equals_engine_tensors_to_the_byte(mp):
-    results = run_distributed(_engine_memory, 2 * mp, args=(mp > 1,), model_parallel_size=mp)
-    for rank_results in results:
-        for dtype, stage, counts, estimate, measured in rank_results:
-            where = (mp, dtype, stage)
-            for kind in memory.KINDS + ("total",):
+    for rank_results in _engine_memory_results(mp):
+        for variant, counts, estimate, measured in rank_results:
+            where = (mp, variant)
+            for kind in memory.KINDS + ("total", "host"):
                 assert estimate[kind] == measured[kind], (where, kind, estimate, measured)
             assert 0 <= measured["buckets"] <= estimate["buckets"], (where, estimate, measured)
             P = sum(counts)
-            if dtype == "bfloat16" and stage == 2:     # the ZeRO paper's 2P + (2 + 12)P/dp, plus padding
+            if variant == ("bfloat16", 2, False):     # the ZeRO paper's 2P + (2 + 12)P/dp, plus padding
                 assert 2 * P + 14 * P / 2 <= estimate["total"] <= 2 * P + 14 * P / 2 + 16 * 2 * 32 * len(counts)
+
+
+def test_stage2_offload_estimate_and_measurement_equal_hand_computed_bytes():
+    """Stage 2, dp 2, offload_optimizer cpu, TinyNet's groups [1792, 136] elements, each padded to a multiple of
+    dp x 32 = 64: [1792, 192], so each rank owns 896 + 96 = 992. Device: the whole 16-bit (or fp32) parameter
+    buffer only; host: the fp32 master partition (a copy even in fp32), the two fp32 Adam moments and the
+    gradient partition in the parameters' dtype."""
+    padded, own = 1792 + 192, 896 + 96
+    expected = {"float32": ({"parameters": 4 * padded, "gradients": 0, "master": 0, "moments": 0},
+                            4 * own + 8 * own + 4 * own),
+                "bfloat16": ({"parameters": 2 * padded, "gradients": 0, "master": 0, "moments": 0},
+                             4 * own + 8 * own + 2 * own)}
+    checked = []
+    for rank_results in _engine_memory_results(1):
+        for (dtype, stage, offload), counts, estimate, measured in rank_results:
+            if not offload:
+                continue
+            assert counts == [1792, 136]
+            device, host = expected[dtype]
+            for figures in (estimate, measured):
+                assert {kind: figures[kind] for kind in memory.KINDS} == device, (dtype, figures)
+                assert figures["total"] == device["parameters"] and figures["host"] == host, (dtype, figures)
+            checked.append(dtype)
+    assert sorted(checked) == ["bfloat16", "bfloat16", "float32", "float32"]     # two ranks
 
 
 def _gpt2_counts(num_layers, hidden, heads, vocab, seq):

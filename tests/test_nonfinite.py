@@ -121,13 +121,100 @@ def _train_until_stopped(args_list):
     return None
 
 
-def test_deepspeed_path_names_the_parameter_and_stops(tmp_path):
+def _stopped_then_one_nan_element(args_list):
+    """The DeepSpeed-path run stopped by a NaN gradient, then the engine-level one-element checks in the same
+    workers (they share the start-up)."""
+    return _train_until_stopped(args_list), _zero_one_nan_element(1)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_stopped(tmp_path_factory):
     from tests.test_deepspeed_path import write_config
-    flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path)),
-                                               "--train-iters", "4"]
-    messages = run_distributed(_train_until_stopped, 2, args=(flags,))
+    flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--deepspeed", "--deepspeed_config",
+                                               write_config(str(tmp_path_factory.mktemp("ds"))), "--train-iters", "4"]
+    return run_distributed(_stopped_then_one_nan_element, 2, args=(flags,))
+
+
+def test_deepspeed_path_names_the_parameter_and_stops(deepspeed_stopped):
+    messages = [message for message, _ in deepspeed_stopped]
     assert messages[0] == messages[1] and messages[0].startswith("non-finite values at iteration 2:"), messages
     assert f"first non-finite gradient: {POISONED} (rank " in messages[0]
+
+
+class _ThreeParameters(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 3)          # first.weight [3, 4], first.bias [3]
+        self.second = torch.nn.Linear(3, 5)
+
+
+def test_megatron_path_names_the_parameter_with_one_bad_element():
+    """operations.first_nonfinite_gradient: one NaN (or inf) element of a non-first parameter's gradient is enough;
+    all finite (or no gradients) is None."""
+    from megatron.operations import first_nonfinite_gradient
+    module = _ThreeParameters()
+    assert first_nonfinite_gradient(module) is None                 # no gradients yet
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    module.second.weight.grad = None                                # a parameter without a gradient is skipped
+    assert first_nonfinite_gradient(module) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        module.first.bias.grad = torch.ones(3)
+        module.first.bias.grad[1] = bad
+        assert first_nonfinite_gradient(module) == "first.bias", bad
+    module.first.bias.grad = torch.ones(3)
+    module.second.bias.grad[4] = float("nan")                       # the last element of the last parameter
+    assert first_nonfinite_gradient(module) == "second.bias"
+
+
+# TinyNet's decayed group [fc1.weight 512 | fc2.weight 1024 | head.weight 256], 1792 elements, dp 2: rank 0 owns
+# [0, 896), rank 1 [896, 1792). Element 300 of fc2.weight sits at 812 (rank 0), element 600 at 1112 (rank 1).
+ZERO_POISON = {300: 0, 600: 1}
+
+
+def _zero_one_nan_element(poison_rank):
+    """For each stage and poisoned element of fc2.weight (one NaN on one rank's local gradient, before the
+    reduction): (stage, element, this rank's last_nonfinite_param name, the name every rank reports, steps skipped)."""
+    from megatron import zero
+    from megatron.operations import gather_first_name
+    from tests.zero_helpers import TinyNet, batch, ds_config, param_groups
+    rank, out = torch.distributed.get_rank(), []
+    for stage in (1, 2, 3):
+        for element in ZERO_POISON:
+            model = TinyNet()
+            engine, optimizer, _, _ = zero.initialize(
+                model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=1e-2), dist_init_required=False,
+                config=ds_config(stage, 2, reduce_bucket_size=300, stage3_param_persistence_threshold=40))
+            optimizer.skip_nonfinite = True                 # as training.py sets it (fp32/bf16)
+
+            def poison(grad, element=element):
+                if rank != poison_rank:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[element] = float("nan")
+                return grad
+            handle = engine.module.fc2.weight.register_hook(poison)
+            x, y = batch(0, 4)
+            engine.backward(engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+            engine.step()
+            handle.remove()
+            param = optimizer.last_nonfinite_param
+            name = next((n for n, p in engine.module.named_parameters() if p is param), None)
+            out.append((stage, element, name, gather_first_name(name), engine.skipped_steps))
+    return out
+
+
+def test_zero_engine_names_the_parameter_with_one_bad_element(deepspeed_stopped):
+    """ZeroOptimizer.last_nonfinite_param after one NaN element (not a whole NaN tensor) in fc2.weight's gradient
+    on rank 1, stages 1-3: the rank owning that element after the reduction names fc2.weight, the other None;
+    the step is skipped; the name every rank reports (operations.gather_first_name) is the owner's."""
+    for rank, (_, rank_results) in enumerate(deepspeed_stopped):
+        assert len(rank_results) == 6
+        for stage, element, name, reported, skipped in rank_results:
+            owner = ZERO_POISON[element]
+            assert name == ("fc2.weight" if rank == owner else None), (rank, stage, element, name)
+            assert reported == f"fc2.weight (rank {owner})", reported
+            assert skipped == 1, (stage, element, skipped)
 
 
 def test_min_loss_scale_watch_counts_only_skips_at_the_minimum():

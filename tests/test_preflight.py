@@ -28,10 +28,39 @@ def test_agreeing_ranks_pass():
     assert run_distributed(_initialize, 2, args=([["--hidden-size", "32"]] * 2,)) == [None, None]
 
 
-def test_different_hidden_size_stops_every_rank_naming_both_values():
-    errors = run_distributed(_initialize, 2, args=([["--hidden-size", "32"], ["--hidden-size", "64"]],))
+def test_different_hidden_size_and_seed_stop_every_rank_naming_both_values():
+    errors = run_distributed(_initialize, 2, args=([["--hidden-size", "32", "--seed", "1"],
+                                                    ["--hidden-size", "64", "--seed", "2"]],))
     for error in errors:
-        assert error == "ranks disagree before training: hidden_size: 32 on ranks [0], 64 on ranks [1]", error
+        assert error == ("ranks disagree before training: hidden_size: 32 on ranks [0], 64 on ranks [1]; "
+                         "seed: 1 on ranks [0], 2 on ranks [1]"), error
+
+
+def test_only_the_documented_per_process_keys_are_left_out_of_the_digest(tmp_path):
+    """Every argument is in the digest except rank, local_rank, the parsed config object (its content is, as
+    zero_config.*) and the config file's path; the seed is in it."""
+    from megatron import preflight
+    from megatron.arguments import parse_args
+    args = parse_args(args_list=TINY + ["--hidden-size", "32", "--seed", "1", "--deepspeed", "--deepspeed_config",
+                                        _config(str(tmp_path), "ds.json", 2)])
+    args.rank = 0                                  # set when torch.distributed is joined (initialize.py)
+    digest = preflight.compute_digest(args)
+    assert set(vars(args)) - set(digest) == {"rank", "local_rank", "zero_config", "deepspeed_config"}
+    assert digest["seed"] == "1" and digest["zero_config.zero_optimization.stage"] == "2"
+
+
+def test_a_key_on_one_rank_only_is_reported_by_name():
+    """differences() takes the union of every rank's keys: a key absent from rank 0's digest (or any other) is
+    reported with '<absent>' for the ranks that lack it."""
+    from megatron import preflight
+    same = {"hidden_size": "32", "seed": "1"}
+    found = preflight.differences([same, dict(same, only_here="x"), dict(same), dict(same, only_here="x")])
+    assert found == [("only_here", {"<absent>": [0, 2], "x": [1, 3]})]
+    assert preflight.describe(found) == "ranks disagree before training: only_here: <absent> on ranks [0, 2], x on " \
+                                        "ranks [1, 3]"
+    found = preflight.differences([dict(same, only_rank_0="y"), dict(same)])
+    assert found == [("only_rank_0", {"y": [0], "<absent>": [1]})]
+    assert preflight.differences([same, dict(same)]) == []
 
 
 def _config(directory, name, stage):

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -20,7 +21,7 @@ from megatron import zero
 from megatron.spawn import free_port, run_distributed
 from megatron.zero.partition import ALIGNMENT
 from tests.test_zero_precision import EXPECTED_SCALES, OVERFLOWS
-from tests.zero_helpers import TinyNet, batch, engine_train_step, max_relative_difference, param_groups
+from tests.zero_helpers import TinyNet, batch, device, engine_train_step, max_relative_difference, param_groups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLD = 40       # TinyNet's biases (32, 32, 8) and LayerNorm (32 + 32) stay whole; its weights are partitioned
@@ -200,6 +201,62 @@ def _zero_init():
     return tracker.peak, pieces, shapes_hidden, equal, edited, edited_weight, masters_follow
 
 
+class _AtTheThreshold(nn.Module):
+    """Parameters of exactly THRESHOLD elements (a vector and a matrix) and one of THRESHOLD + 1; one unit."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.at = nn.Parameter(torch.randn(THRESHOLD))
+        self.at_matrix = nn.Parameter(torch.randn(4, THRESHOLD // 4))
+        self.over = nn.Parameter(torch.randn(THRESHOLD + 1))
+        self.to(device())
+
+    def forward(self, x, y):
+        return (self.at.sum() + self.at_matrix.sum() + self.over.sum() - y.sum()) ** 2 * x.abs().mean()
+
+
+def _persistence_boundary():
+    """Elements each parameter holds right after construction and after one step (the whole ones), and its size."""
+    model = _AtTheThreshold()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, dist_init_required=False, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6, **_stage3()})
+    built = {n: p.numel() for n, p in engine.module.named_parameters()}
+    engine_train_step(engine, 0, 4)
+    after_step = {n: p.numel() for n, p in engine.module.named_parameters()}
+    return built, after_step, {n: p.ds_numel for n, p in engine.module.named_parameters()}
+
+
+class _OddSizes(nn.Module):
+    """Parameters of 7 and 13 elements (odd: a piece size rounded down loses the last element); values encode
+    their flat positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.seven = nn.Parameter(torch.arange(7.0))
+        self.thirteen = nn.Parameter(torch.arange(13.0).view(1, 13) + 100)
+        self.to(device())
+
+
+def _zero_init_odd_sizes():
+    """zero.Init at dp 2 on odd sizes: each rank's piece, the gathered values, and the values once the stage-3
+    engine has re-partitioned them into its flat group (gathered again)."""
+    with zero.Init(data_parallel_group=dist.group.WORLD):
+        model = _OddSizes()
+    pieces = {n: p.ds_tensor.clone().cpu() for n, p in model.named_parameters()}
+    meta = {n: (tuple(p.ds_shape), p.ds_numel, p.numel()) for n, p in model.named_parameters()}
+    with zero.GatheredParameters(list(model.parameters())):
+        gathered = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      dist_init_required=False, config={
+                                          "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6,
+                                          **_stage3(stage3_param_persistence_threshold=0)})
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        in_engine = {n: p.detach().clone().cpu() for n, p in engine.module.named_parameters()}
+    return pieces, meta, gathered, in_engine
+
+
 def _save_16bit_model():
     """save_16bit_model with and without stage3_gather_16bit_weights_on_model_save (every rank calls it)."""
     import tempfile
@@ -215,7 +272,7 @@ def _save_16bit_model():
 def _all_dp2():
     return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": _memory_between_steps(), "offload": _offload_placement(),
             "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init(),
-            "save16": _save_16bit_model()}
+            "save16": _save_16bit_model(), "boundary": _persistence_boundary(), "odd": _zero_init_odd_sizes()}
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +345,31 @@ def test_zero_init_builds_partitioned_and_equal(dp2):
         # the pieces kept so far plus one module's parameters, never the whole model
         assert peak <= total // 2 + biggest + 4 * 64, (peak, total, biggest)
         assert torch.equal(edited, torch.full((32,), 0.5)) and torch.equal(edited_weight, torch.full((32, 16), 0.25))
+
+
+def test_persistence_threshold_keeps_exactly_threshold_sized_parameters_whole(dp2):
+    """DeepSpeed's rule (ds_numel <= stage3_param_persistence_threshold stays whole): THRESHOLD elements, vector or
+    matrix, persistent (whole between steps); THRESHOLD + 1 partitioned (empty between steps)."""
+    for built, after_step, sizes in (rank["boundary"] for rank in dp2):
+        assert sizes == {"at": THRESHOLD, "at_matrix": THRESHOLD, "over": THRESHOLD + 1}
+        assert built == {"at": 0, "at_matrix": 0, "over": 0}, built     # whole from their first use on
+        assert after_step == {"at": THRESHOLD, "at_matrix": THRESHOLD, "over": 0}, after_step
+
+
+def test_zero_init_pieces_of_odd_sizes(dp2):
+    """Piece size ceil(numel / 2): rank 0 holds the first ceil elements, rank 1 the rest zero-padded; gathered
+    (from the pieces, and again from the engine's partitions) equals the original."""
+    seven, thirteen = torch.arange(7.0), torch.arange(13.0).view(1, 13) + 100
+    expected = [{"seven": torch.tensor([0.0, 1, 2, 3]), "thirteen": torch.arange(100.0, 107)},
+                {"seven": torch.tensor([4.0, 5, 6, 0]), "thirteen": torch.tensor([107.0, 108, 109, 110, 111, 112, 0])}]
+    for rank, result in enumerate(dp2):
+        pieces, meta, gathered, in_engine = result["odd"]
+        assert meta == {"seven": ((7,), 7, 0), "thirteen": ((1, 13), 13, 0)}, meta
+        assert pieces.keys() == expected[rank].keys()
+        for name, piece in pieces.items():
+            assert torch.equal(piece, expected[rank][name]), (rank, name, piece)
+        for values in (gathered, in_engine):
+            assert torch.equal(values["seven"], seven) and torch.equal(values["thirteen"], thirteen), values
 
 
 def test_save_16bit_model_writes_the_whole_weights_when_asked(dp2):
