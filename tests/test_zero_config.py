@@ -233,8 +233,32 @@ def test_auto_values_resolve_from_the_hidden_size_and_cpu_offload_is_offload_opt
     assert resolve_auto_values(config, 64) == {"reduce_bucket_size": 64 * 64, "stage3_prefetch_bucket_size": 3686,
                                                "stage3_param_persistence_threshold": 640}
     assert config.zero_optimization.stage3_prefetch_bucket_size == 3686          # int(0.9 * 64^2)
-    with pytest.raises(ConfigError, match="is \"auto\" but the model has no config.hidden_size"):
-        resolve_auto_values(load_config({"train_batch_size": 8, "zero_optimization": {
-            "stage": 3, "reduce_bucket_size": "auto"}}, 2), None)
+    # A model without config.hidden_size: DeepSpeed 0.19.8 drops the "auto" keys, so its defaults apply.
+    no_hidden = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"}}, 2)
+    assert resolve_auto_values(no_hidden, None) == {"reduce_bucket_size": 500_000_000,
+                                                    "stage3_prefetch_bucket_size": 50_000_000,
+                                                    "stage3_param_persistence_threshold": 100_000}
+    assert no_hidden.zero_optimization.reduce_bucket_size == 500_000_000
     old = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 2)
     assert old.zero_optimization.offload_optimizer.device == "cpu" and old.zero_optimization.offload_optimizer.enabled
+
+
+def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
+    config = load_config({"train_batch_size": 8, "zero_force_ds_cpu_optimizer": False,
+                          "communication_data_type": "fp32", "tensorboard": {"enabled": True, "output_path": "tb"},
+                          "hybrid_engine": {"enabled": False},
+                          "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}, 2)
+    assert config.no_effect == {
+        "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
+        "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
+        "tensorboard": "use --tensorboard-dir",
+        "zero_optimization.stage3_max_reuse_distance": "stage 3 releases every unit after its use"}
+    assert load_config({"train_batch_size": 8}, 2).no_effect == {}
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 8, "elasticity": {"enabled": True}}, 2)
+    assert str(info.value) == ("elasticity is enabled in the config, but megatron.zero has no elasticity (launch "
+                               "with a fixed world size): remove the block or set \"enabled\": false")
+    fp16 = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "min_loss_scale": 1e-5}}, 2).fp16
+    assert fp16.min_loss_scale == 1e-5      # DeepSpeed's pydantic wants an int here; a float is what users mean

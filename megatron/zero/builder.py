@@ -29,10 +29,12 @@ def add_config_arguments(parser):
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None):
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None):
     """Returns (engine, optimizer, training dataloader or None, lr scheduler or None).
 
-    `config`: a dict, a path or a parsed `zero.Config`; otherwise `args.deepspeed_config`. `mpu`: an object with the six
+    `config`: a dict, a path or a parsed `zero.Config` (`config_params`: DeepSpeed's older name for it);
+    otherwise `args.deepspeed_config`. `mpu`: an object with the six
     get_{model,data}_parallel_{rank,group,world_size} getters (None: data parallel over the whole world).
     `dist_init_required=False` trusts the caller's torch.distributed setup; otherwise torch.distributed is
     initialized from torchrun's environment when it is not yet (a single process without it runs alone).
@@ -41,11 +43,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("initialize() needs a model")
     if dist_init_required is not False:
         _init_distributed()
+    if config is not None and config_params is not None and config is not config_params:
+        raise ConfigError("both config= and config_params= were given (config_params is DeepSpeed's older name "
+                          "for config): pass one")
     ctx = ParallelContext.from_mpu(mpu)
-    cfg = load_config(_config_source(args, config), ctx.data_parallel_size)
-    resolved = resolve_auto_values(cfg, getattr(getattr(model, "config", None), "hidden_size", None))
-    if resolved and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"[zero] \"auto\" resolved from the model's hidden size: {resolved}", flush=True)
+    cfg = load_config(_config_source(args, config if config is not None else config_params), ctx.data_parallel_size)
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    resolved = resolve_auto_values(cfg, hidden_size)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _print_start_up_notes(cfg, resolved, hidden_size)
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= or add an \"optimizer\" block to the config")
@@ -61,6 +67,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.lr_scheduler = lr_scheduler
     dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, ctx, collate_fn)
     return engine, engine.optimizer, dataloader, lr_scheduler
+
+
+def _print_start_up_notes(cfg, resolved, hidden_size):
+    if resolved:
+        origin = "the model's hidden size" if hidden_size else \
+            "DeepSpeed's defaults (the model has no config.hidden_size)"
+        print(f"[zero] \"auto\" resolved from {origin}: {resolved}", flush=True)
+    if cfg.no_effect:
+        notes = "; ".join(f"{key} ({why})" for key, why in cfg.no_effect.items())
+        print(f"[zero] accepted with no effect here: {notes}", flush=True)
 
 
 def build_optimizer(optimizer_config, params):

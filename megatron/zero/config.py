@@ -138,11 +138,47 @@ class Config:
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     source: Optional[str] = field(default=None, compare=False)   # the file it was read from, if any
+    no_effect: dict = field(default_factory=dict, compare=False)  # {key: why it has no effect here}, as given
 
 
-# Keys DeepSpeed configs commonly carry that change nothing here; accepted so existing files load unchanged.
+# Keys DeepSpeed 0.19.8 accepts that change nothing here; accepted so existing files load unchanged, and named in
+# one start-up line (Config.no_effect) with the reason.
 _ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer": bool, "prescale_gradients": bool,
-                       "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool}
+                       "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool,
+                       "zero_force_ds_cpu_optimizer": bool, "communication_data_type": str,
+                       "seq_parallel_communication_data_type": str, "dataloader_drop_last": bool,
+                       "graph_harvesting": bool, "disable_allgather": bool}
+NO_EFFECT_REASONS = {
+    "zero_allow_untested_optimizer": "any torch Adam/AdamW client optimizer is stepped as it is",
+    "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
+    "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
+    "seq_parallel_communication_data_type": "there is no sequence parallelism",
+    "prescale_gradients": "gradients are averaged once, after the reduction",
+    "gradient_predivide_factor": "gradients are averaged once, after the reduction",
+    "memory_breakdown": "memory is reported by --log-jsonl and the start-up estimate",
+    "dump_state": "the config is printed by tools/estimate_memory.py",
+    "dataloader_drop_last": "the training_data loader always drops the last incomplete micro-batch",
+    "graph_harvesting": "CUDA graphs are not captured",
+    "disable_allgather": "stages 1-2 always gather the updated slices",
+    "stage3_max_reuse_distance": "stage 3 releases every unit after its use",
+    "allgather_partitions": "updated slices are always all-gathered",
+    "load_from_fp32_weights": "the fp32 slices are always restored",
+    "elastic_checkpoint": "checkpoints always re-partition",
+    "ignore_unused_parameters": "unused parameters get zero gradients",
+    "round_robin_gradients": "gradient partitions are contiguous ranges",
+}
+# Sections DeepSpeed uses for monitoring and I/O: accepted whole; we log through --log-jsonl / --tensorboard-dir.
+_ACCEPTED_SECTIONS = {"flops_profiler": "the log line prints TFLOP/s", "tensorboard": "use --tensorboard-dir",
+                      "csv_monitor": "use --log-jsonl", "wandb": "use --log-jsonl", "comet": "use --log-jsonl",
+                      "comms_logger": "bench_zero prints the communication table",
+                      "aio": "there is no NVMe offload", "checkpoint": "checkpoints are written as docs/ describe",
+                      "autotuning": "there is no autotuner"}
+# Features DeepSpeed has and we do not: refused by name when enabled (a disabled block loads).
+_REFUSED_WHEN_ENABLED = {"amp": "use bf16 or fp16", "elasticity": "launch with a fixed world size",
+                         "compression_training": "not supported", "sparse_attention": "not supported",
+                         "curriculum_learning": "not supported", "data_efficiency": "not supported",
+                         "hybrid_engine": "not supported yet", "pipeline": "use --pipeline-model-parallel-size",
+                         "sparse_gradients": "not supported"}
 _OPTIMIZER_PARAMS = {"lr": float, "betas": list, "eps": float, "weight_decay": float, "adam_w_mode": bool,
                      "torch_adam": bool, "bias_correction": bool, "amsgrad": bool, "max_grad_norm": float}
 _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
@@ -177,8 +213,10 @@ def load_config(source, data_parallel_size=1):
     raw = read_config_file(source) if path is not None else source
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
-    known = set(_SCALARS) | set(_SECTIONS) | set(_ACCEPTED_NO_EFFECT) | {"optimizer", "scheduler"}
+    known = set(_SCALARS) | set(_SECTIONS) | set(_ACCEPTED_NO_EFFECT) | set(_ACCEPTED_SECTIONS) | \
+        set(_REFUSED_WHEN_ENABLED) | {"optimizer", "scheduler"}
     _check_keys(raw, known, "the config")
+    _refuse_enabled_features(raw)
     values = {}
     for key, kind in {**_SCALARS, **_ACCEPTED_NO_EFFECT}.items():
         if key in raw and raw[key] is not None:
@@ -199,7 +237,28 @@ def load_config(source, data_parallel_size=1):
                     source=path, **sections, **{k: values[k] for k in ("gradient_clipping", "steps_per_print",
                                                                        "wall_clock_breakdown") if k in values})
     _validate(config)
+    config.no_effect = _no_effect_keys(raw, config)
     return config
+
+
+def _refuse_enabled_features(raw):
+    for key, reason in _REFUSED_WHEN_ENABLED.items():
+        value = raw.get(key)
+        enabled = value.get("enabled", True) if isinstance(value, dict) else bool(value)
+        if key in raw and enabled:
+            raise ConfigError(f"{key} is enabled in the config, but megatron.zero has no {key} ({reason}): remove "
+                              f"the block or set \"enabled\": false")
+
+
+def _no_effect_keys(raw, config):
+    """{key: reason} of what the config sets that has no effect here (printed once at start-up)."""
+    keys = {key: NO_EFFECT_REASONS.get(key, "no effect here") for key in _ACCEPTED_NO_EFFECT if key in raw}
+    keys.update({key: _ACCEPTED_SECTIONS[key] for key in _ACCEPTED_SECTIONS if key in raw})
+    zero_raw = raw.get("zero_optimization")
+    if isinstance(zero_raw, dict):
+        keys.update({f"zero_optimization.{key}": NO_EFFECT_REASONS[key] for key in zero_raw
+                     if key in NO_EFFECT_REASONS})
+    return keys
 
 
 def resolve_batch_triangle(train, micro, accumulation, data_parallel_size):
@@ -358,14 +417,13 @@ def _scheduler(raw):
 
 
 def resolve_auto_values(config, hidden_size):
-    """Replace "auto" zero_optimization values from the model's hidden size (h^2, 0.9 h^2, 10 h); returns
+    """Replace "auto" zero_optimization values from the model's hidden size (h^2, 0.9 h^2, 10 h) or, for a model
+    without config.hidden_size, by DeepSpeed's defaults (as DeepSpeed 0.19.8 drops "auto" keys there); returns
     {key: value} of what was resolved (empty when nothing was "auto")."""
     zero = config.zero_optimization
     auto = [key for key in AUTO_RULES if getattr(zero, key) == AUTO]
-    if auto and not hidden_size:
-        raise ConfigError(f"zero_optimization.{auto[0]} is \"auto\" but the model has no config.hidden_size to "
-                          "resolve it from: give a number")
-    resolved = {key: AUTO_RULES[key](hidden_size) for key in auto}
+    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    resolved = {key: AUTO_RULES[key](hidden_size) if hidden_size else defaults[key] for key in auto}
     for key, value in resolved.items():
         setattr(zero, key, value)
     return resolved
