@@ -34,6 +34,8 @@ class NonFiniteStep(Exception):
 
 
 def is_nonfinite(losses, grad_norm):
+    """Any of the micro-batches' losses or the global gradient norm is NaN/inf. `grad_norm` is the real norm, inf
+    when an optimizer found an inf/nan gradient (FP16_Optimizer, the ZeRO engine): never a finite stand-in."""
     values = [v for d in losses for v in d.values()] + ([] if grad_norm is None else [float(grad_norm)])
     return not all(math.isfinite(v) for v in values)
 

@@ -191,13 +191,14 @@ def allreduce_embedding_grads(module):
 def clip_grad_norm(optimizer, module, max_norm):
     """Clip the gradients the optimizer steps on (FP16_Optimizer's fp32 masters, else the parameters) to the
     global norm `max_norm` (<= 0: no clipping); returns that norm. Across pipeline stages the squares are summed
-    over the pipeline group, the last stage's LM-head copy (`shared`) left out: the tied weight counts once."""
+    over the pipeline group, the last stage's LM-head copy (`shared`) left out: the tied weight counts once. inf
+    when FP16_Optimizer found an inf/nan gradient (the non-finite check in training.py reads this value)."""
     if mpu.get_pipeline_model_parallel_world_size() == 1:
         if hasattr(optimizer, "clip_master_grads"):
             return optimizer.clip_master_grads(max_norm)
         return mpu.clip_grad_norm(module.parameters(), max_norm if max_norm > 0 else math.inf)
-    if getattr(optimizer, "overflow", False):   # fp16: FP16_Optimizer found inf/nan on some rank; the step skips
-        return -1.0
+    if getattr(optimizer, "overflow", False):   # FP16_Optimizer found inf/nan on some rank: the step is not taken
+        return math.inf
     max_norm = max_norm if max_norm > 0 else math.inf
     model_params = list(getattr(optimizer, "model_params", None) or module.parameters())
     stepped = list(getattr(optimizer, "master_params", None) or model_params)

@@ -78,16 +78,18 @@ class FP16_Optimizer:
         return bool(flag.item() > 0)
 
     def clip_master_grads(self, max_norm, norm_type=2):
-        """Clip by the global norm (max_norm 0 or None: measure only). Returns the norm, or -1 on overflow."""
+        """Clip by the global norm (max_norm 0 or None: measure only). Returns the norm; inf on overflow (as the
+        ZeRO engine's), never a finite stand-in: the training loop's non-finite check reads this value (bf16)."""
         if self.overflow:
-            return -1.0
+            return math.inf
         return mpu.clip_grad_norm(self.master_params, max_norm if max_norm else math.inf, norm_type)
 
     def step(self):
-        """Returns True when the step was taken, False when an overflow skipped it."""
+        """Returns True when the step was taken, False when an overflow (inf/nan in a gradient on any rank)
+        skipped it: fp16 and bf16 alike (bf16 has no scaler to update; the training loop stops or skips first)."""
         if self.scaler is not None:
             self.scaler.update(self.overflow)
-        if self.overflow and self.scaler is not None:
+        if self.overflow:
             return False
         self.optimizer.step()
         with torch.no_grad():
