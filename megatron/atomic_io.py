@@ -9,37 +9,49 @@ trainer, the preprocessing tools):
     publish_directory(tmp_dir, final_dir)   # rename a filled directory into place, keeping final_dir.old
     discard_old_directory(final_dir)        #   until the caller's pointer file names the new one
     readable_directory(final_dir)           # final_dir, or final_dir.old after a crash between the renames
-    save_directory_atomically(final_dir, write, commit, ...)   # the protocol both checkpoint paths use
+    save_directory_atomically(final_dir, write, commit, ...)   # the protocol both checkpoint paths use,
+                                                               # with its manifest (megatron.manifest)
+    size, crc = atomic_torch_save(obj, path, checksum=True)    # the file's crc32, read back during the fsync
 
 And the collective rule for work where only some ranks can fail (writing files, building an index):
 
     error = capture_error(write, ...)                  # never raise before the other ranks know
     agree_on_success(error, "writing ckpt", device)    # all meet; if any rank failed, every rank raises
 """
+import concurrent.futures
 import contextlib
 import os
 import shutil
+
+from megatron import manifest
 
 OLD_SUFFIX = ".old"
 
 
 @contextlib.contextmanager
-def atomic_path(path):
-    """A temporary name next to `path` to write to; renamed to `path` (after fsync) when the block succeeds."""
+def atomic_path(path, checksum=None):
+    """A temporary name next to `path` to write to; renamed to `path` (after fsync) when the block succeeds.
+    `checksum`: a list that receives the file's (size, crc32), read back while the fsync runs."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         yield tmp
-        _fsync_file(tmp)
+        if checksum is None:
+            _fsync_file(tmp)
+        else:
+            checksum.append(_fsync_and_checksum(tmp))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def atomic_torch_save(obj, path):
+def atomic_torch_save(obj, path, checksum=False):
+    """torch.save(obj, path) through atomic_path; with `checksum`, returns the file's (size, crc32)."""
     import torch
-    with atomic_path(path) as tmp:
+    sums = [] if checksum else None
+    with atomic_path(path, sums) as tmp:
         torch.save(obj, tmp)
+    return sums[0] if checksum else None
 
 
 def atomic_write_text(path, text, encoding="utf-8"):
@@ -60,6 +72,15 @@ def fsync_dir(path):
 def _fsync_file(path):
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def _fsync_and_checksum(path):
+    """(size, crc32) of `path`, computed in a thread while this one fsyncs it: the read comes from the page cache
+    and both release the GIL, so the checksum mostly hides behind the wait for the disk."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
+        checksum = reader.submit(manifest.file_crc32, path)
+        _fsync_file(path)
+        return checksum.result()
 
 
 def publish_directory(tmp_dir, final_dir):
@@ -98,20 +119,31 @@ def prepare_empty_directory(path):
 
 
 def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error_class=RuntimeError):
-    """Every rank calls this; write(tmp_dir) runs on every rank, commit() on rank 0 after the rename.
+    """Every rank calls this; write(tmp_dir) runs on every rank and returns the manifest entries of the files it
+    wrote ({"file": path, "size", "crc32"}: what megatron.zero.checkpoint.atomic_torch_save returns); commit() runs
+    on rank 0 after the rename.
 
-        1. rank 0 empties final_dir.tmp/                              all agree
-        2. every rank: write(final_dir.tmp)                           all agree
-        3. rank 0: rename it to final_dir (publish_directory), commit() writes the pointer files (the commit
-           point), the .old copy of a re-save is discarded           all agree
+        1. rank 0 empties final_dir.tmp/                                          all agree
+        2. every rank: write(final_dir.tmp)                                       all agree
+        3. the entries of all ranks are gathered (all_gather_object); rank 0 checks they cover every file and
+           writes final_dir.tmp/manifest.json, the last file of the directory      all agree
+        4. rank 0: rename it to final_dir (publish_directory), commit() writes the pointer files (the commit
+           point), the .old copy of a re-save is discarded                        all agree
     A crash or an error anywhere leaves the previous checkpoint named by the pointers; an error on any rank
-    raises `error_class` on every rank."""
+    raises `error_class` on every rank, and a failed write's temporary directory is removed (a full disk gets its
+    space back)."""
     tmp_dir = final_dir + ".tmp"
+    written = []
 
     def prepare():
         if is_rank_0:
             os.makedirs(os.path.dirname(os.path.abspath(final_dir)), exist_ok=True)
             prepare_empty_directory(tmp_dir)
+
+    def write_manifest():
+        entries = _gather_entries([dict(entry, file=_relative_name(entry["file"], tmp_dir)) for entry in written])
+        if is_rank_0:
+            manifest.write_manifest(tmp_dir, entries)
 
     def publish():
         if is_rank_0:
@@ -120,10 +152,36 @@ def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error
             fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
             discard_old_directory(final_dir)
 
-    for what, step in (("preparing", prepare), ("writing", lambda: write(tmp_dir)), ("publishing", publish)):
+    steps = (("preparing", prepare), ("writing", lambda: written.extend(write(tmp_dir) or ())),
+             ("writing the manifest of", write_manifest), ("publishing", publish))
+    for what, step in steps:
         error = capture_error(step)
-        agree_on_success(error, f"{what} {final_dir if what == 'publishing' else tmp_dir}", device,
-                         error_class=error_class)
+        label = f"publishing {final_dir}" if what == "publishing" else \
+            f"{what} {tmp_dir} (the save failed; the previous checkpoint stays the latest)"
+        try:
+            agree_on_success(error, label, device, error_class=error_class)
+        except Exception:
+            if is_rank_0 and what != "publishing":
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+
+
+def _relative_name(path, directory):
+    """`path` (a file written under `directory`) as the manifest names it: relative, POSIX separators."""
+    relname = os.path.relpath(path, directory)
+    if relname.startswith(os.pardir):
+        raise ValueError(f"{path} was written outside the checkpoint directory {directory}")
+    return relname.replace(os.sep, "/")
+
+
+def _gather_entries(entries):
+    """Every rank's `entries`, concatenated in rank order (just `entries` without torch.distributed)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(entries)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(entries))
+    return [entry for part in gathered for entry in part]
 
 
 def capture_error(fn, *args):
@@ -149,6 +207,6 @@ def agree_on_success(error, what, device, group=None, error_class=RuntimeError):
     if error is not None:
         if error_class is None or isinstance(error, error_class):
             raise error
-        raise error_class(f"{what}: {type(error).__name__}: {error}") from error
+        raise error_class(f"{what}: {type(error).__name__}: {' '.join(str(error).split())}") from error
     if failed.item():
         raise (error_class or RuntimeError)(f"{what}: another rank failed (see its message)")

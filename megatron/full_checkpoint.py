@@ -35,11 +35,19 @@ class FullCheckpoint:
     def weights(self):
         return {name: self.saved.full_tensor(name) for name in self.names()}
 
-    def fp32_weights(self):
-        """The fp32 master weights when the checkpoint has them (mixed precision, ZeRO), else the weights."""
+    def fp32_weights(self, progress=None):
+        """The fp32 master weights when the checkpoint has them (mixed precision, ZeRO), else the weights.
+        `progress` (a megatron.cli.ProgressLine) counts the tensors read."""
         has_masters = self.saved.has_optimizer_state()
-        return {name: (self.saved.full_tensor(name, "master") if has_masters else self.saved.full_tensor(name)).float()
-                for name in self.names()}
+        names = self.names()
+        if progress is not None:
+            progress.set_total(len(names))
+        result = {}
+        for name in names:
+            result[name] = self.saved.full_tensor(name, "master" if has_masters else "weight").float()
+            if progress is not None:
+                progress.advance(1, result[name].nbytes)
+        return result
 
 
 def _count_layers(weights):
@@ -51,14 +59,15 @@ def read_full_checkpoint(load_dir, tag=None):
 
 
 def write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=False,
-                          make_vocab_size_divisible_by=128):
+                          make_vocab_size_divisible_by=128, progress=None):
     """Write full `weights` (real vocabulary rows) as a 'release' checkpoint at `model_parallel_size` in the Megatron
     layout (or the ZeRO layout with `deepspeed`), weights only: training loads it as --finetune does."""
     return _write_checkpoint(save_dir, ckpt.RELEASE, lambda name: weights[name], list(weights), model_config,
-                             model_parallel_size, deepspeed, make_vocab_size_divisible_by)
+                             model_parallel_size, deepspeed, make_vocab_size_divisible_by, progress=progress)
 
 
-def resize_checkpoint(saved, save_dir, model_parallel_size, deepspeed, make_vocab_size_divisible_by=128):
+def resize_checkpoint(saved, save_dir, model_parallel_size, deepspeed, make_vocab_size_divisible_by=128,
+                      progress=None):
     """Write `saved` (a SavedCheckpoint) at another model-parallel size and/or path under its own tag: weights,
     counters and lr scheduler; with `deepspeed`, also the fp32 masters, Adam moments and loss scaler (as a
     data-parallel-1 ZeRO checkpoint, which loads at any data-parallel size)."""
@@ -66,11 +75,13 @@ def resize_checkpoint(saved, save_dir, model_parallel_size, deepspeed, make_voca
     optimizer = deepspeed and saved.has_optimizer_state()
     return _write_checkpoint(save_dir, saved.tag, saved.full_tensor, full.names(), full.model_config,
                              model_parallel_size, deepspeed, make_vocab_size_divisible_by,
-                             saved=saved, with_optimizer=optimizer)
+                             saved=saved, with_optimizer=optimizer, progress=progress)
 
 
 def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_parallel_size, deepspeed,
-                      make_vocab_size_divisible_by, saved=None, with_optimizer=False):
+                      make_vocab_size_divisible_by, saved=None, with_optimizer=False, progress=None):
+    """`progress` (a megatron.cli.ProgressLine) counts the shards written: per rank every weight, and with the
+    optimizer also its OPTIMIZER_KINDS."""
     from megatron import atomic_io
     from megatron.tokenizer.tokenizer import vocab_size_with_padding
     vocab = model_config["vocab_size"]
@@ -87,11 +98,18 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
                           ckpt.CONSUMED_VALID_SAMPLES: train_state.consumed_valid_samples,
                           ckpt.SKIPPED_ITERATIONS: train_state.skipped_iterations})
 
+    if progress is not None:
+        progress.set_total(model_parallel_size * len(names) * (1 + (len(OPTIMIZER_KINDS) if with_optimizer else 0)))
+
     def write(directory):
+        entries = []      # the manifest entries of the files written
         for rank in range(model_parallel_size):
             def shard(name, kind="weight"):
                 full = tensor_of(name) if kind == "weight" else saved.full_tensor(name, kind)
-                return shard_for(name, full, model_parallel_size, rank, padded).contiguous().clone()
+                result = shard_for(name, full, model_parallel_size, rank, padded).contiguous().clone()
+                if progress is not None:
+                    progress.advance(1, result.nbytes)
+                return result
             shards = {name: shard(name) for name in names}
             rank_state = {**run_state, **_rng_for(saved, rank, model_parallel_size)}
             if deepspeed:
@@ -101,17 +119,18 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
                          ckpt.CLIENT_STATE: rank_state, ckpt.DATA_PARALLEL_SIZE: 1,
                          ckpt.MODEL_PARALLEL_SIZE: model_parallel_size, ckpt.ZERO_STAGE: 2,
                          ckpt.PARAM_NAMES: saved.param_names if saved else default_param_names(names)}
-                ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(rank)))
+                entries.append(ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(rank))))
                 if with_optimizer:
-                    ckpt.atomic_torch_save(_zero_optimizer_file(saved, shard, shards),
-                                           os.path.join(directory, ckpt.optim_states_name(0, rank)))
+                    entries.append(ckpt.atomic_torch_save(_zero_optimizer_file(saved, shard, shards),
+                                                          os.path.join(directory, ckpt.optim_states_name(0, rank))))
             else:
                 state = {ckpt.MODEL: shards, **rank_state}
                 if saved is not None and saved.lr_scheduler_state() is not None:
                     state[ckpt.LR_SCHEDULER] = saved.lr_scheduler_state()
                 path = os.path.join(directory, ckpt.megatron_rank_dir_name(rank), ckpt.CHECKPOINT_FILENAME)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                ckpt.atomic_torch_save(state, path)
+                entries.append(ckpt.atomic_torch_save(state, path))
+        return entries
 
     def commit():
         if deepspeed:

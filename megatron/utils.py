@@ -5,6 +5,7 @@ Megatron-path layout (one file per model-parallel rank, written by data-parallel
 
     SAVE/iter_0000200/mp_rank_00/model_optim_rng.pt
     SAVE/iter_0000200/mp_rank_01/model_optim_rng.pt
+    SAVE/iter_0000200/manifest.json                 every file's size and crc32 (megatron.manifest), written last
     SAVE/latest_checkpointed_iteration.txt          "200" (or "release" for SAVE/release/...)
 
 Under pipeline parallelism each stage has its own directory, Megatron's name: mp_rank_{tp:02d}_{pp:03d}/ (P = 1
@@ -14,9 +15,10 @@ ZeRO path (--deepspeed): the engine writes SAVE/iter_0000200/ and SAVE/latest it
 the client_state (counters, RNG, model shape) and Megatron's tracker file.
 
 A save is atomic (megatron.atomic_io.save_directory_atomically): a crash at any point leaves the tracker naming the
-previous, complete checkpoint. Loading uses torch.load(weights_only=True), so a checkpoint file can never run code;
-every value saved is a tensor, number, str, None, or a list/dict of those (RNG states included). File names and
-keys: megatron.zero.checkpoint.
+previous, complete checkpoint. A load first checks the files against the manifest (all ranks share the reading); a
+damaged checkpoint is skipped, with a line saying why, for the newest older one that verifies. Loading uses
+torch.load(weights_only=True), so a checkpoint file can never run code; every value saved is a tensor, number, str,
+None, or a list/dict of those (RNG states included). File names and keys: megatron.zero.checkpoint.
 
 The path follows the model: a ZeRO engine (--deepspeed) is saved and loaded in the ZeRO layout. Load flags
 (CheckpointOptions): finetune loads the weights only (iteration, consumed samples, optimizer, lr
@@ -40,8 +42,8 @@ from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLE
                                       ITERATION, ITERATION_DIR_PATTERN, LR_SCHEDULER, MODEL, MODEL_SHAPE,
                                       MODEL_SHAPE_FIELDS, OPTIMIZER, PARAM_NAMES, RELEASE, RNG, SKIPPED_ITERATIONS,
                                       TRACKER_FILENAME, CheckpointError, atomic_torch_save, atomic_write_text,
-                                      iteration_dir_name, megatron_rank_dir_name,
-                                      safe_torch_load)
+                                      iteration_dir_name, mark_directory_verified, megatron_rank_dir_name,
+                                      safe_torch_load, verify_checkpoint_directory)
 
 
 def print_rank_0(message):
@@ -185,7 +187,9 @@ def save_checkpoint(train_state, model, optimizer, lr_scheduler, options):
 
     def write(tmp_dir):
         if mpu.get_data_parallel_rank() == 0:
-            _write_state(checkpoint_state(train_state, model, optimizer, lr_scheduler, options), _rank_file(tmp_dir))
+            return [_write_state(checkpoint_state(train_state, model, optimizer, lr_scheduler, options),
+                                 _rank_file(tmp_dir))]
+        return []
     atomic_io.save_directory_atomically(
         get_checkpoint_dir(options.save, train_state.iteration), write,
         lambda: _write_tracker_and_prune(options.save, train_state.iteration, options.save_keep_last),
@@ -194,10 +198,12 @@ def save_checkpoint(train_state, model, optimizer, lr_scheduler, options):
 
 
 def _write_state(state, path):
+    """Write `state` to `path`; returns its manifest entry."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    atomic_torch_save(state, path)
+    entry = atomic_torch_save(state, path)
     atomic_io.fsync_dir(directory)
+    return entry
 
 
 def _write_tracker_and_prune(save_dir, iteration, keep_last):
@@ -238,18 +244,60 @@ def get_checkpoint_iteration(load_dir):
 def load_checkpoint(model, optimizer, lr_scheduler, options):
     """Load options.load's tracked checkpoint into model (and optimizer, lr scheduler, RNG, as the options allow).
     Returns the TrainState to continue from: a fresh one when there is no tracker (a one-line notice), with
-    finetune, or for a release checkpoint. Every rank must call it; an error on any rank raises on all."""
+    finetune, or for a release checkpoint. Every rank must call it; an error on any rank raises on all.
+    The checkpoint's files are verified against its manifest first; when one is damaged, the newest older
+    checkpoint that verifies is loaded instead (newest_verified_checkpoint)."""
     iteration, release = get_checkpoint_iteration(options.load)
     if iteration is None:
         print_rank_0(f"WARNING: could not find the metadata file {get_checkpoint_tracker_filename(options.load)}; "
                      "will not load any checkpoints and will start from random")
         return TrainState()
+    iteration, release = newest_verified_checkpoint(options.load, iteration, release)
     result = {}
     error = atomic_io.capture_error(_load_any_topology, result, model, optimizer, lr_scheduler, options, iteration,
                                     release)
     _agree(error, f"loading {get_checkpoint_dir(options.load, iteration, release)}")
     print_rank_0(f"  loaded checkpoint from {options.load} at iteration {iteration}")
     return result["train_state"]
+
+
+def newest_verified_checkpoint(load_dir, iteration, release):
+    """(iteration, release) of the tracked checkpoint when all its files match its manifest, else of the newest
+    older iter_* checkpoint that does, each one skipped printed with the reason (a release checkpoint has no
+    fallback). CheckpointError when none verifies. A directory without a manifest counts as verified (announced).
+    Collective: the ranks share the checksumming. A missing tracked directory is left to the load to report."""
+    if not os.path.isdir(atomic_io.readable_directory(get_checkpoint_dir(load_dir, iteration, release))):
+        return iteration, release
+    older = [] if release else sorted((int(m.group(1)) for m in map(ITERATION_DIR_PATTERN.match,
+                                                                        os.listdir(load_dir)) if m), reverse=True)
+    skipped = []
+    for candidate in [iteration] + [it for it in older if it < iteration]:
+        directory = atomic_io.readable_directory(get_checkpoint_dir(load_dir, candidate, release))
+        problem = _problem_found_by_any_rank(directory)
+        if problem is None:
+            mark_directory_verified(directory)
+            if skipped:
+                print_rank_0(f"loading {directory} instead: the newest checkpoint in {load_dir} that verifies")
+            return candidate, release
+        print_rank_0(f"WARNING: skipping checkpoint {directory}: {problem}")
+        skipped.append(f"{os.path.basename(directory)}: {problem}")
+    raise CheckpointError(f"no checkpoint in {load_dir} verifies ({'; '.join(skipped)}): restore the damaged files "
+                          "from a copy, or start without --load")
+
+
+def _problem_found_by_any_rank(directory):
+    """The first problem any rank finds in `directory`, or None. Each rank checksums its share of the files
+    (about 1/world of the bytes); every rank gets the same answer."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        problem = verify_checkpoint_directory(directory, rank, world)
+    except Exception as error:  # any failure is this rank's answer: the others must not wait for it
+        problem = f"{type(error).__name__}: {error}"
+    if world == 1:
+        return problem
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
 
 
 def _load_any_topology(result, model, optimizer, lr_scheduler, options, iteration, release):

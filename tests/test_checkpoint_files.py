@@ -136,6 +136,7 @@ def _bad_input_checks(root):
     save_dir = os.path.join(root, "save")
     args = _save_once(save_dir)
     iteration_dir = os.path.join(save_dir, f"iter_{ITERS:07d}")
+    os.remove(os.path.join(iteration_dir, "manifest.json"))  # checks of a checkpoint saved before manifests
     good_file = os.path.join(iteration_dir, "mp_rank_00", "model_optim_rng.pt")
     good_bytes = open(good_file, "rb").read()
     from megatron.training import setup_model_and_optimizer

@@ -152,7 +152,7 @@ def test_zero_checkpoint_resume_is_exact(tmp_path):
     straight = run_distributed(_train, 2, args=(RESUME + DROPOUT + zero_args + ["--save", save_dir,
                                                                               "--save-interval", "3"],))
     assert sorted(os.listdir(os.path.join(save_dir, "iter_0000003"))) == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "manifest.json", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert open(os.path.join(save_dir, "latest")).read() == "iter_0000006"
     _set_tracker(save_dir, 3)

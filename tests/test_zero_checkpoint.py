@@ -79,7 +79,8 @@ def saved(tmp_path_factory):
 def test_layout_and_latest(saved):
     save_dir, _ = saved
     tag_dir = os.path.join(save_dir, f"iter_{SAVE_AT}")
-    assert sorted(os.listdir(tag_dir)) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    assert sorted(os.listdir(tag_dir)) == ["manifest.json", "mp_rank_00_model_states.pt",
+                                           "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                            "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert open(os.path.join(save_dir, "latest")).read() == f"iter_{SAVE_AT}"
     assert not [f for f in os.listdir(save_dir) if ".tmp." in f]

@@ -22,6 +22,12 @@ memory-mapped shards): seconds per process (median over repeats), and per proces
 its shard), the peak growth during the load (sampled every 2 ms), and the largest tensor.
 Targets: resharding <= 1.5x the plain load's time; growth <= the largest tensor (the share itself was allocated
 when the model and optimizer were built).
+
+A third table is the manifest's cost (megatron.manifest: size and crc32 of every file, written last): the same
+state saved with megatron.atomic_io.atomic_torch_save with and without its checksum (read back in a thread while
+the file is fsynced), back to back, alternating which goes first ("added": median of the pairs' relative
+difference); and the crc32 of the saved file by itself (page cache, no overlap: the cost if it were computed after
+the save), as a fraction of the save. Target: the added time <= 5%.
 """
 import argparse
 import contextlib
@@ -124,6 +130,39 @@ def bench(name, repeats, root):
     return size, {key: size / 1e6 / statistics.median(values) for key, values in times.items()}
 
 
+def bench_manifest(name, repeats, root):
+    """Seconds (medians): atomic save without / with the checksum, and crc32 of the file alone; "added": the
+    median over repeats of (with - without) / without, each pair run back to back. Returns (size, {column: value})."""
+    from megatron import atomic_io, manifest
+    model, optimizer, scheduler = build(*SIZES[name])
+    state = checkpoint_state(TrainState(iteration=1), model, optimizer, scheduler, CheckpointOptions())
+    times = {"save": [], "save+checksum": [], "crc32 alone": []}
+    for repeat in range(repeats):
+        order = (False, True) if repeat % 2 == 0 else (True, False)
+        for checksum in order:
+            path = os.path.join(root, f"manifest_{name}_{repeat}_{checksum}.pt")
+            times["save+checksum" if checksum else "save"].append(
+                timed(lambda: atomic_io.atomic_torch_save(state, path, checksum=checksum)))
+            if checksum:
+                times["crc32 alone"].append(timed(lambda: manifest.file_crc32(path)))
+            size = os.path.getsize(path)
+            os.remove(path)
+    added = statistics.median((both - save) / save for save, both in zip(times["save"], times["save+checksum"]))
+    return size, {"added": added, **{key: statistics.median(values) for key, values in times.items()}}
+
+
+def print_manifest_table(rows):
+    columns = ["state", "MB", "save s", "save+checksum s", "added", "crc32 alone s", "crc32 GB/s", "crc32/save"]
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
+    for name, size, seconds in rows:
+        save, both, alone = seconds["save"], seconds["save+checksum"], seconds["crc32 alone"]
+        cells = [name, f"{size / 1e6:.1f}", f"{save:.3f}", f"{both:.3f}", f"{seconds['added']:+.1%}",
+                 f"{alone:.3f}", f"{size / 1e9 / alone:.2f}", f"{alone / save:.1%}"]
+        print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
+
+
 def _reshard_worker(name, load_dir, repeats):
     """In a fresh process at this model-parallel size: build, then time load_checkpoint of load_dir and sample its
     anonymous memory (RssAnon: the file pages a memory-mapped load touches are page cache, not counted)."""
@@ -214,6 +253,8 @@ def main():
                      f"{rate['ours load'] / rate['plain load+apply']:.2f}x"]
             print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |",
                   flush=True)
+        print_manifest_table([(name, *bench_manifest(name, options.repeats, root))
+                              for name in options.sizes.split(",")])
         if options.reshard:
             for name in options.sizes.split(","):
                 print_reshard_table(name, bench_reshard(name, options.repeats, root))

@@ -16,7 +16,7 @@ import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
-
+from megatron import cli  # noqa: E402
 from megatron.zero.checkpoint import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
 
 
@@ -59,17 +59,18 @@ def consolidate(checkpoint_dir, output_file, tag=None):
         full = _read(checkpoint_dir, tag)
     state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in
              full.fp32_weights().items()}
-    directory = os.path.dirname(os.path.abspath(output_file))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(output_file)}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, output_file)
+    from megatron.atomic_io import atomic_torch_save
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
+        atomic_torch_save(state, output_file)
+    except OSError as error:
+        raise ConversionError(f"cannot write {output_file}: {_one_line(error)}") from None
     return len(state), sum(t.numel() for t in state.values())
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint_dir", help="a training run's --save directory (holding `latest` or "
                         f"{TRACKER_FILENAME})")
     parser.add_argument("output_file", help="where to torch.save the consolidated fp32 state dict")

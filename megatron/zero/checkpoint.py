@@ -1,8 +1,13 @@
 """Checkpoint file names and keys of both layouts (the one place they are spelled), safe loads, checked saves.
 
-    atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.atomic_io
-    safe_torch_load(path)          torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
+    atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.atomic_io;
+                                   returns the file's manifest entry (size, crc32)
+    safe_torch_load(path)          verified against its checkpoint directory's manifest (megatron.manifest), then
+                                   torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
                                    Store only tensors, python scalars, str, None, and lists/tuples/dicts of those.
+    verify_checkpoint_directory    every listed file (or this rank's share), before a load picks a checkpoint
+
+Every checkpoint directory (SAVE/<tag>/ of either layout) holds manifest.json, written last before it is published.
 
 ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/<tag>/mp_rank_{mp:02d}_model_states.pt                           module, lr scheduler, steps, client_state
@@ -21,6 +26,7 @@ import re
 
 import torch
 
+from megatron import manifest
 from megatron.atomic_io import atomic_torch_save as _atomic_torch_save
 from megatron.atomic_io import atomic_write_text  # noqa: F401  (re-exported: the checkpoint writers' text files)
 
@@ -111,13 +117,15 @@ def atomic_torch_save(obj, path):
     """torch.save(obj, path) so that `path` is either the old file or the complete new one. `obj` is checked
     first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written."""
     check_weights_only_safe(obj, os.path.basename(path))
-    _atomic_torch_save(obj, path)
+    return manifest.make_entry(path, *_atomic_torch_save(obj, path, checksum=True))
 
 
 def safe_torch_load(path, map_location="cpu", mmap=False):
     """torch.load(path, weights_only=True), with one-line errors for missing, empty, truncated, corrupt or
     unsafe files (a checkpoint can never run code). `mmap`: tensors stay in the file until touched, so slicing
-    reads only the slice (how every loader reads the pieces it will own)."""
+    reads only the slice (how every loader reads the pieces it will own). First the file is checked against its
+    checkpoint directory's manifest (verify_checkpoint_file): a damaged file is refused, never loaded."""
+    verify_checkpoint_file(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     if os.path.getsize(path) == 0:
@@ -136,6 +144,76 @@ def safe_torch_load(path, map_location="cpu", mmap=False):
         if "central directory" in str(e) or "zip archive" in str(e):
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (unreadable zip archive)") from None
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
+
+
+# ---- verification against the manifest -----------------------------------------------------------------------
+_verified = {}      # absolute path -> os.stat key of the file when it (or the whole directory) last verified
+_warned = set()     # checkpoint directories without a manifest, already announced (one line each per process)
+
+
+def checkpoint_directory_of(path):
+    """The checkpoint directory holding `path` (where its manifest is): the file's directory, or its parent for
+    the Megatron layout's mp_rank_XX[_XXX]/model_optim_rng.pt."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if re.fullmatch(r"mp_rank_\d+(_\d{3})?", os.path.basename(parent)):
+        return os.path.dirname(parent)
+    return parent
+
+
+def verify_checkpoint_file(path):
+    """CheckpointError naming `path` when it is missing, truncated or damaged according to its checkpoint
+    directory's manifest; a directory without one (saved before manifests) is announced once and not checked."""
+    directory = checkpoint_directory_of(path)
+    absolute = os.path.abspath(path)
+    if _verified.get(absolute, False) == _stat_key(absolute):
+        return
+    try:
+        verified = manifest.verify_file(directory, os.path.relpath(absolute, directory).replace(os.sep, "/"))
+    except (manifest.ManifestError, OSError) as error:
+        raise CheckpointError(str(error)) from None
+    if verified:
+        _verified[absolute] = _stat_key(absolute)
+    else:
+        _warn_unverified(directory)
+
+
+def verify_checkpoint_directory(directory, rank=0, world_size=1):
+    """None when every file listed in `directory`'s manifest verifies (this rank checks its share: files rank,
+    rank + world_size, ...); the problem as one line otherwise. A directory without a manifest: None, announced."""
+    try:
+        if not manifest.verify_directory(directory, rank, world_size):
+            _warn_unverified(directory)
+    except (manifest.ManifestError, OSError) as error:
+        return " ".join(str(error).split())
+    return None
+
+
+def mark_directory_verified(directory):
+    """Record every file of `directory`'s manifest as verified (after all ranks verified their shares), so that
+    loads read only the pieces they need instead of checksumming whole files again."""
+    for relname in manifest.read_manifest(directory) or ():
+        path = os.path.abspath(os.path.join(directory, relname))
+        if _stat_key(path) is not None:
+            _verified[path] = _stat_key(path)
+
+
+def _stat_key(path):
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_size, info.st_mtime_ns, info.st_ino
+
+
+def _warn_unverified(directory):
+    import torch.distributed as dist
+    directory = os.path.abspath(directory)
+    if directory in _warned:
+        return
+    _warned.add(directory)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"WARNING: {directory} has no {manifest.MANIFEST_FILENAME} (saved before checkpoints had manifests, "
+              "or by DeepSpeed): loading it without checking its files", flush=True)
 
 
 def read_latest_tag(load_dir):

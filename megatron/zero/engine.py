@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import mpu.lora as mpu_lora
 from megatron import atomic_io
 from megatron.timers import Timers
 
@@ -37,15 +38,22 @@ class ZeroEngine(torch.nn.Module):
         zero_config = config.zero_optimization
         param_order = list(module.parameters())
         self.stage3, groups = None, None
+        frozen_bytes = 0                  # parameters in no optimizer group (requires_grad False): no state
         if zero_config.stage == 3:
             groups = stage3.partition_parameters(module, optimizer.param_groups, ctx, zero_config, dtype)
             self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
+            if len(groups) > len(optimizer.param_groups):   # the frozen parameters' group: gathered, not stepped
+                frozen_bytes = groups[-1].parameter_bytes()
+                groups = groups[:len(optimizer.param_groups)]
         else:
             self._broadcast_parameters()
         if dtype is not None:
             module.to(dtype)              # stage 3: the (released) parameters are already in it
+        if self.stage3 is None:
+            frozen_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
         self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config.stage, zero_config, config.fp16,
                                        config.gradient_clipping, param_order=param_order, groups=groups)
+        self.optimizer.frozen_parameter_bytes = frozen_bytes
         if self.stage3 is not None:
             self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
             self.stage3.on_partition_edited = lambda param: self.optimizer.refresh_masters_from_parameters()
@@ -145,8 +153,9 @@ class ZeroEngine(torch.nn.Module):
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """All ranks call this. Atomic: every rank writes its files (DESIGN.md section 6) into SAVE/<tag>.tmp/,
-        rank 0 renames it to SAVE/<tag> and then writes `latest` (the commit point). When any rank fails, every
-        rank raises CheckpointError (none waits forever) and the previous checkpoint stays the latest."""
+        rank 0 adds manifest.json (every rank's files, sizes and crc32), renames it to SAVE/<tag> and then writes
+        `latest` (the commit point). When any rank fails, every rank raises CheckpointError (none waits forever)
+        and the previous checkpoint stays the latest."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
@@ -195,6 +204,8 @@ class ZeroEngine(torch.nn.Module):
             self.module.load_state_dict(state_dict, strict=strict)
             return
         params = dict(self.module.named_parameters())
+        fresh = mpu_lora.fresh_adapters(params, state_dict)        # a base checkpoint into a LoRA model
+        params = {name: param for name, param in params.items() if name not in fresh}
         missing = sorted(set(params) - set(state_dict))
         if strict and missing:
             raise ckpt.CheckpointError(f"the checkpoint lacks parameters {missing[:5]}")
@@ -211,9 +222,11 @@ class ZeroEngine(torch.nn.Module):
 
     def _write_checkpoint_files(self, directory, client_state):
         """Data-parallel rank 0 of every (tensor-parallel rank, stage) writes its model states; every rank its
-        optimizer partition. Under pipelining each stage's module holds its layers under their global names."""
+        optimizer partition. Under pipelining each stage's module holds its layers under their global names.
+        Returns the manifest entries of the files this rank wrote."""
         mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
         module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
+        entries = []
         if self.ctx.data_parallel_rank == 0:
             state = {ckpt.MODULE: module_state,
                      ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -224,9 +237,11 @@ class ZeroEngine(torch.nn.Module):
                      ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
                      ckpt.ZERO_STAGE: self.zero_optimization_stage(),
                      ckpt.PARAM_NAMES: self._param_names()}
-            ckpt.atomic_torch_save(state, os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)))
-        ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(), os.path.join(
-            directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)))
+            entries.append(ckpt.atomic_torch_save(state, os.path.join(directory,
+                                                                      ckpt.model_states_name(mp_rank, pp_rank))))
+        entries.append(ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(), os.path.join(
+            directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank))))
+        return entries
 
     def _param_names(self):
         """Per flat group, the module's names of its parameters in flat order (how other topologies find them)."""
