@@ -1,8 +1,9 @@
 """Pipeline parallelism (1F1B) on gloo processes: pp2, pp2 x mp2 and pp2 x dp2 equal one process step for step on
 the Megatron path and the ZeRO-1 path (fp32, dropout off, 4 micro-batches per step); the tied word embedding and
-its LM-head copy stay identical; checkpoints resume exactly at pp2 (dropout on) and a pp2 checkpoint continues at
-pp1, on both paths (ZeRO-1: stage-named engine files; also pp1 -> pp2 and zero_to_fp32); inconsistent flags stop
-before anything is built."""
+its LM-head copy stay identical; so does pp4 over 3 steps, where the embedding group (first and last stage) is not
+the pipeline group, and the groups themselves are pinned at P = 4; checkpoints resume exactly at pp2 (dropout on)
+and a pp2 checkpoint continues at pp1, on both paths (ZeRO-1: stage-named engine files; also pp1 -> pp2 and
+zero_to_fp32); inconsistent flags stop before anything is built."""
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from megatron.spawn import run_distributed
+from tests.test_reshard import _with
 from tests.test_training import NO_DROPOUT, TINY
 
 PIPELINE = TINY + NO_DROPOUT + ["--global-batch-size", "8"]
@@ -18,24 +20,34 @@ MICRO_4 = ["--batch-size", "2"]          # 8 / (2 x dp1) = 4 micro-batches per s
 TOLERANCE = 1e-6
 
 
-def _train_recording_embeddings(args_list):
+def _train_recording_embeddings(args_list, with_final_state=False):
     """Train; also return, on the first and last stage, the tied weight as every forward saw it (so after every
-    step), and the losses and validation losses."""
+    step), and the losses and validation losses; `with_final_state`: also this stage's parameters after training
+    (by their global names) and the global ranks of its pipeline and embedding groups (None off the embedding
+    group)."""
+    import torch.distributed as dist
     import mpu
     import pretrain_gpt
     from megatron.training import pretrain
     from megatron.utils import unwrap_model
-    seen = []
+    seen, modules = [], []
 
     def forward_step(data_iterator, model):
         module = unwrap_model(model)
+        modules[:] = [module]
         if module.word_embeddings is not None:
             seen.append(module.word_embeddings.weight.detach().clone())
         return pretrain_gpt.forward_step(data_iterator, model)
     history = pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, forward_step,
                        args_list=args_list)
-    return {"losses": history["lm loss"], "valid": [v["lm loss"] for v in history["valid"]],
-            "stage": mpu.get_pipeline_model_parallel_rank(), "embeddings": seen}
+    result = {"losses": history["lm loss"], "valid": [v["lm loss"] for v in history["valid"]],
+              "stage": mpu.get_pipeline_model_parallel_rank(), "embeddings": seen}
+    if with_final_state:
+        embedding = mpu.get_embedding_group()
+        result.update(weights={n: p.detach().clone() for n, p in modules[0].named_parameters()},
+                      pipeline_group=dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()),
+                      embedding_group=None if embedding is None else dist.get_process_group_ranks(embedding))
+    return result
 
 
 def _run(world_size, extra):
@@ -49,13 +61,13 @@ def _relative(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def _check_tied_copies(results, stages=2):
+def _check_tied_copies(results, stages=2, forwards=40):
     """Every first-stage rank's word embedding equals the last-stage rank at the same tensor/data position."""
     per_stage = len(results) // stages
     for position in range(per_stage):
         first, last = results[position], results[(stages - 1) * per_stage + position]
         assert first["stage"] == 0 and last["stage"] == stages - 1
-        assert len(first["embeddings"]) == len(last["embeddings"]) >= 40   # 10 steps x 4 micro-batches (+ eval)
+        assert len(first["embeddings"]) == len(last["embeddings"]) >= forwards   # default: 10 steps x 4 micro-batches
         for a, b in zip(first["embeddings"], last["embeddings"]):
             assert torch.equal(a, b)
 
@@ -91,7 +103,8 @@ def test_pp2_megatron_equals_single_process(reference, saved_pp2):
     assert _relative(results[0]["valid"], reference["valid"]) <= TOLERANCE
     assert results[0]["losses"][-1] < results[0]["losses"][0]
     _check_tied_copies(results)
-    assert sorted(os.listdir(os.path.join(save, "iter_0000005"))) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(os.listdir(os.path.join(save, "iter_0000005"))) == ["manifest.json", "mp_rank_00_000",
+                                                                       "mp_rank_00_001"]
 
 
 @pytest.mark.parametrize("extra", [
@@ -102,6 +115,77 @@ def test_pp2_times_tensor_or_data_parallel_megatron(reference, extra):
     results = _run(4, extra + ["--pipeline-model-parallel-size", "2"])
     assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
     _check_tied_copies(results)
+
+
+# ---- four stages: the embedding group (first + last stage) is not the pipeline group ---------------------------
+PP4 = _with(PIPELINE, {"--num-layers": "4", "--train-iters": "3"}) + MICRO_4   # one layer per stage, 3 steps
+
+
+def test_pp4_megatron_equals_single_process_and_ties_over_the_embedding_group():
+    """pp4 (one layer per stage): the tied embedding's gradient is summed over {stage 0, stage 3} only. At pp2 that
+    group is the whole pipeline, so only P > 2 tells them apart (a sum over the pipeline group mismatches the middle
+    stages' collectives: the run fails). Losses within 1e-6 relative, and every final weight within 1e-6 absolute
+    (fp32), of one process; the first and last stage's copies bitwise equal after every step."""
+    args = PP4 + ["--distributed-timeout-minutes", "1"]   # a mismatched collective fails in a minute
+    reference = run_distributed(_train_recording_embeddings, 1, args=(args, True))[0]
+    results = run_distributed(_train_recording_embeddings, 4,
+                              args=(args + ["--pipeline-model-parallel-size", "4"], True))
+    assert [r["stage"] for r in results] == [0, 1, 2, 3]
+    for rank, result in enumerate(results):
+        assert result["pipeline_group"] == [0, 1, 2, 3]
+        assert result["embedding_group"] == ([0, 3] if rank in (0, 3) else None), (rank, result["embedding_group"])
+    assert len(reference["losses"]) == 3 and reference["losses"][-1] < reference["losses"][0]
+    assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
+    merged = {}
+    for result in results:
+        for name, tensor in result["weights"].items():
+            if name in merged:   # the last stage's LM-head copy: bitwise the first stage's
+                assert name == "word_embeddings.weight" and torch.equal(tensor, merged[name]), name
+            merged[name] = tensor
+    assert sorted(merged) == sorted(reference["weights"])
+    assert {n.split(".")[2] for r in results[1:3] for n in r["weights"]} == {"1", "2"}   # a layer per stage
+    for name, tensor in reference["weights"].items():
+        assert (merged[name] - tensor).abs().max().item() <= 1e-6, (name, (merged[name] - tensor).abs().max())
+    _check_tied_copies(results, stages=4, forwards=12)           # 3 steps x 4 micro-batches
+
+
+def _groups_seen_by_every_rank(monkeypatch, world_size, mp, pp):
+    """mpu.initialize_model_parallel run once per rank with torch.distributed faked (new_group returns its rank
+    list): {rank: (pipeline group, embedding group or None, is_rank_in_embedding_group())}."""
+    import types
+
+    from mpu import initialize
+    seen = {}
+    for rank in range(world_size):
+        fake = types.SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: world_size,
+                                     get_rank=lambda rank=rank: rank, new_group=lambda ranks, timeout=None: list(ranks))
+        monkeypatch.setattr(initialize, "dist", fake)
+        initialize.initialize_model_parallel(mp, pp)
+        try:
+            seen[rank] = (initialize.get_pipeline_model_parallel_group(), initialize.get_embedding_group(),
+                          initialize.is_rank_in_embedding_group())
+        finally:
+            initialize.destroy_model_parallel()
+    return seen
+
+
+@pytest.mark.parametrize("world_size,mp,embedding_groups", [
+    (4, 1, [[0, 3]]),
+    (8, 2, [[0, 6], [1, 7]]),
+    (16, 2, [[0, 12], [1, 13], [2, 14], [3, 15]]),     # mp2 x dp2 x pp4, mpu/initialize.py's example
+], ids=["world4-mp1", "world8-mp2", "world16-mp2-dp2"])
+def test_pp4_embedding_group_is_first_and_last_stage_only(monkeypatch, world_size, mp, embedding_groups):
+    """At P = 4 each rank's embedding group is exactly {its pipeline's first-stage rank, last-stage rank}, not
+    its pipeline group; the middle stages are in none."""
+    seen = _groups_seen_by_every_rank(monkeypatch, world_size, mp, 4)
+    stage_size = world_size // 4
+    for rank, (pipeline, embedding, member) in seen.items():
+        assert pipeline == [rank % stage_size + stage_size * s for s in range(4)], (rank, pipeline)
+        expected = next((g for g in embedding_groups if rank in g), None)
+        assert embedding == expected and member == (expected is not None), (rank, embedding, member)
+        assert embedding != pipeline
+    assert sorted(r for g in embedding_groups for r in g) == [r for r in range(world_size)
+                                                              if r // stage_size in (0, 3)]
 
 
 @pytest.mark.parametrize("world_size,extra,micro", [
@@ -199,7 +283,7 @@ def test_exception_on_one_stage_ends_every_rank_within_the_timeout():
 
 
 # ---- ZeRO-engine checkpoints under pipelining (--deepspeed, stage 1) ------------------------------------------
-ZERO_PP2_FILES = ["mp_rank_00_000_model_states.pt", "mp_rank_00_001_model_states.pt",
+ZERO_PP2_FILES = ["manifest.json", "mp_rank_00_000_model_states.pt", "mp_rank_00_001_model_states.pt",
                   "zero_pp_rank_0_mp_rank_00_000_optim_states.pt", "zero_pp_rank_0_mp_rank_00_001_optim_states.pt"]
 
 

@@ -2,7 +2,9 @@
 the Megatron path at mp2; the loaded full weights, fp32 masters and Adam moments are bitwise the saved ones, and
 training continues as the saving run did (dropout off: dropout masks depend on the model-parallel rank). Also: an
 mp2 -> mp1 -> mp2 round trip with a vocabulary that is not a multiple of 128 x mp is bitwise; loading a dp1
-checkpoint at dp4 touches only each rank's share of the optimizer files; bad inputs name the problem.
+checkpoint at dp4 touches only each rank's share of the optimizer files; a bf16 mp2 checkpoint loaded (or resized
+offline) at mp1 keeps its fp32 masters and Adam moments bitwise (read back from the files by hand); bad inputs name
+the problem.
 
 The reference state is gathered independently of megatron.reshard: in the saving run, right after the save, from
 the live model and optimizer (all-gather over the data- and model-parallel groups)."""
@@ -215,6 +217,115 @@ def test_mp2_to_mp1_to_mp2_round_trip_is_bitwise(tmp_path):
         assert again["iteration"] == original["iteration"] == 2
 
 
+# ---------------------------------------------------------------------------------------------- bf16: fp32 stays fp32
+BF16 = _with(BASE, {"--train-iters": str(SAVE_AT), "--lr": "1e-2"})   # lr 1e-2: masters move off the bf16 grid
+SPLIT_BY_HAND = {  # name suffix: (dim, stride) of the mp shards (mpu/layers.py's layout); else replicated
+    "word_embeddings.weight": (0, 1), "attention.query_key_value.weight": (0, 3),
+    "attention.query_key_value.bias": (0, 3), "mlp.dense_h_to_4h.weight": (0, 1), "mlp.dense_h_to_4h.bias": (0, 1),
+    "attention.dense.weight": (1, 1), "mlp.dense_4h_to_h.weight": (1, 1)}
+OPTIMIZER_KINDS_BY_HAND = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _saved_zero_state_by_hand(tag_dir, mp):
+    """{name: {"weight", "master", "exp_avg", "exp_avg_sq"}} of a dp1 ZeRO checkpoint, read with torch.load alone:
+    each mp rank's flat fp32 groups cut in its param_names order, the shards joined by SPLIT_BY_HAND."""
+    from megatron.zero import checkpoint as ckpt
+    per_rank = []
+    for rank in range(mp):
+        model = torch.load(os.path.join(tag_dir, ckpt.model_states_name(rank)), weights_only=True)
+        optim = torch.load(os.path.join(tag_dir, ckpt.optim_states_name(0, rank)), weights_only=True)
+        assert optim[ckpt.DATA_PARALLEL_SIZE] == 1
+        state = {name: {"weight": tensor} for name, tensor in model[ckpt.MODULE].items()}
+        for names, group in zip(model[ckpt.PARAM_NAMES], optim[ckpt.GROUPS], strict=True):
+            flats = {"master": group[ckpt.MASTER], **group[ckpt.SLICE_STATE]}
+            assert group[ckpt.START] == 0 and all(f.dtype == torch.float32 for f in flats.values())
+            offset = 0
+            for name in names:
+                shape = state[name]["weight"].shape
+                for kind, flat in flats.items():
+                    state[name][kind] = flat[offset:offset + shape.numel()].view(shape)
+                offset += shape.numel()
+            assert offset == group[ckpt.END] == flats["master"].numel()
+        per_rank.append(state)
+    full = {}
+    for name in per_rank[0]:
+        split = next((v for k, v in SPLIT_BY_HAND.items() if name.endswith(k)), None)
+        full[name] = {}
+        for kind in per_rank[0][name]:
+            shards = [state[name][kind] for state in per_rank]
+            if split is None:
+                assert all(torch.equal(s, shards[0]) for s in shards), (name, kind)
+                full[name][kind] = shards[0].float()
+            else:
+                full[name][kind] = _join(shards, *split).float()
+    return full
+
+
+def _load_and_gather(args_list):
+    """Build and load --load (resharding), return the loaded full state."""
+    import pretrain_gpt
+    from megatron.initialize import initialize_megatron
+    from megatron.training import setup_model_and_optimizer
+    initialize_megatron(args_list=args_list)
+    model, optimizer, _, train_state = setup_model_and_optimizer(pretrain_gpt.model_provider)
+    dtypes = {p.dtype for p in model.parameters()} | {m.dtype for m in model.optimizer.masters}
+    return train_state.iteration, dtypes, gather_full_state(model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def saved_bf16_mp2(tmp_path_factory):
+    """A bf16 ZeRO-2 checkpoint saved at mp2 x dp1 after 3 steps, and its state read back by hand."""
+    root = tmp_path_factory.mktemp("bf16")
+    config = _config(str(root), bf16={"enabled": True})
+    save_dir = str(root / "ckpt")
+    from tests.test_training import _train
+    run_distributed(_train, 2, args=(BF16 + ["--deepspeed", "--deepspeed_config", config, "--model-parallel-size",
+                                             "2", "--save", save_dir],))
+    expected = _saved_zero_state_by_hand(os.path.join(save_dir, f"iter_{SAVE_AT:07d}"), 2)
+    assert sorted(n for n in expected if "query_key_value" in n or "dense_4h_to_h.weight" in n) == [
+        f"transformer.layers.{i}.{n}" for i in range(2)
+        for n in ("attention.query_key_value.bias", "attention.query_key_value.weight", "mlp.dense_4h_to_h.weight")]
+    for kind in OPTIMIZER_KINDS_BY_HAND:   # otherwise a cast to bf16 and back would change nothing
+        values = torch.cat([kinds[kind].reshape(-1) for kinds in expected.values()])
+        off_grid = (values != values.bfloat16().float()).float().mean().item()
+        assert off_grid > 0.9, (kind, off_grid)     # measured: 1.0 for each kind
+    assert all(kinds["weight"].equal(kinds["weight"].bfloat16().float()) for kinds in expected.values())
+    return config, save_dir, expected
+
+
+def test_bf16_zero2_mp2_loads_at_mp1_with_fp32_masters_and_moments_bitwise(saved_bf16_mp2):
+    """Loading at mp1 (resharding at load time) keeps the fp32 masters and both Adam moments fp32: bitwise the
+    saved values, which a round trip through the bf16 parameter dtype would not be; the bf16 weights bitwise too."""
+    config, save_dir, expected = saved_bf16_mp2
+    iteration, dtypes, loaded = run_distributed(_load_and_gather, 1, args=(
+        BF16 + ["--deepspeed", "--deepspeed_config", config, "--load", save_dir],))[0]
+    assert iteration == SAVE_AT and dtypes == {torch.bfloat16, torch.float32}
+    assert sorted(loaded) == sorted(expected)
+    for name, kinds in expected.items():
+        for kind, tensor in kinds.items():
+            same = torch.equal(loaded[name][kind], tensor)
+            assert same, (name, kind, (loaded[name][kind] - tensor).abs().max().item())
+
+
+def test_bf16_zero2_mp2_resized_offline_keeps_fp32_state_bitwise(saved_bf16_mp2, tmp_path):
+    """tools/checkpoint_util.py writing the bf16 mp2 checkpoint at mp1 (ZeRO layout): the written fp32 masters and
+    moments are bitwise the saved ones."""
+    import subprocess
+    import sys
+    _, save_dir, expected = saved_bf16_mp2
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checkpoint_util.py")
+    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path),
+                             "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    resized = _saved_zero_state_by_hand(os.path.join(str(tmp_path), f"iter_{SAVE_AT:07d}"), 1)
+    assert sorted(resized) == sorted(expected)
+    for name, kinds in expected.items():
+        for kind, tensor in kinds.items():
+            same = torch.equal(resized[name][kind], tensor)
+            assert same, (name, kind, (resized[name][kind] - tensor).abs().max().item())
+
+
 # ---------------------------------------------------------------------------------------------- host memory
 WIDE = _with(BASE, {"--num-layers": "4", "--hidden-size": "64", "--vocab-size": "512", "--train-iters": "1"})
 
@@ -314,6 +425,7 @@ def test_bad_checkpoints_name_the_problem(saved_mp2_dp2, tmp_path):
     import shutil
     shutil.copytree(save_dir, copy)
     tag_dir = os.path.join(copy, f"iter_{SAVE_AT:07d}")
+    os.remove(os.path.join(tag_dir, "manifest.json"))  # the structure checks of a checkpoint without a manifest
     mp1 = BASE + ["--load", copy]
     message = run_distributed(_load_expecting_error, 1, args=(_with(mp1, {"--num-layers": "3"}),))[0]
     assert "was saved by another model shape: num_layers 2 (checkpoint) != 3 (this run)" in message, message
