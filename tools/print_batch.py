@@ -35,7 +35,9 @@ def add_print_batch_args(parser):
 def parse_args(argv):
     """Megatron's parser at the training run's world size (read from the environment by validate_args)."""
     from megatron.arguments import parse_args as megatron_parse_args
-    world = add_print_batch_args(cli.ArgumentParser(add_help=False)).parse_known_args(argv)[0].world_size
+    world_parser = cli.ArgumentParser(add_help=False)       # --world-size alone: --help and errors come below
+    world_parser.add_argument("--world-size", type=int, default=1)
+    world = world_parser.parse_known_args(argv)[0].world_size
     if world < 1:
         raise PrintBatchError(f"--world-size must be at least 1, got {world}")
     os.environ["WORLD_SIZE"] = str(world)
