@@ -43,12 +43,32 @@ def _initialize_distributed(args):
         os.environ.setdefault("MASTER_PORT", "6000")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend=args.distributed_backend, init_method="env://",
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        store = restart_attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=args.distributed_backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(backend=args.distributed_backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     args.rank = dist.get_rank()
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,
                                       timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def restart_attempt_store(timeout):
+    """Under torchrun's elastic agent (which keeps one store for the whole job, restarts included): that store
+    with the keys of this restart attempt under their own prefix; None otherwise (plain env:// rendezvous).
+
+    Why: env:// names the process group's keys the same in every attempt, so after a worker is killed and the
+    group restarts, gloo's connectFullMesh can read the dead attempt's peer addresses from the store and fail
+    with "Connection refused". A prefix per TORCHELASTIC_RESTART_COUNT gives every attempt fresh keys."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron/restart_attempt_{attempt}", store)
 
 
 def set_random_seed(seed):

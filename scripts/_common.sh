@@ -76,13 +76,24 @@ PORT_CHECK
   fi
 }
 
+# A worker that dies (a lost node, a SIGKILL) restarts the whole group from the newest complete checkpoint in --save,
+# up to MAX_RESTARTS times (default 3 on GPU, 0 on CPU). Restarts need torchrun's c10d rendezvous (a static one
+# cannot re-form the group), which --standalone uses on one node.
+if [ "$NUM_GPUS" -gt 0 ]; then MAX_RESTARTS=${MAX_RESTARTS:-3}; else MAX_RESTARTS=${MAX_RESTARTS:-0}; fi
+
 launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
   local nproc=$1; shift
   if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc" "$@"
+    "$PYTHON" -m torch.distributed.run --standalone --max-restarts "$MAX_RESTARTS" --nproc_per_node "$nproc" "$@"
     return
   fi
   if [ "$NODE_RANK" -eq 0 ]; then check_port_free "$MASTER_PORT"; fi
+  if [ "$MAX_RESTARTS" -gt 0 ]; then
+    "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-megatron}" \
+      --max-restarts "$MAX_RESTARTS" "$@"
+    return
+  fi
   "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
 }
