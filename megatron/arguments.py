@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 
+import mpu
 from megatron import cli, zero
 
 
@@ -23,7 +24,7 @@ def build_parser(extra_args_provider=None):
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
                       _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
-                      _add_logging_args):
+                      _add_logging_args, _add_lora_args):
         add_group(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -110,6 +111,9 @@ def _add_checkpointing_args(parser):
     group.add_argument("--save-keep-last", type=int, default=None, help="keep only the newest N checkpoints")
     group.add_argument("--no-save-optim", action="store_true")
     group.add_argument("--no-save-rng", action="store_true")
+    group.add_argument("--async-save", action="store_true",
+                       help="write checkpoints in a background thread after a copy to host memory (training "
+                            "blocks for the copy only); each is published at the next save or the end of training")
     group.add_argument("--load", type=str, default=None, help="directory to load checkpoints from")
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
@@ -199,6 +203,36 @@ def _add_logging_args(parser):
     return parser
 
 
+def _add_lora_args(parser):
+    group = parser.add_argument_group("LoRA (low-rank adapters on the layers' linears; every other weight frozen)")
+    group.add_argument("--lora-rank", type=int, default=0, help="r, the adapters' rank (0: no LoRA)")
+    group.add_argument("--lora-alpha", type=float, default=8.0, help="the adapters' output is scaled by alpha / r "
+                       "(PEFT's lora_alpha)")
+    group.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input, in [0, 1)")
+    group.add_argument("--lora-targets", type=str, default=",".join(mpu.LORA_TARGETS),
+                       help=f"comma-separated linears of every layer to adapt, from {','.join(mpu.LORA_TARGETS)}")
+    return parser
+
+
+def _check_lora_args(args, parser):
+    """--lora-*: refused by name (also at --lora-rank 0, so a typo does not wait for the day LoRA is turned on);
+    args.lora_targets becomes a tuple."""
+    targets = tuple(name.strip() for name in args.lora_targets.split(","))
+    if args.lora_rank < 0:
+        parser.error(f"--lora-rank ({args.lora_rank}) must be >= 0 (0: no LoRA)")
+    if not args.lora_alpha > 0:
+        parser.error(f"--lora-alpha ({args.lora_alpha}) must be > 0")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        parser.error(f"--lora-dropout ({args.lora_dropout}) must be in [0, 1)")
+    unknown = [name for name in targets if name not in mpu.LORA_TARGETS]
+    if unknown or len(set(targets)) != len(targets):
+        parser.error(f"--lora-targets {args.lora_targets!r}: name each of {','.join(mpu.LORA_TARGETS)} at most once, "
+                     "comma-separated")
+    if args.lora_rank and args.torch_compile:
+        parser.error("--lora-rank runs the eager layers: drop --torch-compile")
+    args.lora_targets = targets
+
+
 def _check_torch_compile_toolchain(args, parser):
     """--torch-compile needs inductor's compiler: Triton on CUDA, a C++ compiler (CXX, default g++) on the CPU."""
     if not args.torch_compile:
@@ -255,6 +289,7 @@ def validate_args(args, parser):
     args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
+    _check_lora_args(args, parser)
     if args.zero_config is None and args.zero_stage not in (None, 0):
         parser.error(f"--zero-stage {args.zero_stage} needs --deepspeed and a --deepspeed_config JSON with "
                      f"zero_optimization.stage {args.zero_stage}")
@@ -276,6 +311,8 @@ def validate_args(args, parser):
         parser.error(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be at least 1")
     if args.save_interval is not None and args.save is None:
         parser.error("--save-interval needs --save DIR")
+    if args.async_save and args.save is None:
+        parser.error("--async-save needs --save DIR")
     if args.save_keep_last is not None and args.save_keep_last < 1:
         parser.error(f"--save-keep-last ({args.save_keep_last}) must be at least 1")
     if not args.mock_data and not args.data_path and not args.train_data:

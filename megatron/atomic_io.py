@@ -11,6 +11,8 @@ trainer, the preprocessing tools):
     readable_directory(final_dir)           # final_dir, or final_dir.old after a crash between the renames
     save_directory_atomically(final_dir, write, commit, ...)   # the protocol both checkpoint paths use,
                                                                # with its manifest (megatron.manifest)
+    save_directory_atomically(..., background=True)            # --async-save: the files written in a thread,
+    finish_pending_save()                                      #   published here (the next save, load, exit)
     size, crc = atomic_torch_save(obj, path, checksum=True)    # the file's crc32, read back during the fsync
 
 And the collective rule for work where only some ranks can fail (writing files, building an index):
@@ -22,6 +24,7 @@ import concurrent.futures
 import contextlib
 import os
 import shutil
+import threading
 
 from megatron import manifest
 
@@ -118,27 +121,59 @@ def prepare_empty_directory(path):
     os.makedirs(path)
 
 
-def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error_class=RuntimeError):
+def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error_class=RuntimeError,
+                              background=False):
     """Every rank calls this; write(tmp_dir) runs on every rank and returns the manifest entries of the files it
-    wrote ({"file": path, "size", "crc32"}: what megatron.zero.checkpoint.atomic_torch_save returns); commit() runs
-    on rank 0 after the rename.
+    wrote ({"file": path, "size", "crc32"}: what megatron.zero.checkpoint.atomic_torch_save returns), or a
+    callable that writes them and returns those entries (the file writes deferred: given host copies of the
+    states, it may run in another thread); commit() runs on rank 0 after the rename.
 
         1. rank 0 empties final_dir.tmp/                                          all agree
-        2. every rank: write(final_dir.tmp)                                       all agree
+        2. every rank: write(final_dir.tmp) (and the callable it returned)        all agree
         3. the entries of all ranks are gathered (all_gather_object); rank 0 checks they cover every file and
            writes final_dir.tmp/manifest.json, the last file of the directory      all agree
         4. rank 0: rename it to final_dir (publish_directory), commit() writes the pointer files (the commit
            point), the .old copy of a re-save is discarded                        all agree
     A crash or an error anywhere leaves the previous checkpoint named by the pointers; an error on any rank
     raises `error_class` on every rank, and a failed write's temporary directory is removed (a full disk gets its
-    space back)."""
+    space back).
+
+    `background` (--async-save): step 2's callable runs in a background thread (only local file writes and
+    fsyncs: no collective there, so it cannot deadlock with the training loop's) and this returns at once;
+    the rest of step 2's agreement and steps 3-4 (collectives) run on the calling thread at the next
+    finish_pending_save(): the next save calls it first, as do loads and the end of training. At most one save
+    is in flight. Until then the previous checkpoint stays published, so a crash during the background write
+    loses only the new one."""
+    finish_pending_save()
     tmp_dir = final_dir + ".tmp"
-    written = []
+    written, deferred = [], []
+
+    def step(what, fn):
+        error = capture_error(fn)
+        label = f"publishing {final_dir}" if what == "publishing" else \
+            f"{what} {tmp_dir} (the save failed; the previous checkpoint stays the latest)"
+        try:
+            agree_on_success(error, label, device, error_class=error_class)
+        except Exception:
+            if is_rank_0 and what != "publishing":
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
 
     def prepare():
         if is_rank_0:
             os.makedirs(os.path.dirname(os.path.abspath(final_dir)), exist_ok=True)
             prepare_empty_directory(tmp_dir)
+
+    def collect():
+        result = write(tmp_dir)
+        if callable(result):
+            deferred.append(result)
+        else:
+            written.extend(result or ())
+
+    def write_files():
+        for files in deferred:
+            written.extend(files() or ())
 
     def write_manifest():
         entries = _gather_entries([dict(entry, file=_relative_name(entry["file"], tmp_dir)) for entry in written])
@@ -152,18 +187,68 @@ def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error
             fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
             discard_old_directory(final_dir)
 
-    steps = (("preparing", prepare), ("writing", lambda: written.extend(write(tmp_dir) or ())),
-             ("writing the manifest of", write_manifest), ("publishing", publish))
-    for what, step in steps:
-        error = capture_error(step)
-        label = f"publishing {final_dir}" if what == "publishing" else \
-            f"{what} {tmp_dir} (the save failed; the previous checkpoint stays the latest)"
-        try:
-            agree_on_success(error, label, device, error_class=error_class)
-        except Exception:
-            if is_rank_0 and what != "publishing":
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise
+    def finish(background_error=None):
+        if background_error is not None:
+            step("writing", lambda: _raise(background_error))
+        else:
+            step("writing", lambda: None)
+        step("writing the manifest of", write_manifest)
+        step("publishing", publish)
+
+    step("preparing", prepare)
+    if not background:
+        step("writing", lambda: (collect(), write_files()))
+        step("writing the manifest of", write_manifest)
+        step("publishing", publish)
+        return
+    step("writing", collect)           # the states' host copies are made here, on this thread
+    global _pending
+    _pending = _BackgroundSave(final_dir, write_files, finish)
+
+
+def _raise(error):
+    raise error
+
+
+class _BackgroundSave:
+    """The one save whose files are being written by a background thread (save_directory_atomically's
+    `background`); finish() joins it, then agrees, writes the manifest and publishes on the calling thread."""
+
+    def __init__(self, final_dir, write_files, finish):
+        self.final_dir, self._finish, self.error = final_dir, finish, None
+        # Not a daemon: an exit that skips finish_pending_save() (an exception) still completes the files
+        # (never a half-written file), but never publishes them (that needs every rank).
+        self.thread = threading.Thread(target=self._run, args=(write_files,), daemon=False,
+                                       name=f"async save of {os.path.basename(final_dir)}")
+        self.thread.start()
+
+    def _run(self, write_files):
+        self.error = capture_error(write_files)
+
+    def join(self):
+        self.thread.join()
+
+    def finish(self):
+        self.join()
+        self._finish(self.error)
+
+
+_pending = None       # the _BackgroundSave in flight, if any
+
+
+def pending_save_directory():
+    """The directory the background save in flight will publish, or None."""
+    return None if _pending is None else _pending.final_dir
+
+
+def finish_pending_save():
+    """Wait for the background save in flight (if any), then agree, write its manifest and publish it. Every rank
+    calls it at the same point (it is collective, like the save); a no-op when nothing is in flight. Raises the
+    save's error (error_class, on every rank) when any rank's write failed: the previous checkpoint stays."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.finish()
 
 
 def _relative_name(path, directory):

@@ -22,6 +22,9 @@ offload_param (stage 3) the parameter partitions: they are reported under "host"
 
 The Megatron path (no --deepspeed) is `alignment=1, dp=1, stage=0` plus, in fp16/bf16, FP16_Optimizer's fp32 master
 gradients (`master_grads=True`).
+
+Frozen parameters (LoRA's base weights, `frozen_elements`) are in no optimizer group: parameters only (no gradients,
+master or moments), whole on every rank in stages 0-2; stage 3 partitions them as one more flat group.
 """
 import torch
 
@@ -46,7 +49,7 @@ def _padded(numel, partitions, alignment):
 
 def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=False, reduce_bucket_size=None,
                       contiguous_gradients=True, overlap_comm=False, alignment=ALIGNMENT, master_grads=False,
-                      offload_param=False, persistent_elements=0):
+                      offload_param=False, persistent_elements=0, frozen_elements=0):
     """Bytes per rank by kind: {"parameters", "gradients", "master", "moments", "total", "buckets", "host"}.
 
     `num_params_on_this_mp_rank`: an int (one param group) or the element counts of each optimizer param group
@@ -57,7 +60,8 @@ def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=Fals
     masters (always a copy there), the moments and, in stages 2-3, the reduced gradient partitions;
     `offload_param` (stage 3) the parameter partitions. Stage 3 holds 1/dp of the parameters plus the
     `persistent_elements` (parameters under stage3_param_persistence_threshold) whole; the units gathered during
-    forward and backward are working memory, not model state.
+    forward and backward are working memory, not model state. `frozen_elements`: parameters without optimizer
+    state (requires_grad False), counted under "parameters" only.
     """
     counts = [int(num_params_on_this_mp_rank)] if isinstance(num_params_on_this_mp_rank, int) \
         else [int(n) for n in num_params_on_this_mp_rank]
@@ -70,7 +74,8 @@ def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=Fals
     partitions = dp if stage >= 1 else 1
     padded = [_padded(n, partitions, alignment) for n in counts]
     own = [p // partitions for p in padded]
-    result = {"parameters": (sum(own) + persistent_elements if stage == 3 else sum(padded)) * size,
+    frozen = _padded(frozen_elements, partitions, alignment) // partitions if stage == 3 else frozen_elements
+    result = {"parameters": (sum(own) + frozen + persistent_elements if stage == 3 else sum(padded) + frozen) * size,
               "gradients": (sum(own) if stage >= 2 else sum(padded)) * size,
               "master": 0 if dtype == torch.float32 and not offload else sum(own) * 4,
               "moments": 2 * sum(own) * 4}
@@ -82,7 +87,7 @@ def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=Fals
         result["master"] = result["moments"] = 0
         result["gradients"] = 0 if stage >= 2 else result["gradients"]
     if offload_param:
-        host += sum(own) * size
+        host += (sum(own) + frozen) * size
         result["parameters"] = persistent_elements * size
     result["total"] = sum(result.values())
     result["host"] = host

@@ -1,6 +1,7 @@
 """Operations support for the training loop (DESIGN.md section 10): non-finite losses and gradients in
 fp32/bf16 (named by iteration and parameter), the --log-jsonl records with the phase timers and memory, and the
 model-state memory estimate printed at start-up next to the measured figures after the first step."""
+import dataclasses
 import json
 import math
 import os
@@ -133,6 +134,50 @@ def _finite_or_none(value):
     return value if value is None or not isinstance(value, float) or math.isfinite(value) else None
 
 
+def json_value(value):
+    """`value` as plain JSON data: dataclasses as their fields, tuples as lists, non-finite floats as None, other
+    objects (a torch dtype, a path) as their str()."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _finite_or_none(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json_value(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(key): json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(item) for item in value]
+    return str(value)
+
+
+PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def header_record(args, iteration):
+    """The first --log-jsonl record of a run (rank 0, before the first step; a resumed run appends its own):
+    every argument as JSON data and the layout. `iteration` is where this run starts (0, or the loaded one)."""
+    zero_stage = args.zero_config.zero_optimization.stage if args.zero_config is not None else None
+    return {"type": "header", "iteration": iteration,
+            "args": {key: json_value(value) for key, value in sorted(vars(args).items())},
+            "layout": {"world_size": args.world_size, "model_parallel_size": args.model_parallel_size,
+                       "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                       "data_parallel_size": args.data_parallel_size, "zero_stage": zero_stage,
+                       "precision": PRECISION[args.params_dtype]}}
+
+
+def perplexity(loss):
+    """exp(loss), the exponent capped at 20 (an untrained model's loss must not overflow the log line)."""
+    return math.exp(min(20.0, loss))
+
+
+def validation_record(split, at, iteration, losses):
+    """A --log-jsonl record of one evaluation (split 'valid' during and at the end of training, 'test' once at the
+    end; `at` as the log line says it: 'iteration 100', 'the end of training'): the averaged losses and their
+    perplexities, the values the validation log line prints."""
+    return {"type": "validation", "split": split, "at": at, "iteration": iteration, "losses": dict(losses),
+            "ppl": {key: perplexity(value) for key, value in losses.items()}}
+
+
 def write_jsonl_record(path, record):
     """Append one JSON object (non-finite floats as null: strict JSON) and flush."""
     clean = {key: ({k: _finite_or_none(v) for k, v in value.items()} if isinstance(value, dict)
@@ -151,7 +196,8 @@ def memory_setting(args, zero_config):
 def model_state_estimate(counts, args, zero_config=None, module=None):
     """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups
     (`zero_config`: the engine's zero_optimization block, None on the Megatron path; `module`: the model, whose
-    small parameters stage 3 keeps whole)."""
+    small parameters stage 3 keeps whole and whose frozen ones have parameters only)."""
+    frozen = sum(full_numel(p) for p in module.parameters() if not p.requires_grad) if module is not None else 0
     if zero_config is not None:
         persistent = 0
         if zero_config.stage == 3 and module is not None:
@@ -160,12 +206,12 @@ def model_state_estimate(counts, args, zero_config=None, module=None):
         return memory.model_state_bytes(counts, args.data_parallel_size, zero_config.stage, args.params_dtype,
                                         offload=zero_config.offload_optimizer.enabled,
                                         offload_param=zero_config.offload_param.enabled,
-                                        persistent_elements=persistent,
+                                        persistent_elements=persistent, frozen_elements=frozen,
                                         reduce_bucket_size=zero_config.reduce_bucket_size,
                                         contiguous_gradients=zero_config.contiguous_gradients,
                                         overlap_comm=zero_config.overlap_comm)
     return memory.model_state_bytes(counts, 1, 0, args.params_dtype, alignment=1,
-                                    master_grads=args.fp16 or args.bf16)
+                                    master_grads=args.fp16 or args.bf16, frozen_elements=frozen)
 
 
 def measured_model_state(model, optimizer, args):

@@ -12,10 +12,12 @@ How a parameter is split across model-parallel ranks follows from its name (`par
 against the attributes mpu gives the real parameters):
 
     word_embeddings.weight                 rows (dim 0): the vocabulary, padded to the loading run's multiple
-    attention.query_key_value.weight/bias  rows with stride 3: rank r holds [q_r; k_r; v_r]
-    mlp.dense_h_to_4h.weight/bias          rows
-    attention.dense.weight, mlp.dense_4h_to_h.weight    columns (dim 1)
-    everything else                        replicated (checked equal across the saved ranks)
+    attention.query_key_value.weight/bias/lora_B  rows with stride 3: rank r holds [q_r; k_r; v_r]
+    mlp.dense_h_to_4h.weight/bias/lora_B   rows
+    attention.dense.weight/lora_A, mlp.dense_4h_to_h.weight/lora_A    columns (dim 1)
+    everything else                        replicated (checked equal across the saved ranks; LoRA's lora_A of
+                                           the column-parallel linears and lora_B of the row-parallel ones too)
+A LoRA checkpoint's frozen parameters are in no optimizer group: their "master" is the weight, their moments None.
 
 Example, query_key_value.weight at mp 2 with h = 2 (rows q0 q1 k0 k1 v0 v1 of the full [3h, h] master):
 rank 0 holds [q0, k0, v0], rank 1 holds [q1, k1, v1]; at mp 1 the one rank holds all six in the full order.
@@ -33,11 +35,12 @@ import re
 
 import torch
 
+import mpu
 from megatron.train_state import TrainState
 from megatron.zero import checkpoint as ckpt
 
-_ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$")
-_COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.weight$")
+_ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
+_COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.(weight|lora_A)$")
 VOCAB_PARAMETER = "word_embeddings.weight"
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -255,10 +258,17 @@ class SavedCheckpoint:
             index += len(names)
         raise ckpt.CheckpointError(f"{self.directory}: parameter {name} is in no optimizer param group")
 
+    def _is_frozen(self, name):
+        """A LoRA checkpoint's parameter in no optimizer group: a frozen base weight."""
+        return any(map(mpu.is_lora_parameter, self.weights_of[0])) and \
+            not any(name in names for names in self.param_names)
+
     def _megatron_shard(self, rank, name, kind, weights):
         optimizer = self.files[rank].get(ckpt.OPTIMIZER)
         if optimizer is None:
             return None
+        if self._is_frozen(name):
+            return weights[name] if kind == "master" else None
         _, index, _ = self._flat_index(name)
         if kind == "master":
             masters = optimizer.get("fp32_master_params")
@@ -295,6 +305,8 @@ class SavedCheckpoint:
         weights = state[ckpt.MODULE]
         stage_names = state.get(ckpt.PARAM_NAMES) or default_param_names(list(weights))
         found = [(g, names.index(name)) for g, names in enumerate(stage_names) if name in names]
+        if not found and self._is_frozen(name):
+            return weights[name] if kind == "master" else None
         if not found:
             raise ckpt.CheckpointError(f"{self.directory}: parameter {name} is in no optimizer param group")
         group_index, position = found[0]

@@ -37,6 +37,8 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     print_rank_0(f"resharding checkpoint saved at {saved.describe()} for {target}")
 
     params = dict(module.named_parameters())
+    fresh_adapters = mpu.fresh_adapters(params, saved.weights_of[0])   # a base checkpoint into a LoRA model
+    params = {name: param for name, param in params.items() if name not in fresh_adapters}
 
     def shard(name, kind):
         """This rank's piece of `name`'s full tensor: the parameter's dtype for weights, fp32 otherwise."""
@@ -52,6 +54,9 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
             else:
                 param.copy_(shard(name, "weight"))
     load_optimizer = not (fresh or options.no_load_optim)
+    if load_optimizer and fresh_adapters:
+        raise ckpt.CheckpointError(f"{saved.directory} has no LoRA adapters (a base model): load it with --finetune "
+                                   "(fresh adapters and optimizer)")
     if load_optimizer and not saved.has_optimizer_state():
         raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "
                                    "--no-load-optim or --finetune to start it fresh")

@@ -5,7 +5,7 @@ benchmarks' process launcher; training itself is always launched by torchrun).
 
 `fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
 torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests'
---device cuda) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
+--device cuda: a launch with more ranks than GPUs is skipped under pytest, refused otherwise) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
 and sends back its return value serialized with torch.save (tensors are cloned, so no shared memory
 outlives the worker). A worker's exception fails the caller with that worker's traceback.
 """
@@ -13,6 +13,7 @@ import io
 import multiprocessing
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -33,7 +34,7 @@ def _worker(fn, rank, world_size, port, args, model_parallel_size, queue):
         import mpu
         backend = "nccl" if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda" else "gloo"   # tests' --device cuda
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank)          # one GPU per rank: _launch refuses more ranks than GPUs
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         if model_parallel_size is not None:
             mpu.initialize_model_parallel(model_parallel_size)
@@ -71,6 +72,13 @@ def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=3
 
 
 def _launch(fn, world_size, args, model_parallel_size, timeout):
+    if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda" and world_size > torch.cuda.device_count():
+        message = (f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); this machine has "
+                   f"{torch.cuda.device_count()}")
+        if "pytest" in sys.modules:
+            import pytest
+            pytest.skip(message)
+        raise RuntimeError(message)
     ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()

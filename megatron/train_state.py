@@ -35,9 +35,13 @@ class CheckpointOptions:
     """Keep this run's seeded RNG states."""
     finetune: bool = False
     """Load the weights only: counters, optimizer, lr scheduler and RNG start fresh."""
+    async_save: bool = False
+    """Write the files in a background thread after a copy to host memory; published at the next save, load or
+    the end of training (megatron.utils.finalize_async_save)."""
 
     @classmethod
     def from_args(cls, args):
         return cls(save=args.save, load=args.load, save_keep_last=args.save_keep_last,
                    no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
-                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
+                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+                   async_save=getattr(args, "async_save", False))

@@ -18,7 +18,7 @@ from megatron.model import DistributedDataParallel as LocalDDP
 from megatron.train_state import CheckpointOptions, TrainState
 from megatron.zero.builder import adam_kernel_options
 from megatron.zero.partition import full_numel
-from megatron.utils import load_checkpoint, print_rank_0, save_checkpoint, unwrap_model
+from megatron.utils import finalize_async_save, load_checkpoint, print_rank_0, save_checkpoint, unwrap_model
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -32,17 +32,20 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     if train_state.iteration >= args.train_iters:
         print_rank_0(f"nothing to train: the checkpoint is at iteration {train_state.iteration} and --train-iters "
                      f"is {args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
+    if args.log_jsonl and args.rank == 0:
+        operations.write_jsonl_record(args.log_jsonl, operations.header_record(args, train_state.iteration))
     history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state)
     if args.save and history["last_saved_iteration"] != train_state.iteration:
         save_checkpoint(train_state, model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
         history["last_saved_iteration"] = train_state.iteration
+    finalize_async_save()   # --async-save: wait for the last save's files, publish it
     if args.do_valid and "exit_reason" not in history:  # an early exit (preemption) leaves at once
         history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
                                                             valid_iterator, model, train_state)
     if args.do_test and "exit_reason" not in history:  # the test split, once (its samples are not counted)
         history["final_test"] = evaluate_and_print_results("the end of training for test data", forward_step_func,
                                                            test_iterator, model,
-                                                           TrainState(iteration=train_state.iteration))
+                                                           TrainState(iteration=train_state.iteration), split="test")
     return history
 
 
@@ -52,7 +55,10 @@ def get_model(model_provider):
     model = model_provider()
     if args.rank == 0 or mpu.get_data_parallel_rank() == 0 and mpu.get_model_parallel_rank() > 0:
         count = sum(full_numel(p) for p in model.parameters())   # whole sizes, also under zero.Init
-        print(f" > number of parameters on model-parallel rank {mpu.get_model_parallel_rank()}: {count}", flush=True)
+        trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        frozen = f" ({trainable} trainable, the rest frozen)" if trainable < count else ""
+        print(f" > number of parameters on model-parallel rank {mpu.get_model_parallel_rank()}: {count}{frozen}",
+              flush=True)
     model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
     if args.deepspeed:
         return model  # the ZeRO engine does the data-parallel reduction
@@ -64,15 +70,19 @@ def get_model(model_provider):
 
 
 def _param_groups_for_weight_decay(module):
-    """Biases and LayerNorm parameters get no weight decay (Megatron's grouping)."""
+    """Biases and LayerNorm parameters get no weight decay (Megatron's grouping). Frozen parameters (LoRA's base
+    weights) are in no group: no optimizer state; an empty group is left out."""
     decay, no_decay = [], []
     for submodule in module.modules():
         for name, param in submodule.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
             if isinstance(submodule, torch.nn.LayerNorm) or name == "bias":
                 no_decay.append(param)
             else:
                 decay.append(param)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def get_optimizer(model):
@@ -181,12 +191,12 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
         model.step()  # a no-op except at the gradient-accumulation boundary
         timers("optimizer").stop()
     losses, _ = _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step)
-    grad_norm = model.get_global_grad_norm()
-    if not args.fp16 and operations.is_nonfinite(losses, grad_norm):
+    losses, grad_norm = _average(losses), model.get_global_grad_norm()
+    if not args.fp16 and operations.is_nonfinite([losses], grad_norm):
         param = optimizer.last_nonfinite_param
         name = next((n for n, p in model.module.named_parameters() if p is param), None)
-        raise operations.NonFiniteStep(_average(losses), grad_norm, operations.gather_first_name(name))  # skipped
-    return _average(losses), int(optimizer.overflow), grad_norm
+        raise operations.NonFiniteStep(losses, grad_norm, operations.gather_first_name(name))  # skipped
+    return losses, int(optimizer.overflow), grad_norm
 
 
 def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
@@ -194,17 +204,18 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
     reduced and clipped after the last, then the optimizer and (unless fp16 skipped the step) the lr scheduler."""
     args, timers = get_args(), get_timers()
     losses, grad_norm = _forward_backward(forward_step_func, data_iterator, model, optimizer)
-    if not args.fp16 and operations.is_nonfinite(losses, grad_norm):   # fp16: the loss scaler skips overflows
+    losses = _average(losses)
+    if not args.fp16 and operations.is_nonfinite([losses], grad_norm):   # fp16: the loss scaler skips overflows
         name = operations.gather_first_name(operations.first_nonfinite_gradient(unwrap_model(model)))
         optimizer.zero_grad()
-        raise operations.NonFiniteStep(_average(losses), grad_norm, name)
+        raise operations.NonFiniteStep(losses, grad_norm, name)
     timers("optimizer").start()
     took_step = optimizer.step()
     skipped_iter = 0 if took_step is None or took_step else 1
     if not skipped_iter:
         lr_scheduler.step()
     timers("optimizer").stop()
-    return _average(losses), skipped_iter, grad_norm
+    return losses, skipped_iter, grad_norm
 
 
 def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step=None, forward_only=False):
@@ -234,7 +245,17 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
 
 
 def _average(losses):
-    return {key: sum(d[key] for d in losses) / len(losses) for key in losses[0]}
+    """Each key over the micro-batches' loss dicts: _combine."""
+    return {key: _combine([d[key] for d in losses]) for key in losses[0]}
+
+
+def _combine(values):
+    """The mean of the values; for (sum, count) pairs (a token-weighted loss, finetune_gpt.py; Megatron-core's
+    convention) the total sum / the total count (0.0 when nothing was counted)."""
+    if isinstance(values[0], tuple):
+        total, count = sum(v[0] for v in values), sum(v[1] for v in values)
+        return total / count if count else 0.0
+    return sum(values) / len(values)
 
 
 def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False):
@@ -276,7 +297,7 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
         writer.add_scalar("ms_per_iteration", elapsed_ms, iteration)
         writer.add_scalar("tokens_per_second", tokens_per_second, iteration)
         writer.add_scalar("tflops_per_rank", tflops, iteration)
-    return {"iteration": iteration, "train_iters": args.train_iters,
+    return {"type": "train", "iteration": iteration, "train_iters": args.train_iters,
             "consumed_samples": train_state.consumed_train_samples, "learning_rate": lr,
             "losses": dict(loss_dict), "loss_scale": float(loss_scale),
             "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -378,24 +399,29 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
 
 
 def evaluate(forward_step_func, data_iterator, model, train_state):
-    """Average 'lm loss' over --eval-iters batches (data-parallel averaged), with dropout off; counts the
-    consumed validation samples in train_state."""
+    """Average 'lm loss' over --eval-iters batches (data-parallel averaged; (sum, count) pairs summed over all the
+    batches and divided once: _combine), with dropout off; counts the consumed validation samples in train_state."""
     args = get_args()
     model.eval()
-    totals = {}
+    collected = {}
     with torch.no_grad():
         for _ in range(args.eval_iters):
             for reduced in _forward_backward(forward_step_func, data_iterator, model, None, forward_only=True)[0]:
                 for key, value in reduced.items():
-                    totals[key] = totals.get(key, 0.0) + value
+                    collected.setdefault(key, []).append(value)
             train_state.consumed_valid_samples += args.global_batch_size
     model.train()
-    return {key: value / (args.eval_iters * args.num_micro_batches) for key, value in totals.items()}
+    return {key: _combine(values) for key, values in collected.items()}
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, train_state):
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, train_state, split="valid"):
+    """Evaluate, print the validation line; with --log-jsonl (rank 0) append the same values as a record."""
+    args = get_args()
     results = evaluate(forward_step_func, data_iterator, model, train_state)
-    parts = [f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}" for key, value in results.items()]
+    record = operations.validation_record(split, prefix, train_state.iteration, results)
+    if args.log_jsonl and args.rank == 0:
+        operations.write_jsonl_record(args.log_jsonl, record)
+    parts = [f"{key} value: {value:.6E} | {key} PPL: {record['ppl'][key]:.6E}" for key, value in results.items()]
     line = f" validation loss at {prefix} | " + " | ".join(parts)
     print_rank_0("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     writer = get_tensorboard_writer()

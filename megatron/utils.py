@@ -15,7 +15,8 @@ ZeRO path (--deepspeed): the engine writes SAVE/iter_0000200/ and SAVE/latest it
 the client_state (counters, RNG, model shape) and Megatron's tracker file.
 
 A save is atomic (megatron.atomic_io.save_directory_atomically): a crash at any point leaves the tracker naming the
-previous, complete checkpoint. A load first checks the files against the manifest (all ranks share the reading); a
+previous, complete checkpoint. With --async-save the files are written in a background thread from a host copy
+and published at the next save, load or finalize_async_save() (save_checkpoint). A load first checks the files against the manifest (all ranks share the reading); a
 damaged checkpoint is skipped, with a line saying why, for the newest older one that verifies. Loading uses
 torch.load(weights_only=True), so a checkpoint file can never run code; every value saved is a tensor, number, str,
 None, or a list/dict of those (RNG states included). File names and keys: megatron.zero.checkpoint.
@@ -42,7 +43,8 @@ from megatron.zero.checkpoint import (CHECKPOINT_FILENAME, CONSUMED_TRAIN_SAMPLE
                                       ITERATION, ITERATION_DIR_PATTERN, LR_SCHEDULER, MODEL, MODEL_SHAPE,
                                       MODEL_SHAPE_FIELDS, OPTIMIZER, PARAM_NAMES, RELEASE, RNG, SKIPPED_ITERATIONS,
                                       TRACKER_FILENAME, CheckpointError, atomic_torch_save, atomic_write_text,
-                                      iteration_dir_name, mark_directory_verified, megatron_rank_dir_name,
+                                      host_copy, iteration_dir_name, mark_directory_verified,
+                                      megatron_rank_dir_name,
                                       safe_torch_load, verify_checkpoint_directory)
 
 
@@ -126,10 +128,14 @@ def model_shape(model):
     config = getattr(unwrap_model(model), "config", None)
     if config is None:
         return None
-    return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_attention_heads, "padded_vocab_size": config.vocab_size,
-            "model_parallel_size": mpu.get_model_parallel_world_size(), "vocab_size": config.real_vocab_size,
-            "layernorm_epsilon": config.layernorm_epsilon}
+    shape = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+             "num_attention_heads": config.num_attention_heads, "padded_vocab_size": config.vocab_size,
+             "model_parallel_size": mpu.get_model_parallel_world_size(), "vocab_size": config.real_vocab_size,
+             "layernorm_epsilon": config.layernorm_epsilon}
+    lora = getattr(config, "lora", None)
+    if lora is not None:   # recorded (not compared on load): convert_to_hf merges with the run's alpha / rank
+        shape.update(lora_rank=lora.rank, lora_alpha=lora.alpha)
+    return shape
 
 
 def optimizer_param_names(module, optimizer):
@@ -170,31 +176,60 @@ def save_ds_checkpoint(train_state, model, options):
     """Save through the ZeRO engine (DESIGN.md section 6): the counters, model shape and every RNG state go into
     client_state; the engine writes its files and `latest` atomically under the iteration's tag; then rank 0
     writes Megatron's tracker and prunes (--save-keep-last)."""
+    iteration = train_state.iteration      # train_state goes on changing while an --async-save is in flight
     client_state = {**run_state(train_state, options), MODEL_SHAPE: model_shape(model)}
-    model.save_checkpoint(options.save, iteration_dir_name(train_state.iteration), client_state=client_state)
-    if dist.get_rank() == 0:
-        _write_tracker_and_prune(options.save, train_state.iteration, options.save_keep_last)
-    print_rank_0(f"  saved checkpoint at iteration {train_state.iteration} to {options.save}")
+    model.save_checkpoint(options.save, iteration_dir_name(iteration), client_state=client_state,
+                          async_save=options.async_save, on_commit=lambda: _commit(options, iteration))
+    _announce(options, iteration)
 
 
 def save_checkpoint(train_state, model, optimizer, lr_scheduler, options):
     """Atomically save `train_state.iteration` to options.save; every rank must call it. Raises CheckpointError
     on every rank when any rank failed, leaving the previous checkpoint and the tracker untouched. A ZeRO engine
-    (--deepspeed) saves through save_ds_checkpoint."""
+    (--deepspeed) saves through save_ds_checkpoint.
+
+    options.async_save (--async-save): this returns once the state is copied to host memory (host_copy, the
+    same structure: the same file bytes); a background thread writes and fsyncs this rank's files. The
+    cross-rank agreement, the manifest and publication (the tracker) run on the training thread when the next
+    save, a load or finalize_async_save() (the end of training) finishes it (megatron.atomic_io): until then
+    the previous checkpoint stays the published one, and an error is raised there."""
     if isinstance(model, ZeroEngine):
         save_ds_checkpoint(train_state, model, options)
         return
 
+    iteration = train_state.iteration      # train_state goes on changing while an --async-save is in flight
+
     def write(tmp_dir):
         if mpu.get_data_parallel_rank() == 0:
-            return [_write_state(checkpoint_state(train_state, model, optimizer, lr_scheduler, options),
-                                 _rank_file(tmp_dir))]
+            state = host_copy(checkpoint_state(train_state, model, optimizer, lr_scheduler, options),
+                              clone=options.async_save)
+            path = _rank_file(tmp_dir)
+            return lambda: [_write_state(state, path)]
         return []
     atomic_io.save_directory_atomically(
-        get_checkpoint_dir(options.save, train_state.iteration), write,
-        lambda: _write_tracker_and_prune(options.save, train_state.iteration, options.save_keep_last),
-        mpu.get_device(), is_rank_0=dist.get_rank() == 0, error_class=CheckpointError)
-    print_rank_0(f"  saved checkpoint at iteration {train_state.iteration} to {options.save}")
+        get_checkpoint_dir(options.save, iteration), write, lambda: _commit(options, iteration), mpu.get_device(),
+        is_rank_0=dist.get_rank() == 0, error_class=CheckpointError, background=options.async_save)
+    _announce(options, iteration)
+
+
+def finalize_async_save():
+    """Finish the --async-save in flight, if any (wait for its files, agree, manifest, publish): every rank
+    calls it at the end of training (collective)."""
+    atomic_io.finish_pending_save()
+
+
+def _commit(options, iteration):
+    """Rank 0, once the checkpoint directory is in place: the tracker (the commit point), pruning."""
+    _write_tracker_and_prune(options.save, iteration, options.save_keep_last)
+    if options.async_save:
+        print(f"  published checkpoint at iteration {iteration} in {options.save} (--async-save)", flush=True)
+
+
+def _announce(options, iteration):
+    if options.async_save:
+        print_rank_0(f"  saving checkpoint at iteration {iteration} to {options.save} in the background")
+    else:
+        print_rank_0(f"  saved checkpoint at iteration {iteration} to {options.save}")
 
 
 def _write_state(state, path):

@@ -8,6 +8,7 @@ Linear layer Y = X A + b with A of shape [in, out] (torch stores weight = A^T, [
     RowParallelLinear:    A = [A_1; ...; A_p] split by rows, X = [X_1 ... X_p] split by columns;
                           rank i computes X_i A_i, and Y = sum_i X_i A_i + b (an all-reduce).
 A column-parallel linear followed by a row-parallel one (the MLP, attention) needs no communication between.
+Both linears can carry a LoRA adapter (`add_lora`, split along the same dimension: see lora.py).
 """
 import torch
 import torch.nn.functional as F
@@ -31,24 +32,39 @@ def _initialize_affine_weight(weight, master_shape, partition_dim, init_method, 
     With stride s (fused q/k/v: s=3) the master's partition dimension is cut into s blocks, each block is cut
     into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r].
     """
-    world_size = get_model_parallel_world_size()
-    if world_size == 1 and weight.dtype == torch.float32:
+    if get_model_parallel_world_size() == 1 and weight.dtype == torch.float32:
         with torch.no_grad():   # the same draws as into a master, without a second full-size copy (zero.Init)
             init_method(weight)
         return
     master = torch.empty(master_shape, dtype=torch.float32, device=weight.device)
     init_method(master)
+    with torch.no_grad():
+        weight.copy_(_split_master(master, partition_dim, weight.size(partition_dim), stride))
+
+
+def _split_master(master, partition_dim, per_partition, stride=1):
+    """This rank's slice (`per_partition` long along `partition_dim`) of a full-size master, with the stride of
+    _initialize_affine_weight."""
+    world_size = get_model_parallel_world_size()
     if world_size == 1:
-        with torch.no_grad():
-            weight.copy_(master)
-        return
-    per_partition = weight.size(partition_dim)
+        return master
     per_stride = divide(per_partition, stride, "partition size / stride")
     pieces = torch.split(master, per_stride, dim=partition_dim)
-    rank = get_model_parallel_rank()
-    mine = torch.cat(pieces[rank::world_size], dim=partition_dim)
-    with torch.no_grad():
-        weight.copy_(mine)
+    return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
+
+
+def _lora_dropout(input_, p, training, column_slice=False):
+    """Dropout on a LoRA adapter's input with one mask over the full input width, drawn from the default generator
+    (the same on every model-parallel rank): `column_slice` (a row-parallel input, this rank's columns of that
+    width) takes this rank's columns of the mask, so the masks are those of model-parallel size 1."""
+    if not training or p == 0.0:
+        return input_
+    world_size = get_model_parallel_world_size() if column_slice else 1
+    keep = torch.empty(*input_.shape[:-1], input_.shape[-1] * world_size, dtype=input_.dtype,
+                       device=input_.device).bernoulli_(1.0 - p)
+    if world_size > 1:
+        keep = keep.chunk(world_size, dim=-1)[get_model_parallel_rank()]
+    return input_ * keep / (1.0 - p)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -92,6 +108,7 @@ class ColumnParallelLinear(nn.Module):
         device = get_device()
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
                                                device=device))
+        self.stride = stride
         _mark_model_parallel(self.weight, 0, stride)
         _initialize_affine_weight(self.weight, (output_size, input_size), 0, init_method, stride)
         if bias:
@@ -99,10 +116,26 @@ class ColumnParallelLinear(nn.Module):
             _mark_model_parallel(self.bias, 0, stride)
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+
+    def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
+        """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A whole on every rank, B split by rows
+        as the weight is (its stride too)."""
+        self.lora_A = nn.Parameter(lora_a.detach().clone())
+        self.lora_B = nn.Parameter(_split_master(lora_b, 0, self.output_size_per_partition, self.stride).clone())
+        _mark_model_parallel(self.lora_B, 0, self.stride)
+        self.lora_scale, self.lora_dropout = scale, dropout
 
     def forward(self, input_):
         input_parallel = copy_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight, self.bias)
+        if self.lora_A is not None:
+            # u = A x' on every rank, from the input before the copy (whose backward all-reduces the input
+            # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
+            lora_input = _lora_dropout(input_, self.lora_dropout, self.training)
+            u = copy_to_model_parallel_region(F.linear(lora_input, self.lora_A))              # [..., r]
+            output_parallel = output_parallel + self.lora_scale * F.linear(u, self.lora_B)     # [..., out/p]
         if self.gather_output:
             return gather_from_model_parallel_region(output_parallel)
         return output_parallel
@@ -129,11 +162,26 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+
+    def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
+        """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A split by columns as the weight is,
+        B whole on every rank."""
+        self.lora_A = nn.Parameter(_split_master(lora_a, 1, self.input_size_per_partition).clone())
+        _mark_model_parallel(self.lora_A, 1, 1)
+        self.lora_B = nn.Parameter(lora_b.detach().clone())
+        self.lora_scale, self.lora_dropout = scale, dropout
 
     def forward(self, input_):
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
         output = reduce_from_model_parallel_region(output_parallel)
+        if self.lora_A is not None:
+            # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient.
+            lora_input = _lora_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
+            u = reduce_from_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]
+            output = output + self.lora_scale * F.linear(u, self.lora_B)                      # [..., out]
         if self.bias is not None:
             output = output + self.bias
         return output

@@ -151,4 +151,9 @@ class CheckpointFunction(torch.autograd.Function):
 
 def checkpoint(function, *args):
     """Activation checkpointing: forward without keeping activations, recompute them in backward."""
+    if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        # Autograd runs backward only when an input requires grad: this empty one lets the recompute reach the
+        # parameters inside `function` when no input does (frozen embeddings under LoRA feed the first layers).
+        return CheckpointFunction.apply(lambda *inputs: function(*inputs[:-1]), *args,
+                                        torch.empty(0, requires_grad=True))
     return CheckpointFunction.apply(function, *args)

@@ -202,6 +202,7 @@ class ParallelTransformer(nn.Module):
         init_method = init_method_normal(init_method_std)
         output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
         start, end = layer_range if layer_range is not None else (0, num_layers)
+        self.num_layers, self.first_layer = num_layers, start
         kept = []
         for index in range(num_layers):
             layer = ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
@@ -212,6 +213,10 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
         self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device()) \
             if final_layernorm else None
+
+    def numbered_layers(self):
+        """[(global layer number, layer)] of this stage's layers."""
+        return [(self.first_layer + index, layer) for index, layer in enumerate(self.layers)]
 
     def set_activation_checkpointing(self, checkpoint_function, rng_tracker):
         """Use another checkpoint function and dropout RNG tracker (a pair: recomputation must replay the

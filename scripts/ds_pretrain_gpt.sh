@@ -8,11 +8,26 @@
 # Micro batch, gradient accumulation, clipping and precision come from the JSON config (DS_CONFIG, default
 # scripts/ds_zero2_config.json on CPU, scripts/ds_zero2_config_bf16.json on GPU); a command-line flag that disagrees
 # with it is an error. Reads: PYTHON, DS_CONFIG, NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH TRAIN_ITERS LR,
-# DATA_PATH VOCAB_FILE MERGE_FILE or DATA_ARGS, CHECKPOINT_PATH (default checkpoints/gpt2_zero2), EXTRA_ARGS.
+# DATA_PATH VOCAB_FILE MERGE_FILE or DATA_ARGS, CHECKPOINT_PATH (default checkpoints/gpt2_zero2), EXTRA_ARGS,
+# LOG_JSONL (default $CHECKPOINT_PATH/log.jsonl, appended to on resume; empty: none). With matplotlib installed the
+# run ends by plotting the log next to the checkpoint (run.png, run.html: tools/plot_run.py).
 source "$(dirname "$0")/_common.sh"
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2}
+LOG_JSONL=${LOG_JSONL-$CHECKPOINT_PATH/log.jsonl}
+LOG_ARGS=""
+if [ -n "$LOG_JSONL" ]; then mkdir -p "$(dirname "$LOG_JSONL")"; LOG_ARGS="--log-jsonl $LOG_JSONL"; fi
 
 launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
-  --deepspeed --deepspeed_config "$DS_CONFIG" --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" ${EXTRA_ARGS:-}
+  --deepspeed --deepspeed_config "$DS_CONFIG" --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" $LOG_ARGS \
+  ${EXTRA_ARGS:-}
 echo "checkpoint: $CHECKPOINT_PATH (latest: $(cat "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" 2>/dev/null))"
 echo "resume: run the same command again (it loads $CHECKPOINT_PATH); raise TRAIN_ITERS to train further"
+if [ -n "$LOG_JSONL" ]; then
+  if "$PYTHON" -c "import matplotlib" 2>/dev/null; then
+    "$PYTHON" tools/plot_run.py "$LOG_JSONL" --output "$CHECKPOINT_PATH/run.png" --html "$CHECKPOINT_PATH/run.html" \
+      >/dev/null && echo "plot: $CHECKPOINT_PATH/run.png and $CHECKPOINT_PATH/run.html (from $LOG_JSONL)" \
+      || echo "plot: tools/plot_run.py failed (above); the log is $LOG_JSONL"
+  else
+    echo "plot: pip install matplotlib, then $PYTHON tools/plot_run.py $LOG_JSONL --output run.png (log: $LOG_JSONL)"
+  fi
+fi

@@ -8,7 +8,7 @@ import pytest
 from megatron.spawn import run_distributed
 from tests.test_training import NO_DROPOUT, TINY, _train
 
-KEYS = {"iteration", "train_iters", "consumed_samples", "learning_rate", "losses", "loss_scale", "grad_norm",
+KEYS = {"type", "iteration", "train_iters", "consumed_samples", "learning_rate", "losses", "loss_scale", "grad_norm",
         "skipped_iterations", "ms_per_iteration", "tokens_per_second", "tflops_per_rank", "timers_ms", "memory"}
 ITERS, INTERVAL = 6, 2
 LOG = ["--train-iters", str(ITERS), "--log-interval", str(INTERVAL)]
@@ -26,8 +26,9 @@ def _train_capturing(args_list):
 
 
 def _records(path):
+    """The training records (the header and validation records are tests/test_plot_run.py's)."""
     with open(path) as handle:
-        return [json.loads(line) for line in handle]
+        return [record for record in map(json.loads, handle) if record["type"] == "train"]
 
 
 def _printed_losses(text):

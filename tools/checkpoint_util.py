@@ -19,8 +19,10 @@ from megatron import cli  # noqa: E402
 from megatron.zero.checkpoint import CheckpointError  # noqa: E402
 
 
-def resize(load_dir, save_dir, target_tensor_parallel_size, target_path=None, make_vocab_size_divisible_by=128):
-    """Returns (source description, directory written)."""
+def resize(load_dir, save_dir, target_tensor_parallel_size, target_path=None, make_vocab_size_divisible_by=128,
+           progress=None):
+    """Returns (source description, directory written). `progress`: a cli.ProgressLine counting the tensors
+    written (main's prints a line on stderr at most once a second)."""
     from megatron.full_checkpoint import resize_checkpoint
     from megatron.reshard import SavedCheckpoint
     if os.path.abspath(load_dir) == os.path.abspath(save_dir):
@@ -31,7 +33,8 @@ def resize(load_dir, save_dir, target_tensor_parallel_size, target_path=None, ma
         raise CheckpointError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
                               f"model's {heads} attention heads")
     deepspeed = (target_path or saved.path) == "zero"
-    written = resize_checkpoint(saved, save_dir, target_tensor_parallel_size, deepspeed, make_vocab_size_divisible_by)
+    written = resize_checkpoint(saved, save_dir, target_tensor_parallel_size, deepspeed, make_vocab_size_divisible_by,
+                                progress)
     return saved.describe(), written
 
 
@@ -54,7 +57,7 @@ def main(argv=None):
         parser.error("--target-tensor-parallel-size must be at least 1")
     try:
         source, written = resize(args.load_dir, args.save_dir, args.target_tensor_parallel_size, args.target_path,
-                                 args.make_vocab_size_divisible_by)
+                                 args.make_vocab_size_divisible_by, cli.ProgressLine("Wrote", "tensors"))
     except (CheckpointError, OSError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1

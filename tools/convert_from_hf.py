@@ -89,8 +89,10 @@ def read_hf_weights(hf_dir):
     return state
 
 
-def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab_size_divisible_by=128):
-    """Returns (model_config, number of parameters). ConversionError on bad input."""
+def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab_size_divisible_by=128,
+            progress=None):
+    """Returns (model_config, number of parameters). ConversionError on bad input. `progress`: a cli.ProgressLine
+    counting the tensors written (one per model-parallel rank and parameter)."""
     hf_config = read_hf_config(hf_dir)
     try:
         model_config = check_hf_config(hf_config)
@@ -109,7 +111,7 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
     from megatron.full_checkpoint import write_full_checkpoint
     try:
         write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=deepspeed,
-                              make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, progress=progress)
     except (CheckpointError, OSError, ValueError) as error:
         raise ConversionError(f"writing {save_dir}: {' '.join(str(error).split())}") from None
     return model_config, sum(t.numel() for t in weights.values())
@@ -144,7 +146,7 @@ def main(argv=None):
     options = parse_args(argv)
     try:
         model_config, parameters = convert(options.hf, options.save, options.model_parallel_size, options.deepspeed,
-                                           options.make_vocab_size_divisible_by)
+                                           options.make_vocab_size_divisible_by, cli.ProgressLine("Wrote", "tensors"))
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -7,6 +7,15 @@ a Hugging Face GPT2LMHeadModel directory with its tokenizer.
     from transformers import AutoTokenizer, GPT2LMHeadModel
     model = GPT2LMHeadModel.from_pretrained("hf/gpt2"); tokenizer = AutoTokenizer.from_pretrained("hf/gpt2")
 
+A LoRA checkpoint (trained with --lora-rank): --output gets the merged model (W + (alpha / r) B A), and
+--peft-adapter DIR also writes the adapters in PEFT's format with the unmerged base model in DIR/base:
+
+    python tools/convert_to_hf.py --load checkpoints/sft_lora --output hf/merged --peft-adapter hf/adapter
+
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained("hf/adapter/base"), "hf/adapter")
+    # or peft.AutoPeftModelForCausalLM.from_pretrained("hf/adapter") (adapter_config.json names the base's path)
+
 Writes config.json (GPT2Config: the real, unpadded vocabulary, activation_function "gelu_new" = our tanh GELU,
 tied LM head, bos/eos = our <|endoftext|> id), generation_config.json, model.safetensors (fp32: the fp32 master
 weights when the checkpoint has them), and the tokenizer (vocab.json, merges.txt, tokenizer.json,
@@ -25,7 +34,9 @@ import sys
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
-from megatron.model.hf_interchange import InterchangeError, to_hf_config_dict, to_hf_state_dict  # noqa: E402
+from megatron.model.hf_interchange import (InterchangeError, lora_layout, merge_lora, peft_adapter_config,  # noqa: E402
+                                           to_hf_config_dict, to_hf_state_dict, to_peft_state_dict)
+from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.zero.checkpoint import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
 
@@ -90,16 +101,49 @@ def load_tokenizer(vocab_file, merge_file, vocab_size):
     return tokenizer
 
 
-def write_model(output_dir, full, eod_id):
-    """config.json, generation_config.json and model.safetensors (fp32, tied head) into output_dir."""
+def write_model(output_dir, weights, model_config, eod_id):
+    """config.json, generation_config.json and model.safetensors (fp32, tied head) of our full `weights` (without
+    LoRA adapters: merged or left out) into output_dir."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, GPT2Config
-    config = GPT2Config(**to_hf_config_dict(full.model_config, eod_id))
+    os.makedirs(output_dir, exist_ok=True)
+    config = GPT2Config(**to_hf_config_dict(model_config, eod_id))
     config.save_pretrained(output_dir)
     GenerationConfig.from_model_config(config).save_pretrained(output_dir)
-    state = to_hf_state_dict(full.fp32_weights(), full.model_config)
+    state = to_hf_state_dict(weights, model_config)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     return config, state
+
+
+def lora_alpha_of(full, rank, lora_alpha):
+    """The adapters' alpha: the checkpoint's (model_shape "lora_alpha") or --lora-alpha (which must agree)."""
+    saved = full.saved.model_shape.get("lora_alpha")
+    if saved is not None and lora_alpha is not None and float(saved) != float(lora_alpha):
+        raise ConversionError(f"--lora-alpha {lora_alpha} disagrees with the checkpoint's LoRA alpha {saved}: drop "
+                              "--lora-alpha")
+    alpha = saved if saved is not None else lora_alpha
+    if alpha is None:
+        raise ConversionError(f"the checkpoint has LoRA adapters (rank {rank}) but does not record their alpha: "
+                              "pass --lora-alpha (the training run's)")
+    if not alpha > 0:
+        raise ConversionError(f"--lora-alpha ({alpha}) must be > 0")
+    return alpha
+
+
+def write_peft_adapter(directory, weights, model_config, tokenizer, rank, alpha, targets):
+    """DIR/adapter_config.json + DIR/adapter_model.safetensors (PEFT's LoRA format) and the unmerged base model
+    with its tokenizer in DIR/base (the adapter's base_model_name_or_path, as an absolute path)."""
+    from safetensors.torch import save_file
+    base_dir = os.path.join(directory, "base")
+    base = {name: tensor for name, tensor in weights.items() if not is_lora_parameter(name)}
+    write_model(base_dir, base, model_config, tokenizer.eod)
+    write_tokenizer(base_dir, tokenizer, model_config["max_sequence_length"])
+    save_file(to_peft_state_dict(weights, model_config["num_layers"]),
+              os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = peft_adapter_config(rank, alpha, targets, base_model_name_or_path=os.path.abspath(base_dir))
+    with open(os.path.join(directory, "adapter_config.json"), "w", encoding="utf-8") as handle:
+        json.dump(adapter_config, handle, indent=2)
+        handle.write("\n")
 
 
 def write_tokenizer(output_dir, tokenizer, model_max_length):
@@ -130,9 +174,13 @@ def _write_configs(output_dir, config, special):
             handle.write("\n")
 
 
-def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFAULT_MERGE_FILE):
-    """The conversion; returns (model_config, number of tensors, number of parameters). ConversionError on bad
-    input."""
+def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFAULT_MERGE_FILE, progress=None,
+            peft_adapter=None, lora_alpha=None):
+    """The conversion; returns (model_config, number of tensors, number of parameters, LoRA (rank, alpha, targets)
+    or None). ConversionError on bad input. `progress`: a cli.ProgressLine counting the checkpoint's tensors read.
+    A LoRA checkpoint's adapters are merged into output_dir's weights; `peft_adapter`: also write them in PEFT's
+    format there, with the unmerged base model in peft_adapter/base. `lora_alpha`: when the checkpoint does not
+    record it."""
     check_checkpoint_dir(load_dir)
     for kind, path in (("vocab", vocab_file), ("merge", merge_file)):
         if not os.path.isfile(path):
@@ -140,13 +188,25 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     require_hf_packages()
     full = read_checkpoint(load_dir)
     tokenizer = load_tokenizer(vocab_file, merge_file, full.model_config["vocab_size"])
-    os.makedirs(output_dir, exist_ok=True)
+    num_layers = full.model_config["num_layers"]
     try:
-        _, state = write_model(output_dir, full, tokenizer.eod)
+        weights = full.fp32_weights(progress)
+        layout = lora_layout(weights, num_layers)
+        if layout is None and peft_adapter is not None:
+            raise ConversionError(f"{load_dir} has no LoRA adapters: --peft-adapter needs a checkpoint trained with "
+                                  "--lora-rank")
+        lora = None
+        if layout is not None:
+            rank, targets = layout
+            lora = (rank, lora_alpha_of(full, rank, lora_alpha), targets)
+            if peft_adapter is not None:
+                write_peft_adapter(peft_adapter, weights, full.model_config, tokenizer, *lora)
+            weights = merge_lora(weights, num_layers, lora[1] / rank)
+        _, state = write_model(output_dir, weights, full.model_config, tokenizer.eod)
     except InterchangeError as error:
         raise ConversionError(f"{load_dir}: {error}") from None
     write_tokenizer(output_dir, tokenizer, full.model_config["max_sequence_length"])
-    return full.model_config, len(state), sum(t.numel() for t in state.values())
+    return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
 
 
 def parse_args(argv=None):
@@ -157,6 +217,11 @@ def parse_args(argv=None):
     parser.add_argument("--vocab-file", default=DEFAULT_VOCAB_FILE, help="GPT-2 vocab.json the model was trained "
                         "with (default: the embedded default data's)")
     parser.add_argument("--merge-file", default=DEFAULT_MERGE_FILE, help="its merges.txt")
+    parser.add_argument("--peft-adapter", default=None, metavar="DIR", help="LoRA checkpoint: also write its "
+                        "adapters in PEFT's format to DIR (adapter_config.json, adapter_model.safetensors) with the "
+                        "unmerged base model in DIR/base (--output gets the merged model)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA checkpoint: the training run's "
+                        "--lora-alpha, when the checkpoint does not record it")
     return parser.parse_args(argv)
 
 
@@ -164,14 +229,20 @@ def main(argv=None):
     """Returns the exit status (0, or 1 after printing one line to stderr)."""
     args = parse_args(argv)
     try:
-        model_config, tensors, parameters = convert(args.load, args.output, args.vocab_file, args.merge_file)
+        model_config, tensors, parameters, lora = convert(args.load, args.output, args.vocab_file, args.merge_file,
+                                                          cli.ProgressLine("Read", "tensors"), args.peft_adapter,
+                                                          args.lora_alpha)
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
+    merged = "" if lora is None else f", LoRA rank {lora[0]} alpha {lora[1]:g} on {','.join(lora[2])} merged"
     print(f"wrote {args.output}: GPT2LMHeadModel ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
-          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors) and its "
-          "tokenizer", flush=True)
+          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged}) and "
+          "its tokenizer", flush=True)
+    if args.peft_adapter is not None:
+        print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "
+              f"its unmerged base model in {os.path.join(args.peft_adapter, 'base')}", flush=True)
     return 0
 
 

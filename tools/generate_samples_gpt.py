@@ -12,6 +12,8 @@ the checkpoint. With --mock-data --vocab-size N instead of a tokenizer, prompts 
 separated by spaces (and there is no end-of-document id: samples run to --out-seq-length).
 --out-seq-length is the number of new tokens per sample (capped by the position table). --recompute re-runs the
 whole sequence at every step instead of using the KV cache. Prompts are decoded in batches of --batch-size.
+--chat-template NAME (a finetune_gpt.py model): each prompt becomes a user turn of that template, ending with its
+assistant prefix (deepspeed-chat: " Human: {prompt} Assistant:"); a sample ends at the end-of-text token.
 """
 import json
 import os
@@ -23,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
+from megatron.posttrain import TEMPLATES, encode_prompt  # noqa: E402
 from megatron.text_generation import generate, load_inference_model  # noqa: E402
 from megatron.text_generation.generation import check_sampling_options  # noqa: E402
 from megatron.utils import get_checkpoint_iteration  # noqa: E402
@@ -42,21 +45,29 @@ def add_text_generate_args(parser):
     group.add_argument("--num-samples", type=int, default=0, help="unconditional samples to draw")
     group.add_argument("--genfile", type=str, default=None, help="JSON-lines output of unconditional samples")
     group.add_argument("--recompute", action="store_true", help="no KV cache: recompute the whole sequence")
+    group.add_argument("--chat-template", choices=sorted(TEMPLATES), default=None,
+                       help="wrap each prompt as a user turn of this template, ending with its assistant prefix "
+                            "(deepspeed-chat: ' Human: {prompt} Assistant:'), for a model from finetune_gpt.py; "
+                            "the answer ends at the end-of-text token")
     # Generation reads no training data: satisfy the training parser's data check.
     parser.set_defaults(data_path=["(text generation: no data)"])
     return parser
 
 
 class Codec:
-    """Text <-> ids through the tokenizer, or space-separated ids with --mock-data."""
+    """Text <-> ids through the tokenizer, or space-separated ids with --mock-data. With a chat template a prompt
+    is encoded as the user turn the fine-tuning data had (megatron.posttrain.encode_prompt)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat_template=None):
         self.tokenizer = tokenizer
         self.eod = tokenizer.eod if tokenizer is not None else None
+        self.template = TEMPLATES[chat_template] if chat_template else None
 
     def encode(self, text):
         if self.tokenizer is None:
             return [int(t) for t in text.split()]
+        if self.template is not None:
+            return encode_prompt([{"role": "user", "content": text}], self.tokenizer, self.template)
         return self.tokenizer.tokenize(text)
 
     def decode(self, ids):
@@ -157,8 +168,10 @@ def main(args_list=None):
         raise SystemExit("error: generation needs --load DIR (a checkpoint saved by pretrain_gpt.py)")
     if get_checkpoint_iteration(args.load)[0] is None:  # load_checkpoint would go on with random weights
         raise SystemExit(f"error: {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    if args.chat_template and args.mock_data:
+        raise SystemExit("error: --chat-template needs the tokenizer (--vocab-file, --merge-file), not --mock-data")
     model = load_inference_model(args)
-    codec = Codec(get_tokenizer())
+    codec = Codec(get_tokenizer(), args.chat_template)
     if args.sample_input_file:
         generate_samples_input_from_file(model, args, codec)
     elif args.num_samples > 0:

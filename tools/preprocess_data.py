@@ -132,9 +132,9 @@ class Encoder:
 _worker_encoder = None
 
 
-def _init_worker(args):
+def _init_worker(encoder_class, args):
     global _worker_encoder
-    _worker_encoder = Encoder(args)
+    _worker_encoder = encoder_class(args)
 
 
 def _encode_in_worker(first_line, block):
@@ -165,16 +165,18 @@ def read_blocks(path, block_bytes=BLOCK_BYTES):
             yield line_number, carry, consumed
 
 
-def encoded_blocks(args):
-    """Yield (encoded block, bytes consumed) in input order: in this process (--workers 1) or a bounded pool."""
+def encoded_blocks(args, encoder_class=Encoder):
+    """Yield (encoded block, bytes consumed) in input order: in this process (--workers 1) or a bounded pool with
+    at most 2 blocks per worker in flight. `encoder_class(args).encode_block(first_line, block)` encodes a block
+    (tools/preprocess_sft_data.py passes its own)."""
     blocks = read_blocks(args.input)
     if args.workers <= 1:
-        encoder = Encoder(args)
+        encoder = encoder_class(args)
         for first_line, block, consumed in blocks:
             yield encoder.encode_block(first_line, block), consumed
         return
     ctx = multiprocessing.get_context("fork")
-    pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+    pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(encoder_class, args))
     try:
         pending = collections.deque()
         for first_line, block, consumed in blocks:
@@ -196,8 +198,10 @@ def output_prefixes(args):
     return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
 
-def preprocess(args):
-    """Run the whole conversion; returns a stats dict. Raises BadInput/ValueError with a clear message."""
+def preprocess(args, clock=time.monotonic):
+    """Run the whole conversion; returns a stats dict (with the summary line main prints). Raises
+    BadInput/ValueError with a clear message. Prints progress on stderr (cli.ProgressLine): every --log-interval
+    documents, at most one line a second by `clock`."""
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, backend=args.tokenizer_backend)
     prefixes = output_prefixes(args)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -207,7 +211,7 @@ def preprocess(args):
     builders = {}
     total_bytes = max(os.path.getsize(args.input), 1)
     stats = dict(documents=0, bad_lines=0, bytes=0, tokens=0, seconds=0.0, backend=tokenizer.backend)
-    start = last_log = time.time()
+    progress = cli.ProgressLine("Processed", "documents", rate_unit="docs", clock=clock)
     next_log = args.log_interval
     try:
         for key, (bin_tmp, _) in temps.items():
@@ -219,12 +223,10 @@ def preprocess(args):
             stats["documents"] += docs
             stats["bad_lines"] += bad
             stats["bytes"] = consumed
-            if stats["documents"] >= next_log:
+            due = stats["documents"] >= next_log      # every --log-interval documents, at most once a second
+            if due:
                 next_log = (stats["documents"] // args.log_interval + 1) * args.log_interval
-                now = time.time()
-                if now - last_log >= 1.0 or consumed == total_bytes:
-                    last_log = now
-                    _log_progress(stats, now - start, consumed / total_bytes)
+            progress.update(stats["documents"], consumed, consumed / total_bytes, may_print=due)
         for key, (bin_tmp, idx_tmp) in temps.items():
             builders.pop(key).finalize(idx_tmp)
         for key, prefix in prefixes.items():
@@ -238,16 +240,12 @@ def preprocess(args):
             for path in paths:
                 if os.path.exists(path):
                     os.remove(path)
-    stats["seconds"] = time.time() - start
+    skipped = f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else ""
+    stats["summary"] = progress.summary(counts=f", {stats['tokens']} tokens", trailer=skipped,
+                                        details=f", backend {stats['backend']}, {args.workers} workers")
+    stats["seconds"] = progress.seconds
     stats["outputs"] = prefixes
     return stats
-
-
-def _log_progress(stats, elapsed, fraction):
-    elapsed = max(elapsed, 1e-9)
-    print(f"Processed {stats['documents']} documents ({100 * fraction:.0f}%), "
-          f"{stats['documents'] / elapsed:.0f} docs/s, {stats['bytes'] / elapsed / 1e6:.2f} MB/s",
-          file=sys.stderr, flush=True)
 
 
 def get_args(argv=None):
@@ -282,17 +280,13 @@ def get_args(argv=None):
     return args
 
 
-def main(argv=None):
+def main(argv=None, clock=time.monotonic):
     args = get_args(argv)
     try:
-        stats = preprocess(args)
+        stats = preprocess(args, clock)
     except (BadInput, ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}")
-    seconds = max(stats["seconds"], 1e-9)
-    print(f"Done: {stats['documents']} documents, {stats['tokens']} tokens, {stats['bytes'] / 1e6:.1f} MB in "
-          f"{seconds:.1f} s ({stats['documents'] / seconds:.0f} docs/s, {stats['bytes'] / seconds / 1e6:.2f} MB/s, "
-          f"backend {stats['backend']}, {args.workers} workers)"
-          + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else ""), file=sys.stderr)
+    print(stats["summary"], file=sys.stderr)
     for prefix in stats["outputs"].values():
         print(f"wrote {data_file_path(prefix)} and {index_file_path(prefix)}", file=sys.stderr)
 

@@ -10,6 +10,9 @@ Parameter layout per model-parallel rank (p ranks, padded vocabulary V, hidden h
     position_embeddings.weight    [max_seq, h] replicated
     transformer.layers[i]...      see mpu/transformer.py
 
+LoRA (config.lora): transformer.layers[i]...{query_key_value,dense,dense_h_to_4h,dense_4h_to_h}.lora_{A,B} are
+the only trainable parameters (mpu/lora.py).
+
 Pipeline parallelism (P stages, mpu.initialize_model_parallel(mp, P)): each stage holds L/P layers under their
 global numbers; the first stage also the embeddings, the last the final LayerNorm, the loss and its own copy of
 the word embedding as the LM head, initialized identically and kept identical by summing the two copies'
@@ -64,6 +67,8 @@ class GPT2ModelConfig:
     the loss's softmax (so the loss does not depend on the padding) and never generated."""
     fused_compute: bool = False
     """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
+    lora: Optional[mpu.LoRAConfig] = None
+    """--lora-*: LoRA adapters on the layers' linears, every other parameter frozen (mpu/lora.py); None: no LoRA."""
 
     @classmethod
     def from_args(cls, args):
@@ -74,7 +79,15 @@ class GPT2ModelConfig:
                    hidden_dropout=args.hidden_dropout, checkpoint_activations=args.checkpoint_activations,
                    checkpoint_num_layers=args.checkpoint_num_layers, init_method_std=args.init_method_std,
                    layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size,
-                   fused_compute=args.torch_compile)
+                   fused_compute=args.torch_compile, lora=lora_config_from_args(args))
+
+
+def lora_config_from_args(args):
+    """The mpu.LoRAConfig of --lora-rank/--lora-alpha/--lora-dropout/--lora-targets (validated), or None at rank 0."""
+    if not args.lora_rank:
+        return None
+    return mpu.LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                          targets=tuple(args.lora_targets))
 
 
 def activation_checkpointing_pair():
@@ -93,6 +106,15 @@ class TiedLMHead(nn.Module):
     def forward(self, hidden, word_embedding_weight):
         hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
         return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
+
+
+def _keep_fresh_adapters(module, state_dict, prefix, *args):
+    """load_state_dict of a checkpoint without LoRA adapters (a base model's) keeps the model's fresh adapters."""
+    names = [name for name, _ in module.named_parameters()]
+    saved = [key[len(prefix):] for key in state_dict if key.startswith(prefix)]
+    params = dict(module.named_parameters())
+    for name in mpu.fresh_adapters(names, saved):
+        state_dict[prefix + name] = params[name].detach()
 
 
 class GPT2Model(nn.Module):
@@ -140,6 +162,12 @@ class GPT2Model(nn.Module):
         self.lm_head = TiedLMHead() if self.post_process else None
         if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
             register_external_parameter(self.lm_head, self.word_embeddings.weight)
+        if config.lora is not None:
+            if config.fused_compute:
+                raise ValueError("LoRA runs the eager layers: drop --torch-compile (fused_compute) or --lora-rank")
+            mpu.add_lora(self.transformer, config.lora)   # drawn after every base weight: those are unchanged
+            mpu.mark_only_lora_as_trainable(self)
+            self.register_load_state_dict_pre_hook(_keep_fresh_adapters)   # a base checkpoint loads into it
 
     def set_input_tensor(self, input_tensor):
         """The hidden states [b, s, h] the previous pipeline stage sent (the next forward's input)."""

@@ -23,9 +23,19 @@ The layouts:
 Our linears are nn.Linear ([out, in]); HF's are Conv1D ([in, out]): weights are transposed, biases are not. The
 fused q/k/v is the full master (rows q, then k, then v), so it maps to c_attn's columns directly.
 
-This module imports neither transformers nor safetensors: the tools do, inside their functions.
+LoRA (mpu/lora.py): a checkpoint's adapters `transformer.layers.{i}.<linear>.lora_A` [r, in] / `.lora_B` [out, r]
+(full tensors: q/k/v rows of lora_B in the full q | k | v order) are either merged into the weights,
+W + (alpha / r) B A (`merge_lora`, before the Conv1D transpose), or written as a PEFT adapter for the unmerged base
+(`to_peft_state_dict`, `peft_adapter_config`): PEFT's lora_A / lora_B are nn.Linear weights on every target, the
+Conv1D ones too (fan_in_fan_out), so they keep our layout:
+    ...{ours}.lora_A  ->  base_model.model.transformer.h.{i}.{HF module}.lora_A.weight     (the same for lora_B)
+with the target modules c_attn, attn.c_proj, c_fc, mlp.c_proj.
+
+This module imports neither transformers nor safetensors (nor peft): the tools do, inside their functions.
 """
 import torch
+
+from mpu import LORA_TARGETS as _LORA_LINEARS   # target name -> our linear inside a layer
 
 # Our per-layer module name -> (HF per-layer module name, is a Conv1D whose weight is transposed).
 _LAYER_MODULES = (
@@ -36,6 +46,9 @@ _LAYER_MODULES = (
     ("mlp.dense_h_to_4h", "mlp.c_fc", True),
     ("mlp.dense_4h_to_h", "mlp.c_proj", True),
 )
+# Our LoRA targets (--lora-targets) -> PEFT's target_modules name of the HF Conv1D (matched as a name suffix).
+PEFT_TARGET_MODULES = {"qkv": "c_attn", "dense": "attn.c_proj", "fc1": "c_fc", "fc2": "mlp.c_proj"}
+PEFT_PREFIX = "base_model.model."
 MODEL_CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "max_sequence_length", "vocab_size",
                      "layernorm_epsilon")
 # The tanh-approximated GELU under transformers' names (our MLP's activation).
@@ -153,3 +166,82 @@ def _check_shapes(weights, model_config):
         if tuple(weights[name].shape) != shape:
             raise InterchangeError(f"{name} has shape {list(weights[name].shape)}, expected {list(shape)} from "
                                    "config.json")
+
+
+# ---------------------------------------------------------------------------------------------------- LoRA
+
+def _hf_module(ours):
+    return next(theirs for name, theirs, _ in _LAYER_MODULES if name == ours)
+
+
+def lora_layout(weights, num_layers):
+    """(rank, targets in --lora-targets order) of the adapters in our full `weights`, or None without any; an
+    adapter missing from some layer or of mixed ranks is an InterchangeError."""
+    targets = [t for t, linear in _LORA_LINEARS.items() if f"transformer.layers.0.{linear}.lora_A" in weights]
+    if not targets:
+        return None
+    ranks = set()
+    for i in range(num_layers):
+        for target in targets:
+            prefix = f"transformer.layers.{i}.{_LORA_LINEARS[target]}."
+            if prefix + "lora_A" not in weights or prefix + "lora_B" not in weights:
+                raise InterchangeError(f"the checkpoint's LoRA adapters are incomplete: {prefix}lora_A/lora_B missing")
+            ranks.update((weights[prefix + "lora_A"].shape[0], weights[prefix + "lora_B"].shape[1]))
+    if len(ranks) != 1:
+        raise InterchangeError(f"the checkpoint's LoRA adapters have different ranks {sorted(ranks)}")
+    return ranks.pop(), targets
+
+
+def merge_lora(weights, num_layers, scale):
+    """Our full weights with every adapter merged, W + scale B A (scale = alpha / r, computed in fp64), and the
+    adapters dropped; weights without adapters come back as they are."""
+    merged = {name: tensor for name, tensor in weights.items() if not name.endswith((".lora_A", ".lora_B"))}
+    layout = lora_layout(weights, num_layers)
+    for i in range(num_layers) if layout is not None else ():
+        for target in layout[1]:
+            prefix = f"transformer.layers.{i}.{_LORA_LINEARS[target]}."
+            weight = merged[prefix + "weight"]
+            delta = weights[prefix + "lora_B"].double() @ weights[prefix + "lora_A"].double()    # [out, in]
+            merged[prefix + "weight"] = (weight.double() + scale * delta).to(weight.dtype)
+    return merged
+
+
+def to_peft_state_dict(weights, num_layers):
+    """The adapters of our full weights under PEFT's names (adapter_model.safetensors), contiguous copies."""
+    rank_targets = lora_layout(weights, num_layers)
+    if rank_targets is None:
+        raise InterchangeError("the checkpoint has no LoRA adapters (train with --lora-rank)")
+    state = {}
+    for i in range(num_layers):
+        for target in rank_targets[1]:
+            ours = f"transformer.layers.{i}.{_LORA_LINEARS[target]}."
+            theirs = f"{PEFT_PREFIX}transformer.h.{i}.{_hf_module(_LORA_LINEARS[target])}."
+            for kind in ("lora_A", "lora_B"):
+                state[f"{theirs}{kind}.weight"] = weights[ours + kind].contiguous().clone()
+    return state
+
+
+def from_peft_state_dict(peft_state, num_layers):
+    """PEFT adapter tensors of an HF GPT-2 (adapter_model.safetensors, or get_peft_model_state_dict) -> our
+    full LoRA weights by name (the inverse of to_peft_state_dict)."""
+    weights = {}
+    for i in range(num_layers):
+        for linear in _LORA_LINEARS.values():
+            theirs = f"{PEFT_PREFIX}transformer.h.{i}.{_hf_module(linear)}."
+            for kind in ("lora_A", "lora_B"):
+                if theirs + f"{kind}.weight" in peft_state:
+                    weights[f"transformer.layers.{i}.{linear}.{kind}"] = peft_state[theirs + f"{kind}.weight"]
+    if len(weights) != sum(1 for key in peft_state if key.endswith((".lora_A.weight", ".lora_B.weight"))):
+        raise InterchangeError("the adapter has LoRA weights on modules our GPT-2 does not adapt (targets: "
+                               f"{', '.join(PEFT_TARGET_MODULES.values())}) or beyond n_layer {num_layers}")
+    return weights
+
+
+def peft_adapter_config(rank, alpha, targets, dropout=0.0, base_model_name_or_path=None):
+    """adapter_config.json of our adapters for peft.PeftModel.from_pretrained(GPT2LMHeadModel, DIR): LoRA on the
+    Conv1D targets (fan_in_fan_out), no bias, scaling alpha / r."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+            "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+            "target_modules": [PEFT_TARGET_MODULES[t] for t in targets], "fan_in_fan_out": True, "bias": "none",
+            "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+            "inference_mode": True}

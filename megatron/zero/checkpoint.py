@@ -2,6 +2,8 @@
 
     atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.atomic_io;
                                    returns the file's manifest entry (size, crc32)
+    host_copy(state, clone)        the state's tensors in host memory, structure kept (the same file bytes): what
+                                   a save writes, and with clone (--async-save) what a background thread writes
     safe_torch_load(path)          verified against its checkpoint directory's manifest (megatron.manifest), then
                                    torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
                                    Store only tensors, python scalars, str, None, and lists/tuples/dicts of those.
@@ -20,6 +22,7 @@ Megatron layout (written by megatron.utils):
     SAVE/iter_{:07d}/mp_rank_{mp:02d}/model_optim_rng.pt                  model, optimizer, lr scheduler, RNG
     SAVE/latest_checkpointed_iteration.txt                                the iteration (both paths write it)
 """
+import copy
 import os
 import pickle
 import re
@@ -118,6 +121,64 @@ def atomic_torch_save(obj, path):
     first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written."""
     check_weights_only_safe(obj, os.path.basename(path))
     return manifest.make_entry(path, *_atomic_torch_save(obj, path, checksum=True))
+
+
+def host_copy(obj, clone=False):
+    """`obj` with every tensor in host memory, the structure kept exactly (shared tensors, shared storages,
+    views: storage offset and size, shared containers), so that torch.save writes the same bytes as for `obj`.
+    Tensors on a device are copied; host tensors too when `clone` (--async-save: the training loop goes on
+    changing the originals while a thread writes the copies; the copies' buffers are reused by the next
+    clone), else they are kept (`obj` itself is returned when nothing is on a device)."""
+    tensors = {}
+    _find_tensors(obj, tensors)
+    if not clone and all(t.device.type == "cpu" for t in tensors.values()):
+        return obj
+    storages, memo = {}, {}
+    for key, tensor in tensors.items():
+        memo[key] = _tensor_on_host(tensor, storages, clone)
+    if clone:           # the next save copies into the same host buffers (no new pages to fault in)
+        _reusable.clear()
+        _reusable.update(storages)
+    return copy.deepcopy(obj, memo)
+
+
+# --async-save's host buffers, by the storage they copied, kept for the next save (its copy must be written by
+# then: save_directory_atomically finishes a save in flight before the next one copies)
+_reusable = {}
+
+
+def _find_tensors(obj, found):
+    if isinstance(obj, torch.Tensor):
+        found[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _find_tensors(key, found)
+            _find_tensors(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _find_tensors(value, found)
+
+
+def _bytes_of(storage):
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _tensor_on_host(tensor, storages, clone):
+    if tensor.device.type == "cpu" and not clone:
+        return tensor
+    storage = tensor.untyped_storage()
+    host = storages.get(storage._cdata)
+    if host is None:       # each storage copied once: tensors sharing one keep sharing it
+        host = _reusable.get(storage._cdata) if clone else None
+        if host is not None and host.nbytes() == storage.nbytes():
+            _bytes_of(host).copy_(_bytes_of(storage))      # a tensor copy: parallel, unlike storage.copy_
+        else:
+            host = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        storages[storage._cdata] = host
+    result = torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())
+    if tensor.requires_grad:
+        result.requires_grad_(True)
+    return result
 
 
 def safe_torch_load(path, map_location="cpu", mmap=False):

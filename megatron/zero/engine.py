@@ -151,20 +151,29 @@ class ZeroEngine(torch.nn.Module):
         return self.optimizer.last_grad_norm
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, async_save=False,
+                        on_commit=None):
         """All ranks call this. Atomic: every rank writes its files (DESIGN.md section 6) into SAVE/<tag>.tmp/,
         rank 0 adds manifest.json (every rank's files, sizes and crc32), renames it to SAVE/<tag> and then writes
-        `latest` (the commit point). When any rank fails, every rank raises CheckpointError (none waits forever)
-        and the previous checkpoint stays the latest."""
+        `latest` (the commit point), then calls on_commit(). When any rank fails, every rank raises
+        CheckpointError (none waits forever) and the previous checkpoint stays the latest.
+        `async_save`: returns once the states are copied to host memory; the files are written in a background
+        thread and published by the next save or load (megatron.atomic_io.finish_pending_save)."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
-        def write_latest():
+        def write(directory):
+            files = [(path, ckpt.host_copy(state, clone=async_save))
+                     for path, state in self._checkpoint_files(directory, client_state)]
+            return lambda: [ckpt.atomic_torch_save(state, path) for path, state in files]
+
+        def commit():
             if save_latest:
                 ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
-        atomic_io.save_directory_atomically(os.path.join(save_dir, tag),
-                                            lambda directory: self._write_checkpoint_files(directory, client_state),
-                                            write_latest, self.device, is_rank_0, error_class=ckpt.CheckpointError)
+            if on_commit is not None:
+                on_commit()
+        atomic_io.save_directory_atomically(os.path.join(save_dir, tag), write, commit, self.device, is_rank_0,
+                                            error_class=ckpt.CheckpointError, background=async_save)
         return True
 
     def module_state_dict(self, keep=True):
@@ -220,13 +229,13 @@ class ZeroEngine(torch.nn.Module):
         """This rank's stage for the checkpoint names: None at P = 1 (the names without the stage)."""
         return self.ctx.pipeline_parallel_rank if self.ctx.pipeline_parallel_size > 1 else None
 
-    def _write_checkpoint_files(self, directory, client_state):
-        """Data-parallel rank 0 of every (tensor-parallel rank, stage) writes its model states; every rank its
-        optimizer partition. Under pipelining each stage's module holds its layers under their global names.
-        Returns the manifest entries of the files this rank wrote."""
+    def _checkpoint_files(self, directory, client_state):
+        """[(path, state)] of the files this rank writes: data-parallel rank 0 of every (tensor-parallel rank,
+        stage) its model states; every rank its optimizer partition. Under pipelining each stage's module holds
+        its layers under their global names. Collective (stage 3 gathers the module)."""
         mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
         module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
-        entries = []
+        files = []
         if self.ctx.data_parallel_rank == 0:
             state = {ckpt.MODULE: module_state,
                      ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -237,11 +246,10 @@ class ZeroEngine(torch.nn.Module):
                      ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
                      ckpt.ZERO_STAGE: self.zero_optimization_stage(),
                      ckpt.PARAM_NAMES: self._param_names()}
-            entries.append(ckpt.atomic_torch_save(state, os.path.join(directory,
-                                                                      ckpt.model_states_name(mp_rank, pp_rank))))
-        entries.append(ckpt.atomic_torch_save(self.optimizer.partitioned_state_dict(), os.path.join(
-            directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank))))
-        return entries
+            files.append((os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)), state))
+        files.append((os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)),
+                      self.optimizer.partitioned_state_dict()))
+        return files
 
     def _param_names(self):
         """Per flat group, the module's names of its parameters in flat order (how other topologies find them)."""
@@ -252,8 +260,10 @@ class ZeroEngine(torch.nn.Module):
                         load_module_strict=True):
         """Returns (path of the model-states file, client_state), or (None, {}) when there is no checkpoint.
 
-        Optimizer state saved at any data-parallel size is re-partitioned for this one.
+        Optimizer state saved at any data-parallel size is re-partitioned for this one. A background save in flight
+        is finished (published) first.
         """
+        atomic_io.finish_pending_save()
         tag = tag if tag is not None else ckpt.read_latest_tag(load_dir)
         if tag is None:
             return None, {}

@@ -64,6 +64,7 @@ class ZeroOptimizer:
             self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
+        self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
         params = list(param_order)
         self.collective_device = params[0].device if params and self.host is not None else None
 
@@ -156,7 +157,8 @@ class ZeroOptimizer:
         moments = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
                       for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return {"master": masters, "moments": moments, "gradients": self.reducer.held_gradient_bytes(),
-                "parameters": sum(g.parameter_bytes() for g in self.groups) + self.resident_parameter_bytes}
+                "parameters": sum(g.parameter_bytes() for g in self.groups) + self.resident_parameter_bytes
+                + self.frozen_parameter_bytes}
 
     def offloaded_kinds(self):
         """The kinds of partitioned_state_bytes() that offload keeps in host memory (the persistent stage-3

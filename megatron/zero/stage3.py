@@ -17,7 +17,10 @@ optimizer step).
               forward order up to stage3_prefetch_bucket_size elements; post-hook: release, and hang a
               pre-backward function on the outputs
     backward: pre-backward: gather again (prefetch the units before it); a buffer is released when the gradients
-              of all its parameters have arrived (their bucket hooks have run); the rest at the end of backward
+              of all its parameters have arrived (their bucket hooks have run); the rest at the end of backward.
+              A buffer holding frozen parameters (requires_grad False, e.g. LoRA's base weights: no gradient to
+              wait for) is released once, besides, the backward of a unit using it has reached the unit's inputs
+              (an identity on them, hung in the forward pre-hook), after which its weights are not needed
 
 Gathering one contiguous run [lo, hi) of a group's flat order is one broadcast from each rank owning part of
 it, into the buffer's slice. Every rank must run the same forwards: a rank that runs a forward alone waits for
@@ -74,9 +77,11 @@ class PartitionedGroup(FlatLayout):
 
 
 def partition_parameters(module, param_groups, ctx, zero_config, dtype):
-    """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own). A parameter built
-    whole is first broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is
-    gathered from its pieces. One parameter is whole at a time."""
+    """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own), then one more for
+    the frozen parameters (requires_grad False: in no optimizer group, e.g. LoRA's base weights) when there are
+    any: partitioned and gathered like the others, without optimizer state. A parameter built whole is first
+    broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is gathered from its
+    pieces. One parameter is whole at a time."""
     from .zero_init import gather_initial
     device = next(module.parameters()).device
     host = torch.device("cpu") if zero_config.offload_param.enabled else device
@@ -92,9 +97,10 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
             param.ds_shape, param.ds_numel = value.shape, value.numel()
         return value if dtype is None else value.to(dtype)
 
+    in_groups = {id(p) for group in param_groups for p in group["params"]}
+    frozen = [p for p in module.parameters() if id(p) not in in_groups and not p.requires_grad]
     groups = []
-    for group in param_groups:
-        params = group["params"]
+    for params in [group["params"] for group in param_groups] + ([frozen] if frozen else []):
         group_dtype = dtype or (params[0].dtype if params else torch.float32)
         groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
                                        group_dtype, host))
@@ -150,6 +156,8 @@ class _Buffer:
         self.handles = []
         self.holders = 0                 # units using it in a forward now (GatheredParameters counts too)
         self.pending_grads = set()       # ids of its trainable parameters whose gradient has not arrived
+        self.has_frozen = any(not p.requires_grad for p in params)
+        self.inputs_reached = False      # has_frozen: a unit using it has finished its backward (to its inputs)
         self.stale = True                # persistent buffer: refresh at the next use
 
     def start_gather(self):
@@ -200,6 +208,20 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward has produced their gradients."""
+
+    @staticmethod
+    def forward(ctx, manager, unit, *tensors):
+        ctx.manager, ctx.unit = manager, unit
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.manager.inputs_reached(ctx.unit)
+        return (None, None, *grads)
+
+
 class Stage3Parameters:
     """The units, their buffers and hooks of one module whose parameters are partitioned in `groups`."""
 
@@ -245,7 +267,7 @@ class Stage3Parameters:
         """Module hooks, and gradient hooks that must run after the gradient buckets' (installed before)."""
         for unit in self.units:
             self.handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self._pre_forward(unit)))
+                lambda module, args, unit=unit: self._pre_forward(unit, args)))
             self.handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self._post_forward(unit, output)))
         for buffer in self.buffers:
@@ -254,7 +276,7 @@ class Stage3Parameters:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         lambda param, buffer=buffer: self._gradient_arrived(buffer, param)))
 
-    def _pre_forward(self, unit):
+    def _pre_forward(self, unit, args):
         in_backward = _in_backward()
         if not self.order_recorded and not in_backward:
             self.order.append(unit)
@@ -262,6 +284,22 @@ class Stage3Parameters:
         if not in_backward:
             for buffer in unit.buffers:
                 buffer.holders += 1
+        wrapped = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+        if not (torch.is_grad_enabled() and wrapped and any(b.has_frozen for b in unit.buffers)):
+            return None
+        outputs = _PostBackward.apply(self, unit, *(args[i] for i in wrapped))
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        args = list(args)
+        for i, output in zip(wrapped, outputs):
+            args[i] = output
+        return tuple(args)
+
+    def inputs_reached(self, unit):
+        """The backward of `unit` has produced its inputs' gradients: its frozen parameters are done with."""
+        for buffer in unit.buffers:
+            if buffer.has_frozen:
+                buffer.inputs_reached = True
+                self._gradient_arrived(buffer, None)
 
     def _post_forward(self, unit, output):
         if not _in_backward():
@@ -276,7 +314,8 @@ class Stage3Parameters:
 
     def _gradient_arrived(self, buffer, param):
         buffer.pending_grads.discard(id(param))
-        if not buffer.pending_grads and buffer.holders == 0 and not buffer.persistent:
+        done = not buffer.pending_grads and (buffer.inputs_reached or not buffer.has_frozen)
+        if done and buffer.holders == 0 and not buffer.persistent:
             self._release(buffer)
 
     # ---- gather / release ----------------------------------------------------------------------------------
@@ -290,6 +329,7 @@ class Stage3Parameters:
             for buffer in unit.buffers:
                 if buffer.state == "ready" and not buffer.pending_grads:
                     buffer.pending_grads = {id(p) for p in buffer.params if p.requires_grad}
+                    buffer.inputs_reached = False
         self._prefetch(unit, backward)
 
     def _start(self, buffer):

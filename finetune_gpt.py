@@ -1,0 +1,147 @@
+"""Supervised fine-tuning of GPT-2 (DeepSpeed-Chat step 1): the providers Megatron's training loop needs, as in
+pretrain_gpt.py, on tools/preprocess_sft_data.py's output. Every flag of pretrain_gpt.py works (model, tensor and
+pipeline parallelism, data parallelism, --deepspeed with ZeRO 0-3, activation checkpointing, fp16/bf16).
+
+    python tools/preprocess_sft_data.py --input chat.jsonl --output-prefix data/chat/chat \\
+        --vocab-file data/webtext/vocab.json --merge-file data/webtext/merges.txt --seq-length 128
+    torchrun --nproc_per_node 2 finetune_gpt.py <the checkpoint's model flags> --load checkpoints/gpt2 \\
+        --save checkpoints/sft --data-path data/chat/chat --vocab-file data/webtext/vocab.json \\
+        --merge-file data/webtext/merges.txt --seq-length 128 [--pack-sequences] [--train-on-prompt] [--deepspeed ...]
+
+Start and resume: --load is any checkpoint of ours (either path, any topology) or a tools/convert_from_hf.py
+import, loaded with --finetune semantics (the weights only: a fresh optimizer, lr schedule, iteration and
+sampler). When --save already holds a checkpoint, the run resumes from it instead, exactly as pretraining resumes
+(optimizer, schedule, RNG, and the sampler from the consumed samples): rerunning the same command line after an
+interruption continues the run. --no-finetune loads everything from --load (a resume from another directory).
+
+Loss: only where the mask is 1 (the answers and their end-of-text; --train-on-prompt: every token but padding,
+DeepSpeed-Chat's step-1 behaviour), sum over the whole global batch / its number of such tokens (exact across
+data-parallel ranks and micro-batches: megatron/posttrain/sft_loss.py). Rows are one example each, padded with
+end-of-text (mask 0) to the longest in the micro-batch (--pad-to-seq-length, or pipeline parallelism: to
+--seq-length), or with --pack-sequences several examples up to --seq-length + 1 tokens, attention and positions
+reset at every example boundary. Validation prints the token-weighted loss (total loss / total answer tokens over
+all --eval-iters batches and data-parallel ranks) and its perplexity.
+"""
+import functools
+import os
+import sys
+
+import mpu
+import pretrain_gpt
+from megatron import posttrain
+from megatron.data.corpora import DataPathError
+from megatron.data.indexed_dataset import IndexedDatasetError
+from megatron.global_vars import get_args, get_timers, get_tokenizer
+from megatron.initialize import run_main
+from megatron.operations import NonFiniteError
+from megatron.preflight import PreflightError
+from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
+from megatron.training import pretrain
+from megatron.utils import print_rank_0
+from megatron.zero import ConfigError
+from megatron.zero.checkpoint import TRACKER_FILENAME, CheckpointError
+
+# Pretraining's data flags: fine-tuning data come from --data-path, its example boundaries from the rows.
+PRETRAINING_ONLY = {"mock_data": "--mock-data", "train_data": "--train-data",
+                    "reset_attention_mask": "--reset-attention-mask", "reset_position_ids": "--reset-position-ids",
+                    "eod_mask_loss": "--eod-mask-loss"}
+
+
+def add_finetune_args(parser):
+    group = parser.add_argument_group("fine-tuning")
+    group.add_argument("--pack-sequences", action="store_true",
+                       help="pack several examples into each row of --seq-length + 1 tokens (next-fit, in order); "
+                            "attention and position ids restart at every example")
+    group.add_argument("--train-on-prompt", action="store_true",
+                       help="loss on every token but padding (DeepSpeed-Chat's step 1), not only on the answers")
+    group.add_argument("--pad-to-seq-length", action="store_true",
+                       help="pad every row to --seq-length (default: to the longest in the micro-batch; pipeline "
+                            "parallelism always pads to --seq-length)")
+    group.add_argument("--no-finetune", dest="finetune", action="store_false",
+                       help="load the optimizer, lr schedule, counters and RNG from --load too (resume a fine-tuning "
+                            "run from a directory other than --save)")
+    parser.set_defaults(finetune=True)   # --load's weights only; a checkpoint in --save resumes exactly instead
+    return parser
+
+
+model_provider = pretrain_gpt.model_provider   # the same GPT2Model (zero.Init at ZeRO-3) as pretraining
+
+
+def get_batch(step_batches, data_iterator):
+    """(tokens, labels, loss_mask, attention_mask, position_ids, mask tokens of the whole step)."""
+    args = get_args()
+    rows, step_tokens = step_batches.next(data_iterator, args.num_micro_batches, mpu.get_data_parallel_group())
+    if not (args.pack_sequences or args.pad_to_seq_length or args.pipeline_model_parallel_size > 1):
+        rows = posttrain.trim_to_longest(rows)
+    return posttrain.model_inputs(rows, args.pack_sequences) + (step_tokens,)
+
+
+def forward_step(step_batches, data_iterator, model):
+    """The backward sees this micro-batch's masked loss sum x (dp x micro-batches) / the step's mask tokens (the
+    loop's averaging then gives the global batch's token mean); 'lm loss' is reported as a (sum, count) pair summed
+    over the data-parallel group."""
+    args, timers = get_args(), get_timers()
+    timers("batch generator").start()
+    tokens, labels, loss_mask, attention_mask, position_ids, step_tokens = get_batch(step_batches, data_iterator)
+    timers("batch generator").stop()
+    losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
+    if not mpu.is_pipeline_last_stage():
+        return losses, {}
+    loss_sum, count = posttrain.masked_sum(losses, loss_mask)
+    scale = args.data_parallel_size * args.num_micro_batches / max(step_tokens, 1.0)
+    total, tokens_seen = posttrain.sum_over_group([float(loss_sum.detach()), float(count)], "sft lm loss",
+                                                  mpu.get_data_parallel_group())
+    return loss_sum * scale, {"lm loss": (total, tokens_seen)}
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    args = get_args()
+    print_rank_0("> building train, validation, and test SFT datasets ...")
+    datasets = posttrain.build_sft_datasets(args.data_path[0], args.split, train_val_test_num_samples,
+                                            args.seq_length, args.seed, get_tokenizer().eod, args.pack_sequences,
+                                            args.train_on_prompt, args.global_batch_size)
+    for dataset in datasets:
+        if dataset is not None:
+            print_rank_0(f"    {dataset.describe()}")
+    return datasets
+
+
+def starting_point(args_list):
+    """The command line to train with: a checkpoint in --save wins over --load (an exact resume); bad fine-tuning
+    flags exit with one line (status 2) before anything starts."""
+    from megatron.arguments import build_parser
+    parser = build_parser(add_finetune_args)
+    args = parser.parse_args(args_list)
+    given = [flag for dest, flag in PRETRAINING_ONLY.items() if getattr(args, dest)]
+    if given:
+        parser.error(f"{given[0]} is a pretraining flag; finetune_gpt.py reads --data-path PREFIX (the "
+                     "--output-prefix of tools/preprocess_sft_data.py) and resets attention per example with "
+                     "--pack-sequences")
+    if not args.data_path or len(args.data_path) != 1:
+        parser.error(f"--data-path takes one PREFIX (the --output-prefix of tools/preprocess_sft_data.py), got "
+                     f"{args.data_path}")
+    if args.vocab_file is None or args.merge_file is None:
+        parser.error("fine-tuning needs the tokenizer the data was made with: --vocab-file and --merge-file")
+    resume = args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME))
+    if resume:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"> resuming the fine-tuning run in --save {args.save} (its checkpoint wins over --load "
+                  f"{args.load})", flush=True)
+        return list(args_list) + ["--load", args.save, "--no-finetune"]
+    if args.load is None or not os.path.isfile(os.path.join(args.load, TRACKER_FILENAME)):
+        where = "" if args.load is None else f": {args.load} holds no {TRACKER_FILENAME}"
+        parser.error(f"fine-tuning starts from a checkpoint: pass --load DIR (pretrain_gpt.py's --save, or "
+                     f"tools/convert_from_hf.py's){where}")
+    return list(args_list)
+
+
+def main(args_list=None):
+    args_list = starting_point(sys.argv[1:] if args_list is None else args_list)
+    step = functools.partial(forward_step, posttrain.StepBatches())   # this run's micro-batch buffer
+    return pretrain(train_valid_test_datasets_provider, model_provider, step, extra_args_provider=add_finetune_args,
+                    args_list=args_list)
+
+
+if __name__ == "__main__":
+    run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError, DataPathError, IndexedDatasetError,
+                    TokenizerFileError, posttrain.SFTDataError))  # one line naming the problem

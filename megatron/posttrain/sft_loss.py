@@ -1,0 +1,92 @@
+"""From SFTDataset rows to the model's inputs, and the masked loss normalized over the whole global batch.
+
+    batches = StepBatches()                                   # one per training run
+    rows, step_tokens = batches.next(data_iterator, num_micro_batches, data_parallel_group)
+    # rows: {"text", "loss_mask", "segments"} [b, S + 1]; step_tokens: mask tokens of the whole global batch
+    tokens, labels, loss_mask, attention_mask, position_ids = model_inputs(rows, pack=False)
+    losses = model(tokens, position_ids, attention_mask, labels=labels)      # per-token [b, s]
+    loss_sum, count = masked_sum(losses, loss_mask)
+    loss = loss_sum * (data_parallel_size * num_micro_batches) / step_tokens   # what backward sees
+
+The loss of one optimizer step is sum(per-token loss x mask) / sum(mask) over the whole global batch: every
+micro-batch of every data-parallel rank (Hugging Face's loss with labels = -100 off the answers, had the global
+batch been one batch). The training loop averages gradients over data-parallel ranks and micro-batches, so each
+micro-batch's loss is its masked sum scaled by (dp x micro-batches) / (the step's mask tokens). Knowing that count
+before the first backward takes the step's micro-batches up front: StepBatches reads them all at the step's first
+forward, counts their mask tokens and sums the counts over the data-parallel group. The choice is exact for any
+split of a batch over ranks and micro-batches (a mean of per-rank means would weight a short answer's tokens
+more); logged and validation losses are (sum, count) pairs, summed over everything and divided once.
+
+Rows (sft_data.assemble_row): tokens = text[:, :-1], labels = text[:, 1:], the mask of labels[t] is
+loss_mask[:, t + 1]. Unpacked rows are causal as they are (padding comes after every real token, so nothing real
+attends to it: attention_mask None, SDPA's own causal path); packed rows get a [b, 1, s, s] mask that keeps every
+token inside its example and position ids that restart at 0 at each example (megatron.data.masks).
+"""
+import torch
+
+import mpu
+from megatron import breadcrumbs
+from megatron.data.masks import document_masks_and_position_ids
+
+ROW_KEYS = ("text", "loss_mask", "segments")
+
+
+def trim_to_longest(rows):
+    """The rows cut after the last non-padding token of the longest one (padding to the longest in the batch)."""
+    used = rows["segments"].gt(0).any(dim=0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 2
+    return {key: value[:, :max(length, 2)] for key, value in rows.items()}
+
+
+def model_inputs(rows, pack):
+    """tokens, labels [b, s] long; loss_mask [b, s] float; attention_mask None (causal) or bool [b, 1, s, s] (True
+    = hidden); position_ids [b, s] long."""
+    text, segments = rows["text"], rows["segments"]
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()          # [b, s] each
+    loss_mask = rows["loss_mask"][:, 1:].float()                                  # [b, s], aligned with labels
+    if pack:
+        inputs = segments[:, :-1]                                                 # [b, s]
+        starts = torch.zeros_like(inputs, dtype=torch.bool)
+        starts[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
+        attention_mask, position_ids = document_masks_and_position_ids(starts)
+    else:
+        attention_mask = None
+        position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def masked_sum(per_token_losses, loss_mask):
+    """(sum of per-token losses where the mask is 1, number of such tokens) of one micro-batch, as tensors."""
+    mask = loss_mask.view(-1)
+    return torch.sum(per_token_losses.float().view(-1) * mask), mask.sum()
+
+
+def sum_over_group(values, name, group):
+    """[float, ...] summed over `group` (float64 on the model's device)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=mpu.get_device())
+    breadcrumbs.all_reduce(tensor, name, group=group)
+    return tensor.tolist()
+
+
+class StepBatches:
+    """One optimizer step's micro-batches, read up front so that the step's mask-token count over the whole global
+    batch is known at its first forward. next() is called once per micro-batch by every rank of a model-parallel
+    group (the rows come from its rank 0's iterator, broadcast to the others); the pipeline schedules and the
+    evaluation loop run exactly num_micro_batches forwards per step, so the buffer is empty between steps."""
+
+    def __init__(self):
+        self.pending = []
+
+    def next(self, data_iterator, num_micro_batches, data_parallel_group):
+        """(rows {key: int64 [b, S + 1]}, mask tokens of this step over all data-parallel ranks)."""
+        if not self.pending:
+            rows = [_broadcast_rows(data_iterator) for _ in range(num_micro_batches)]
+            local = sum(float(r["loss_mask"][:, 1:].sum()) for r in rows)
+            step_tokens = sum_over_group([local], "sft step mask tokens", data_parallel_group)[0]
+            self.pending = [(r, step_tokens) for r in rows]
+        return self.pending.pop(0)
+
+
+def _broadcast_rows(data_iterator):
+    data = next(data_iterator) if data_iterator is not None else None
+    return mpu.broadcast_data(list(ROW_KEYS), data, torch.int64)
