@@ -21,6 +21,13 @@ end-of-text (mask 0) to the longest in the micro-batch (--pad-to-seq-length, or 
 --seq-length), or with --pack-sequences several examples up to --seq-length + 1 tokens, attention and positions
 reset at every example boundary. Validation prints the token-weighted loss (total loss / total answer tokens over
 all --eval-iters batches and data-parallel ranks) and its perplexity.
+
+DPO (DeepSpeed-Chat's step 3 replaced by Direct Preference Optimization): --objective dpo --dpo-beta B on
+tools/preprocess_sft_data.py --preference's pairs, from an SFT checkpoint (--load). 'lm loss' is the sigmoid DPO
+loss (mean over the global batch's pairs), logged (and in --log-jsonl) with TRL's rewards/chosen, rewards/rejected,
+rewards/margins, rewards/accuracies. The reference policy is the starting weights, frozen, computed in the same
+step: with --lora-rank the model with its adapters off (no copy), else a frozen copy taken before the first update
+(megatron/posttrain/dpo.py; no packing, no pipeline parallelism, ZeRO-3 only with LoRA).
 """
 import functools
 import os
@@ -61,6 +68,12 @@ def add_finetune_args(parser):
                        help="load the optimizer, lr schedule, counters and RNG from --load too (resume a fine-tuning "
                             "run from a directory other than --save)")
     parser.set_defaults(finetune=True)   # --load's weights only; a checkpoint in --save resumes exactly instead
+    group.add_argument("--objective", choices=("sft", "dpo"), default="sft",
+                       help="sft: the masked LM loss on --data-path's examples; dpo: Direct Preference Optimization "
+                            "on tools/preprocess_sft_data.py --preference's pairs (megatron/posttrain/dpo.py), the "
+                            "reference policy being the starting weights (with --lora-rank: the base model)")
+    group.add_argument("--dpo-beta", type=float, default=0.1,
+                       help="DPO's beta: the sigmoid loss -log sigmoid(beta * (chosen - rejected log-ratio)); > 0")
     return parser
 
 
@@ -94,8 +107,27 @@ def forward_step(step_batches, data_iterator, model):
     return loss_sum * scale, {"lm loss": (total, tokens_seen)}
 
 
+def objective_step(step_batches, reference, data_iterator, model):
+    """The forward step of --objective: sft (forward_step) or dpo (megatron/posttrain/dpo.py: 'lm loss' is the DPO
+    loss, logged with TRL's rewards/*)."""
+    args = get_args()
+    if args.objective == "sft":
+        return forward_step(step_batches, data_iterator, model)
+    reference.resuming = not args.finetune   # a resume's first forward no longer sees the starting weights
+    return posttrain.dpo.dpo_forward_step(reference, args.dpo_beta, data_iterator, model)
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     args = get_args()
+    if args.objective == "dpo":
+        print_rank_0("> building train, validation, and test preference datasets ...")
+        datasets = posttrain.build_preference_datasets(args.data_path[0], args.split, train_val_test_num_samples,
+                                                       args.seq_length, args.seed, get_tokenizer().eod,
+                                                       args.global_batch_size)
+        for dataset in datasets:
+            if dataset is not None:
+                print_rank_0(f"    {dataset.describe()}")
+        return datasets
     print_rank_0("> building train, validation, and test SFT datasets ...")
     datasets = posttrain.build_sft_datasets(args.data_path[0], args.split, train_val_test_num_samples,
                                             args.seq_length, args.seed, get_tokenizer().eod, args.pack_sequences,
@@ -120,6 +152,16 @@ def starting_point(args_list):
     if not args.data_path or len(args.data_path) != 1:
         parser.error(f"--data-path takes one PREFIX (the --output-prefix of tools/preprocess_sft_data.py), got "
                      f"{args.data_path}")
+    if args.objective == "dpo":
+        refused = [flag for flag, given in (("--pack-sequences", args.pack_sequences),
+                                            ("--train-on-prompt", args.train_on_prompt),
+                                            ("--pipeline-model-parallel-size > 1",
+                                             args.pipeline_model_parallel_size > 1)) if given]
+        if refused:
+            parser.error(f"--objective dpo scores whole chosen/rejected answers on one pipeline stage: drop "
+                         f"{refused[0]}")
+        if not args.dpo_beta > 0:
+            parser.error(f"--dpo-beta ({args.dpo_beta}) must be > 0")
     if args.vocab_file is None or args.merge_file is None:
         parser.error("fine-tuning needs the tokenizer the data was made with: --vocab-file and --merge-file")
     resume = args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME))
@@ -137,11 +179,12 @@ def starting_point(args_list):
 
 def main(args_list=None):
     args_list = starting_point(sys.argv[1:] if args_list is None else args_list)
-    step = functools.partial(forward_step, posttrain.StepBatches())   # this run's micro-batch buffer
+    # this run's micro-batch buffer (sft) and reference policy (dpo)
+    step = functools.partial(objective_step, posttrain.StepBatches(), posttrain.dpo.Reference())
     return pretrain(train_valid_test_datasets_provider, model_provider, step, extra_args_provider=add_finetune_args,
                     args_list=args_list)
 
 
 if __name__ == "__main__":
     run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError, DataPathError, IndexedDatasetError,
-                    TokenizerFileError, posttrain.SFTDataError))  # one line naming the problem
+                    TokenizerFileError, posttrain.SFTDataError, posttrain.dpo.DPOReferenceError))  # one line naming the problem

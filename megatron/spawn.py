@@ -5,9 +5,10 @@ benchmarks' process launcher; training itself is always launched by torchrun).
 
 `fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
 torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests'
---device cuda: a launch with more ranks than GPUs is skipped under pytest, refused otherwise) and, when `model_parallel_size` is given, mpu's groups; calls `fn(*args)`;
-and sends back its return value serialized with torch.save (tensors are cloned, so no shared memory
-outlives the worker). A worker's exception fails the caller with that worker's traceback.
+--device cuda: a launch with more ranks than GPUs is skipped under pytest, refused otherwise) and, when
+`model_parallel_size` is given, mpu's groups; calls `fn(*args)`; and sends back its return value serialized
+with torch.save (tensors are cloned, so no shared memory outlives the worker). A worker's exception fails the
+caller with that worker's traceback.
 """
 import io
 import multiprocessing
@@ -71,14 +72,22 @@ def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=3
         return _launch(fn, world_size, args, model_parallel_size, timeout)
 
 
+def too_many_ranks(world_size):
+    """Why `world_size` NCCL ranks cannot run here (more ranks than GPUs: two ranks on one GPU make NCCL fail or
+    hang), or None; always None off CUDA (gloo)."""
+    gpus = torch.cuda.device_count()
+    if os.environ.get("MEGATRON_TEST_DEVICE") != "cuda" or world_size <= gpus:
+        return None
+    return f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); this machine has {gpus}"
+
+
 def _launch(fn, world_size, args, model_parallel_size, timeout):
-    if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda" and world_size > torch.cuda.device_count():
-        message = (f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); this machine has "
-                   f"{torch.cuda.device_count()}")
-        if "pytest" in sys.modules:
+    refused = too_many_ranks(world_size)
+    if refused:
+        if "pytest" in sys.modules:     # a test: skipped, and named in pytest's summary (gpu_check.sh -rs)
             import pytest
-            pytest.skip(message)
-        raise RuntimeError(message)
+            pytest.skip(refused)
+        raise RuntimeError(refused)
     ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()

@@ -12,7 +12,8 @@ from .initialize import (get_embedding_group, get_pipeline_model_parallel_group,
                          is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group)
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .lora import TARGETS as LORA_TARGETS
-from .lora import LoRAConfig, add_lora, fresh_adapters, is_lora_parameter, mark_only_lora_as_trainable
+from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
+                   mark_only_lora_as_trainable)
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
                        reduce_from_model_parallel_region, scatter_to_model_parallel_region)
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker

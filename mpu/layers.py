@@ -118,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
+        self.lora_disabled = False   # lora.adapters_disabled: the base layer alone
 
     def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
         """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A whole on every rank, B split by rows
@@ -130,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, input_):
         input_parallel = copy_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight, self.bias)
-        if self.lora_A is not None:
+        if self.lora_A is not None and not self.lora_disabled:
             # u = A x' on every rank, from the input before the copy (whose backward all-reduces the input
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
             lora_input = _lora_dropout(input_, self.lora_dropout, self.training)
@@ -164,6 +165,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
+        self.lora_disabled = False   # lora.adapters_disabled: the base layer alone
 
     def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
         """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A split by columns as the weight is,
@@ -177,7 +179,7 @@ class RowParallelLinear(nn.Module):
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
         output = reduce_from_model_parallel_region(output_parallel)
-        if self.lora_A is not None:
+        if self.lora_A is not None and not self.lora_disabled:
             # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient.
             lora_input = _lora_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
             u = reduce_from_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]

@@ -22,8 +22,12 @@ layer order on every pipeline stage (a stage keeps its layers' pieces), and spli
 of the same model without LoRA, and the adapters are the same at any model-parallel and pipeline size.
 Dropout on the adapter's input uses one mask over the full input width from the default generator (layers.py).
 
+`adapters_disabled(model)` turns every adapter path off for its body (PEFT's disable_adapter()): the layers compute
+W x + b alone, exactly the base model's outputs (DPO's reference policy with LoRA, no second copy of the weights).
+
 Parameter names: `<linear>.lora_A`, `<linear>.lora_B` (e.g. transformer.layers.0.attention.query_key_value.lora_B).
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -109,3 +113,23 @@ def mark_only_lora_as_trainable(module):
         param.requires_grad_(is_lora_parameter(name))
         trainable += param.numel() if param.requires_grad else 0
     return trainable
+
+
+def has_adapters(module):
+    """Whether any linear of `module` carries a LoRA adapter."""
+    return any(getattr(m, "lora_A", None) is not None for m in module.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(module):
+    """Within the block every adapter of `module` (any wrapper around it too: only its submodules are touched) is
+    skipped: the forward is the base model's, bitwise. Restored on exit, exceptions included."""
+    linears = [m for m in module.modules() if getattr(m, "lora_A", None) is not None]
+    previous = [m.lora_disabled for m in linears]
+    for linear in linears:
+        linear.lora_disabled = True
+    try:
+        yield
+    finally:
+        for linear, value in zip(linears, previous):
+            linear.lora_disabled = value

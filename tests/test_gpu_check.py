@@ -23,10 +23,11 @@ def _gpu_check(*args, env=None):
 
 
 def test_dry_run_prints_the_test_and_bench_commands():
-    done = _gpu_check("--dry-run", "--models", "124m", "--stages", "2,3")
+    done = _gpu_check("--dry-run", "--models", "124m", "--stages", "2,3", env={"GPU_COUNT": "2"})
     assert done.returncode == 0, done.stderr
-    tests, bench = done.stdout.strip().splitlines()
-    assert tests.startswith("timeout 240 ") and "-m pytest -q --device cuda" in tests
+    plan, tests, bench = done.stdout.strip().splitlines()
+    assert plan.startswith("plan: 2 GPUs: ")
+    assert tests.startswith("timeout 240 ") and "-m pytest -q -rs --device cuda" in tests   # -rs: skips named
     for name in ("test_mpu.py", "test_gpt2_model.py", "test_zero_engine.py", "test_activation_checkpointing.py",
                  "test_zero_checkpoint.py"):
         assert f"tests/{name}" in tests
@@ -45,9 +46,46 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+PLANS = {
+    "1": "plan: 1 GPU: single-rank tests only; every multi-rank test is skipped (one NCCL rank per GPU)",
+    "2": "plan: 2 GPUs: tests with up to 2 ranks, one NCCL rank per GPU; tests with more ranks are skipped",
+    "8": "plan: 8 GPUs: tests with up to 8 ranks, one NCCL rank per GPU; tests with more ranks are skipped",
+}
+
+
+@pytest.mark.parametrize("gpus", sorted(PLANS))
+def test_dry_run_plan_puts_at_most_one_rank_per_gpu(gpus):
+    done = _gpu_check("--dry-run", "--tests-only", env={"GPU_COUNT": gpus})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == PLANS[gpus]
+
+
+@pytest.mark.parametrize("world_size,gpus,refused", [(1, 1, False), (2, 1, True), (2, 2, False), (4, 2, True),
+                                                     (4, 8, False), (8, 8, False), (9, 8, True)])
+def test_launcher_refuses_more_nccl_ranks_than_gpus(monkeypatch, world_size, gpus, refused):
+    """What the plan rests on: megatron/spawn.py puts rank r on GPU r and refuses (under pytest: skips) a launch with
+    more ranks than GPUs (`rank % device_count` put two NCCL ranks on one GPU); gloo (the CPU) is never refused."""
+    import torch
+    from megatron import spawn
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("MEGATRON_TEST_DEVICE", "cpu")
+    assert spawn.too_many_ranks(world_size) is None
+    monkeypatch.setenv("MEGATRON_TEST_DEVICE", "cuda")
+    message = spawn.too_many_ranks(world_size)
+    if not refused:
+        assert message is None
+        return
+    assert message == (f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); this machine has "
+                       f"{gpus}")
+    with pytest.raises(pytest.skip.Exception, match="NCCL ranks need"):   # before any worker starts
+        spawn.run_distributed(abs, world_size, args=(-1,))
+
+
 def test_bad_timeout_is_refused():
     done = _gpu_check("--dry-run", env={"TEST_TIMEOUT": "4m"})
     assert done.returncode == 2 and "whole seconds" in done.stderr
+    done = _gpu_check("--dry-run", env={"GPU_COUNT": "two"})
+    assert done.returncode == 2 and "GPU_COUNT must be a whole number" in done.stderr
 
 
 def test_without_cuda_it_says_so_and_exits_1():

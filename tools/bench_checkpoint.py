@@ -15,7 +15,12 @@ ways alternate which runs first, so page-cache state and machine load affect bot
 Ratios: ours save / plain save (and / plain save+fsync); ours load / plain load+apply.
 Target: >= 0.8x (atomicity must not cost more).
 
-`--reshard` adds a second table: the same mp-1 checkpoint loaded by fresh processes at model-parallel 1 (the
+A second table is --async-save's blocking time: save_checkpoint synchronously next to save_checkpoint with
+async_save (the training loop waits only for the copy to host memory; a thread writes and fsyncs), and the time
+until that save is published (megatron.atomic_io.finish_pending_save right after: the rest of the write, the
+manifest, the rename). Target: blocking <= 10% of the synchronous save at ~1 GB.
+
+`--reshard` adds a table: the same mp-1 checkpoint loaded by fresh processes at model-parallel 1 (the
 saving size: the path's own loader) and at 2 and 4 (megatron.reshard, reading only the overlapping pieces of the
 memory-mapped shards): seconds per process (median over repeats), and per process its anonymous resident memory
 (RssAnon; the touched pages of a memory-mapped file are page cache), the bytes it owns (weights + Adam moments of
@@ -151,6 +156,43 @@ def bench_manifest(name, repeats, root):
     return size, {"added": added, **{key: statistics.median(values) for key, values in times.items()}}
 
 
+def bench_async(name, repeats, root):
+    """Seconds (medians): synchronous save_checkpoint; with async_save, until it returns (blocking) and until
+    finish_pending_save() returns after it (published); the two alternate which goes first. Returns
+    (size, {column: seconds})."""
+    from megatron import atomic_io
+    model, optimizer, scheduler = build(*SIZES[name])
+    times = {"sync": [], "blocking": [], "published": []}
+    size = None
+    for repeat in range(repeats):
+        for background in ((False, True) if repeat % 2 == 0 else (True, False)):
+            save_dir = os.path.join(root, f"async_{name}_{repeat}_{background}")
+            options = CheckpointOptions(save=save_dir, async_save=background)
+            with contextlib.redirect_stdout(io.StringIO()):
+                blocking = timed(lambda: save_checkpoint(TrainState(iteration=1), model, optimizer, scheduler,
+                                                         options))
+                finishing = timed(atomic_io.finish_pending_save)
+            if background:
+                times["blocking"].append(blocking)
+                times["published"].append(blocking + finishing)
+            else:
+                times["sync"].append(blocking)
+            size = os.path.getsize(os.path.join(save_dir, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"))
+            shutil.rmtree(save_dir)
+    return size, {key: statistics.median(values) for key, values in times.items()}
+
+
+def print_async_table(rows):
+    columns = ["state", "MB", "sync save s", "async blocking s", "blocking/sync", "async until published s"]
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
+    for name, size, seconds in rows:
+        cells = [name, f"{size / 1e6:.1f}", f"{seconds['sync']:.3f}", f"{seconds['blocking']:.3f}",
+                 f"{seconds['blocking'] / seconds['sync']:.1%}", f"{seconds['published']:.3f}"]
+        print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
+
+
 def print_manifest_table(rows):
     columns = ["state", "MB", "save s", "save+checksum s", "added", "crc32 alone s", "crc32 GB/s", "crc32/save"]
     print()
@@ -255,6 +297,7 @@ def main():
                   flush=True)
         print_manifest_table([(name, *bench_manifest(name, options.repeats, root))
                               for name in options.sizes.split(",")])
+        print_async_table([(name, *bench_async(name, options.repeats, root)) for name in options.sizes.split(",")])
         if options.reshard:
             for name in options.sizes.split(","):
                 print_reshard_table(name, bench_reshard(name, options.repeats, root))

@@ -3,18 +3,21 @@
 #
 #   bash tools/gpu_check.sh                       # (a) equivalence tests on CUDA, (b) one-GPU benchmark table
 #   bash tools/gpu_check.sh --bench-only --models 124m --precisions bf16
-#   bash tools/gpu_check.sh --dry-run             # print the two commands and exit (works without a GPU)
+#   bash tools/gpu_check.sh --dry-run             # print the plan and the two commands and exit (works without a GPU)
 #
 # (a) runs the device-agnostic equivalence tests (mpu vs single process, GPT2Model vs Hugging Face, ZeRO 0-2 vs torch
-#     AdamW, activation checkpointing, exact resume) with `pytest --device cuda` (tests/conftest.py);
+#     AdamW, activation checkpointing, exact resume) with `pytest --device cuda` (tests/conftest.py), one NCCL rank
+#     per GPU: a test needing more ranks than the machine has GPUs is skipped and named in the summary (one GPU:
+#     only the single-rank tests run);
 # (b) runs tools/bench_gpu.py: GPT-2 124M and ~1.3B on one GPU, bf16 and fp16, ZeRO-2 and stage 3 where the engine
 #     accepts it (--stages 2 to leave it out): tokens/s, TFLOP/s, MFU, max_memory_allocated against the ZeRO formula.
 # The test summary and the benchmark table come last. Logs: $LOG_DIR (default runs/gpu_check/). Reads PYTHON
-# (default .venv/bin/python, else python3), TEST_TIMEOUT (240 s) and BENCH_TIMEOUT (330 s).
+# (default .venv/bin/python, else python3), TEST_TIMEOUT (240 s), BENCH_TIMEOUT (330 s) and GPU_COUNT (default: the
+# GPUs torch sees; set it to see the plan for another machine with --dry-run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -43,11 +46,22 @@ while [ $# -gt 0 ]; do
 done
 [ "$RUN_TESTS$RUN_BENCH" != "00" ] || die "--tests-only and --bench-only together leave nothing to run: pass one"
 case "$TEST_TIMEOUT$BENCH_TIMEOUT" in *[!0-9]*) die "TEST_TIMEOUT/BENCH_TIMEOUT must be whole seconds" ;; esac
+case "${GPU_COUNT-}" in *[!0-9]*) die "GPU_COUNT must be a whole number of GPUs (e.g. GPU_COUNT=8)" ;; esac
 
-TEST_CMD=("$PYTHON" -m pytest -q --device cuda $TESTS)
+gpu_count() { "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
+# What (a) runs with $1 GPUs: megatron/spawn.py puts rank r on GPU r and skips a test with more ranks than GPUs.
+plan() {
+  case "$1" in
+    0) echo "plan: no GPU visible: (a) needs at least one (the run stops at the CUDA check)" ;;
+    1) echo "plan: 1 GPU: single-rank tests only; every multi-rank test is skipped (one NCCL rank per GPU)" ;;
+    *) echo "plan: $1 GPUs: tests with up to $1 ranks, one NCCL rank per GPU; tests with more ranks are skipped" ;;
+  esac
+}
+
+TEST_CMD=("$PYTHON" -m pytest -q -rs --device cuda $TESTS)
 BENCH_CMD=("$PYTHON" tools/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" "${BENCH_ARGS[@]}")
 if [ "$DRY_RUN" = 1 ]; then
-  [ "$RUN_TESTS" = 1 ] && echo "timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
+  [ "$RUN_TESTS" = 1 ] && plan "${GPU_COUNT:-$(gpu_count)}" && echo "timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
   [ "$RUN_BENCH" = 1 ] && echo "timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
   exit 0
 fi
@@ -62,6 +76,7 @@ print(f'# {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__},
 
 TEST_RC=skipped BENCH_RC=skipped
 if [ "$RUN_TESTS" = 1 ]; then
+  plan "$(gpu_count)" | tee "$LOG_DIR/plan.txt"
   echo "== (a) equivalence tests on CUDA (log: $LOG_DIR/tests.log)"
   timeout "$TEST_TIMEOUT" "${TEST_CMD[@]}" > "$LOG_DIR/tests.log" 2>&1; TEST_RC=$?
   [ "$TEST_RC" = 124 ] && echo "tests timed out after $TEST_TIMEOUT s" >> "$LOG_DIR/tests.log"
@@ -75,7 +90,10 @@ fi
 echo
 cat "$LOG_DIR/device.txt"
 if [ "$RUN_TESTS" = 1 ]; then
+  cat "$LOG_DIR/plan.txt"
   echo "tests (exit $TEST_RC): $(grep -E '(passed|failed|error)' "$LOG_DIR/tests.log" | tail -1)"
+  # pytest -rs: 'SKIPPED [n] file:line: 2 NCCL ranks need 2 GPUs (one rank per GPU); this machine has 1'
+  grep -E '^SKIPPED .*NCCL ranks need' "$LOG_DIR/tests.log" | sed 's/^/  /' 
 fi
 if [ "$RUN_BENCH" = 1 ]; then
   echo "benchmark (exit $BENCH_RC):"

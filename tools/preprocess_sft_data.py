@@ -17,6 +17,13 @@ model's --seq-length) is cut to its first S + 1 tokens (--on-long truncate, the 
 any answer token is dropped and counted) or stops the run (--on-long refuse). The input is streamed in blocks of
 whole lines through --workers processes, written in input order (the same bytes for any --workers), under
 temporary names renamed when complete.
+
+--preference: each line is {"prompt": ..., "chosen": ..., "rejected": ...} (three strings: the user turn and two
+answers), written as PREFIX_pairs_input_ids_document and PREFIX_pairs_loss_mask_document. Each pair is two
+consecutive documents, 2i the chosen conversation and 2i + 1 the rejected one, each laid out and masked exactly as
+the SFT example {"prompt", "response": chosen/rejected} (mask 1 on the answer and its end-of-text); the pair is
+refused, skipped or dropped as a whole (--on-long truncate cuts each to S + 1 tokens and drops the pair when
+either is left without an answer token). finetune_gpt.py --objective dpo and train_reward_model.py read them.
 """
 import collections
 import json
@@ -64,48 +71,52 @@ class Encoder:
                 continue
             where = f"{self.options.input}:{line_number}"
             try:
-                example_ids, example_mask = self._encode_line(line, where, counts)
+                documents = self._encode_line(line, where, counts)
             except sft_data.ExampleError as error:
                 if self.options.on_error == "refuse":
                     raise BadLine(f"{where}: {error} (--on-error skip skips such lines)") from None
                 counts["bad"] += 1
                 skipped.append(f"{where}: {error}")
                 continue
-            if example_ids is None:
+            if documents is None:
                 continue
-            ids.extend(example_ids)
-            mask.extend(example_mask)
-            lengths.append(len(example_ids))
+            for example_ids, example_mask in documents:
+                ids.extend(example_ids)
+                mask.extend(example_mask)
+                lengths.append(len(example_ids))
+                counts["answer_tokens"] += sum(example_mask)
             counts["examples"] += 1
-            counts["answer_tokens"] += sum(example_mask)
         return (np.array(ids, dtype=self.dtype), np.array(mask, dtype=np.uint8), np.array(lengths, dtype=np.int32),
                 counts, skipped)
 
     def _encode_line(self, line, where, counts):
-        """(ids, mask) of one line, or (None, None) for an example dropped after truncation."""
+        """[(ids, mask)] of one line ([chosen, rejected] with --preference), or None for an example (a pair: either
+        conversation) dropped after truncation."""
         try:
             record = json.loads(line)
         except ValueError as error:   # JSONDecodeError and UnicodeDecodeError
             raise sft_data.ExampleError(f"malformed JSON ({error})") from None
-        messages = sft_data.parse_example(record)
-        ids, mask = sft_data.encode_example(messages, self.tokenizer, self.template)
-        if self.max_tokens is None or len(ids) <= self.max_tokens:
-            return ids, mask
+        conversations = (sft_data.parse_preference(record) if self.options.preference
+                         else [sft_data.parse_example(record)])
+        documents = [sft_data.encode_example(messages, self.tokenizer, self.template) for messages in conversations]
+        longest = max(len(ids) for ids, _ in documents)
+        if self.max_tokens is None or longest <= self.max_tokens:
+            return documents
         if self.options.on_long == "refuse":
-            raise BadLine(f"{where}: the example has {len(ids)} tokens, more than --seq-length "
+            raise BadLine(f"{where}: the example has {longest} tokens, more than --seq-length "
                           f"{self.options.seq_length} + 1: raise --seq-length, or pass --on-long truncate to keep "
                           "its start")
         counts["truncated"] += 1
-        ids, mask = sft_data.truncate_example(ids, mask, self.max_tokens)
-        if not any(mask):
+        documents = [sft_data.truncate_example(ids, mask, self.max_tokens) for ids, mask in documents]
+        if not all(any(mask) for _, mask in documents):
             counts["dropped"] += 1
-            return None, None
-        return ids, mask
+            return None
+        return documents
 
 
 def preprocess(options, clock=time.monotonic):
     """The whole conversion; returns a stats dict (with the summary line). Raises BadLine naming FILE:LINE."""
-    prefixes = output_prefixes(options.output_prefix)
+    prefixes = output_prefixes(options.output_prefix, options.preference)
     os.makedirs(os.path.dirname(os.path.abspath(options.output_prefix)), exist_ok=True)
     suffix = f".tmp{os.getpid()}"
     temps = {key: (data_file_path(p) + suffix, index_file_path(p) + suffix) for key, p in prefixes.items()}
@@ -165,6 +176,11 @@ def get_args(argv=None):
                         "PREFIX_loss_mask_document (finetune_gpt.py --data-path PREFIX)")
     parser.add_argument("--vocab-file", required=True)
     parser.add_argument("--merge-file", required=True)
+    parser.add_argument("--preference", action="store_true",
+                        help='preference pairs: each line {"prompt", "chosen", "rejected"} -> '
+                             "PREFIX_pairs_{input_ids,loss_mask}_document, the pair's chosen and rejected "
+                             "conversations as two consecutive documents (finetune_gpt.py --objective dpo, "
+                             "train_reward_model.py)")
     parser.add_argument("--chat-template", choices=sorted(sft_data.TEMPLATES), default=sft_data.DEFAULT_TEMPLATE,
                         help="how turns are laid out (megatron/posttrain/sft_data.py)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")

@@ -1,6 +1,7 @@
 """SFT examples as pure functions: chat templates, one example -> token ids + loss mask, packing into rows.
 
     messages = parse_example(json.loads(line))         # {"prompt", "response"} or {"messages": [...]}
+    chosen, rejected = parse_preference(json.loads(line))   # {"prompt", "chosen", "rejected"}: two conversations
     ids, mask = encode_example(messages, tokenizer, TEMPLATES["deepspeed-chat"])
     prompt = encode_prompt([{"role": "user", "content": "Hi"}], tokenizer, template)   # ends with " Assistant:"
     packs = pack_examples(lengths, capacity=seq_length + 1)  # [[0, 1], [2], ...]: example indices per row
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ROLES = ("system", "user", "assistant")
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,21 @@ def parse_example(record):
         if not isinstance(record[key], str):
             raise ExampleError(f"key {key!r} is {type(record[key]).__name__}, expected a string")
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+
+
+def parse_preference(record):
+    """A decoded preference line {"prompt", "chosen", "rejected"} (three strings) -> (chosen messages, rejected
+    messages): the same user turn answered two ways; ExampleError naming what is wrong."""
+    if not isinstance(record, dict):
+        raise ExampleError(f"expected a JSON object, got {type(record).__name__}")
+    for key in PREFERENCE_KEYS:
+        if key not in record:
+            raise ExampleError(f"missing key {key!r} (a preference pair needs 'prompt', 'chosen' and 'rejected'; "
+                               f"keys: {sorted(record)[:10]})")
+        if not isinstance(record[key], str):
+            raise ExampleError(f"key {key!r} is {type(record[key]).__name__}, expected a string")
+    return tuple([{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record[key]}]
+                 for key in ("chosen", "rejected"))
 
 
 def _checked_messages(messages):

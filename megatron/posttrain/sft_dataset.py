@@ -31,19 +31,24 @@ class SFTDataError(ValueError):
     """A split that cannot serve what the run asks of it; the message names the flags to change."""
 
 
-def output_prefixes(prefix):
-    """{"input_ids": PREFIX_input_ids_document, "loss_mask": PREFIX_loss_mask_document}."""
-    return {key: f"{prefix}_{key}_document" for key in (INPUT_IDS, LOSS_MASK)}
+def output_prefixes(prefix, preference=False):
+    """{"input_ids": PREFIX_input_ids_document, "loss_mask": PREFIX_loss_mask_document}; preference pairs:
+    PREFIX_pairs_input_ids_document and PREFIX_pairs_loss_mask_document (documents 2i and 2i + 1 are pair i's
+    chosen and rejected conversations)."""
+    kind = "pairs_" if preference else ""
+    return {key: f"{prefix}_{kind}{key}_document" for key in (INPUT_IDS, LOSS_MASK)}
 
 
-def open_sft_files(prefix):
-    """(ids dataset, mask dataset), checked to be aligned: one example per document, equal lengths."""
-    prefixes = output_prefixes(prefix)
+def open_sft_files(prefix, preference=False):
+    """(ids dataset, mask dataset), checked to be aligned: one example per document, equal lengths (preference:
+    an even number of documents, the pairs)."""
+    prefixes = output_prefixes(prefix, preference)
     missing = [p for p in prefixes.values() if not dataset_exists(p)]
     if missing:
+        flag = " --preference" if preference else ""
         raise DataPathError(f"--data-path {prefix}: missing {', '.join(p + '.{bin,idx}' for p in missing)}; build "
-                            f"them with tools/preprocess_sft_data.py --input FILE.jsonl --output-prefix {prefix} ... "
-                            "(--data-path takes that --output-prefix)")
+                            f"them with tools/preprocess_sft_data.py{flag} --input FILE.jsonl --output-prefix {prefix} "
+                            "... (--data-path takes that --output-prefix)")
     ids, mask = MMapIndexedDataset(prefixes[INPUT_IDS]), MMapIndexedDataset(prefixes[LOSS_MASK])
     for dataset in (ids, mask):
         if not np.array_equal(dataset.doc_idx, np.arange(len(dataset) + 1)):
@@ -53,6 +58,9 @@ def open_sft_files(prefix):
         raise IndexedDatasetError(f"{index_file_path(ids.prefix)} and {index_file_path(mask.prefix)} are not aligned "
                                   f"({len(ids)} and {len(mask)} examples, or lengths differ): write both with one "
                                   "run of tools/preprocess_sft_data.py")
+    if preference and len(ids) % 2:
+        raise IndexedDatasetError(f"{index_file_path(ids.prefix)}: {len(ids)} documents, not pairs (chosen, rejected): "
+                                  "write it with tools/preprocess_sft_data.py --preference")
     return ids, mask
 
 
@@ -133,4 +141,49 @@ def build_sft_datasets(prefix, splits_string, train_valid_test_num_samples, seq_
                                f"of the {len(ids)} examples), fewer than one global batch ({global_batch_size}): give "
                                f"it more (--split), or pass --eval-iters 0")
         datasets.append(SFTDataset(name, ids, mask, samples, seq_length, pad_id, train_on_prompt))
+    return tuple(datasets)
+
+
+class PreferenceDataset(SFTDataset):
+    """One split of preference pairs: sample i is pair self.samples[i][0] as {"text", "loss_mask", "segments"}
+    int64 [2, seq_length + 1] (row 0 the chosen conversation, row 1 the rejected one; assemble_row each)."""
+
+    def __getitem__(self, index):
+        (pair,) = self.samples[index]
+        rows = [assemble_row([(self.ids.get(d, 0, min(int(self.ids.sizes[d]), self.capacity)),
+                               self.mask.get(d, 0, min(int(self.mask.sizes[d]), self.capacity)))],
+                             self.capacity, self.pad_id) for d in (2 * pair, 2 * pair + 1)]
+        return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+    def describe(self):
+        documents = np.array([d for (pair,) in self.samples for d in (2 * pair, 2 * pair + 1)], dtype=np.int64)
+        sizes = self.ids.sizes[documents].astype(np.int64) if documents.size else np.zeros(0, np.int64)
+        return (f"{self.name}: {len(self)} preference pairs of 2 rows of {self.capacity} tokens "
+                f"({int((sizes > self.capacity).sum())} conversations cut to {self.capacity} tokens)")
+
+
+def build_preference_datasets(prefix, splits_string, train_valid_test_num_samples, seq_length, seed, pad_id,
+                              global_batch_size=1):
+    """(train, valid, test) PreferenceDatasets of tools/preprocess_sft_data.py --preference's files, split by pairs
+    (a pair never straddles two splits); None for an empty split; one sample = one pair; the same order rules as
+    build_sft_datasets (train shuffled per epoch, valid and test in order)."""
+    ids, mask = open_sft_files(prefix, preference=True)
+    pairs = len(ids) // 2
+    try:
+        bounds = get_train_valid_test_split_(splits_string, pairs)
+    except ValueError as error:
+        raise SFTDataError(str(error)) from None
+    datasets = []
+    for index, name in enumerate(("train", "valid", "test")):
+        documents = np.arange(bounds[index], bounds[index + 1])
+        if documents.size == 0:
+            datasets.append(None)
+            continue
+        samples = split_samples(documents, None, train_valid_test_num_samples[index], seq_length + 1, seed, False,
+                                shuffle=index == 0)
+        if index > 0 and train_valid_test_num_samples[index] > 0 and len(samples) < global_batch_size:
+            raise SFTDataError(f"--split {splits_string}: the {name} split has {len(samples)} pairs (of {pairs}), "
+                               f"fewer than one global batch ({global_batch_size}): give it more (--split), or pass "
+                               "--eval-iters 0")
+        datasets.append(PreferenceDataset(name, ids, mask, samples, seq_length, pad_id, False))
     return tuple(datasets)

@@ -275,7 +275,7 @@ class ZeroEngine(torch.nn.Module):
             raise ckpt.CheckpointError(f"{path} does not exist: {directory} holds {found or 'no model-states files'} "
                                        f"(this rank: model-parallel rank {mp_rank}, pipeline stage "
                                        f"{self.ctx.pipeline_parallel_rank} of {self.ctx.pipeline_parallel_size})")
-        state = ckpt.safe_torch_load(path)
+        state = ckpt.safe_torch_load(path, mmap=True)   # stage 3 copies only its partition's pieces of the module
         if state[ckpt.MODEL_PARALLEL_SIZE] != self.ctx.model_parallel_size:
             raise ckpt.CheckpointError(f"{path} was saved at model-parallel size {state[ckpt.MODEL_PARALLEL_SIZE]}, "
                                        f"this run uses {self.ctx.model_parallel_size}")

@@ -1,0 +1,121 @@
+"""Direct Preference Optimization (Rafailov et al. 2023), the sigmoid loss, on preference pairs
+(tools/preprocess_sft_data.py --preference; sft_dataset.PreferenceDataset) for finetune_gpt.py --objective dpo.
+
+    loss = -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))        mean over the pairs of the global batch
+
+logp = the sum of the response tokens' log-probabilities (mask 1: the answer and its end-of-text) under the policy
+being trained; ref = the same under the reference policy, the starting weights, frozen. Metrics (TRL's names):
+rewards/chosen = beta (logp_c - ref_c) and rewards/rejected = beta (logp_r - ref_r) (means over the pairs),
+rewards/margins = their difference's mean, rewards/accuracies = the fraction of pairs with rewards/chosen >
+rewards/rejected.
+
+The reference is computed in the same step as the policy, under no_grad and with dropout off (a deterministic
+function of the starting weights: its log-probs never change from step to step):
+- with LoRA (--lora-rank): the same model with its adapters disabled (mpu.adapters_disabled): the base weights are
+  frozen, so that is exactly the starting model, at no memory cost and at any ZeRO stage;
+- without LoRA: a frozen copy of the model taken at the run's first forward (before any update; requires_grad
+  off, no optimizer state). Such a copy needs the whole parameters on the rank, so ZeRO-3 needs LoRA, and a resume
+  (whose first forward sees trained weights) is refused (DPOReferenceError): restart from the SFT checkpoint, or use
+  LoRA.
+Rows: a micro-batch of b pairs is 2b rows (chosen, rejected, chosen, ...), padded to the longest; no packing, no
+pipeline parallelism (the frozen copy and the per-row sums need the whole model on one stage).
+"""
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import mpu
+
+from .sft_loss import ROW_KEYS, model_inputs, sum_over_group, trim_to_longest
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+class DPOReferenceError(RuntimeError):
+    """A reference policy that cannot be built; the message names the flags to change."""
+
+
+def dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta):
+    """(per-pair losses [n], chosen rewards [n], rejected rewards [n]) from per-pair summed log-probs [n]."""
+    chosen = beta * (policy_chosen - reference_chosen)
+    rejected = beta * (policy_rejected - reference_rejected)
+    return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
+
+
+def sequence_log_probs(per_token_losses, loss_mask):
+    """[rows] the sum of log p(label) over the mask-1 positions, from the model's per-token losses (-log p)."""
+    return -(per_token_losses.float() * loss_mask).sum(dim=-1)
+
+
+def pair_batch(data_iterator):
+    """One micro-batch of pairs from the model-parallel group's rank 0 -> model inputs of its 2b rows (chosen,
+    rejected interleaved), trimmed to the longest row: (tokens, labels, loss_mask, attention_mask, position_ids)."""
+    data = next(data_iterator) if data_iterator is not None else None
+    rows = mpu.broadcast_data(list(ROW_KEYS), data, torch.int64)                  # [b, 2, S + 1] each
+    rows = {key: value.reshape(-1, value.size(-1)) for key, value in rows.items()}  # [2b, S + 1]
+    return model_inputs(trim_to_longest(rows), pack=False)
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    was_training = module.training
+    module.train(False)
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+class Reference:
+    """The frozen reference policy's summed log-probs (the module docstring says which one)."""
+
+    def __init__(self, resuming=False):
+        self.resuming = resuming
+        self.frozen = None   # the copy without LoRA, taken at the first call
+
+    def log_probs(self, model, tokens, position_ids, attention_mask, labels, loss_mask):
+        from megatron.utils import unwrap_model
+        module = unwrap_model(model)
+        with torch.no_grad():
+            if mpu.has_adapters(module):
+                with mpu.adapters_disabled(module), _eval_mode(model):
+                    losses = model(tokens, position_ids, attention_mask, labels=labels)
+            else:
+                if self.frozen is None:
+                    self.frozen = self._copy(module)
+                losses = self.frozen(tokens, position_ids, attention_mask, labels=labels)
+        return sequence_log_probs(losses, loss_mask)
+
+    def _copy(self, module):
+        if self.resuming:
+            raise DPOReferenceError("--objective dpo without LoRA takes its reference from the starting weights, which "
+                                 "a resumed run no longer has: restart from the SFT checkpoint (a fresh --save), "
+                                 "or train with --lora-rank (the reference is then the base model)")
+        if any(getattr(p, "ds_numel", None) is not None for p in module.parameters()):
+            raise DPOReferenceError("--objective dpo at ZeRO-3 needs --lora-rank (the reference is the base model "
+                                 "with the adapters off; a frozen copy of partitioned weights is not supported)")
+        frozen = copy.deepcopy(module)
+        for param in frozen.parameters():
+            param.requires_grad_(False)
+            param.grad = None
+        return frozen.train(False)
+
+
+def dpo_forward_step(reference, beta, data_iterator, model):
+    """finetune_gpt.py's forward step for --objective dpo: (the micro-batch's mean pair loss, for the backward;
+    {"lm loss": the DPO loss, TRL's rewards/*} as (sum, count) pairs summed over the data-parallel group). Every
+    micro-batch holds the same number of pairs, so the loop's averaging gives the global batch's pair mean."""
+    tokens, labels, loss_mask, attention_mask, position_ids = pair_batch(data_iterator)
+    ref = reference.log_probs(model, tokens, position_ids, attention_mask, labels, loss_mask).view(-1, 2)
+    policy = sequence_log_probs(model(tokens, position_ids, attention_mask, labels=labels), loss_mask).view(-1, 2)
+    losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
+    pairs = float(losses.numel())
+    sums = [float(losses.detach().sum()), float(chosen.sum()), float(rejected.sum()), float((chosen - rejected).sum()),
+            float((chosen > rejected).float().sum()), pairs]
+    totals = sum_over_group(sums, "dpo metrics", mpu.get_data_parallel_group())
+    count = totals[-1]
+    reported = {"lm loss": (totals[0], count)}
+    reported.update({name: (value, count) for name, value in zip(METRICS, totals[1:5])})
+    return losses.mean(), reported
