@@ -1,12 +1,14 @@
 # The README's two commands:
 #   make pretrain   create .venv, install, build the embedded default data, train GPT-2 with ZeRO-2 (--deepspeed),
 #                   then print a greedy continuation of a fixed prompt
+#   make finetune   LoRA fine-tuning (ZeRO-2) of make pretrain's checkpoint on the embedded chat pairs (data/sft/):
+#                   the validation perplexity and three held-out answers before and after
 #   make test       create .venv, install with test extras, run the test suite
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: pretrain test install install-test data clean-data
+.PHONY: pretrain finetune test install install-test data clean-data
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +26,12 @@ pretrain: data
 	PYTHON=$(VPY) bash scripts/ds_pretrain_gpt.sh
 	PYTHON=$(VPY) bash scripts/generate_text.sh
 
+finetune: data   # runs make pretrain first when its checkpoint is missing; builds data/sft/ on first use
+	@test -f checkpoints/gpt2_zero2/latest_checkpointed_iteration.txt || $(MAKE) pretrain
+	PYTHON=$(VPY) bash scripts/finetune_gpt.sh
+
 test: install-test
 	$(VPY) -m pytest -q tests
 
 clean-data:
-	rm -rf data/webtext
+	rm -rf data/webtext data/sft

@@ -66,7 +66,7 @@ def test_the_edges_of_the_sampling_ranges_are_accepted():
         check_sampling_options(**dict(dict(max_new_tokens=8), **options))
 
 
-def test_tool_flags_and_missing_files_are_one_line(tmp_path, capsys):
+def test_tool_flags_and_missing_files_are_one_line(tmp_path, capsys, webtext_data):
     import estimate_memory
     import preprocess_data
     import train_tokenizer
@@ -99,7 +99,7 @@ def test_tool_flags_and_missing_files_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "tok").exists() and not list(tmp_path.glob("out*"))
 
 
-def test_entry_points_print_one_line_and_exit_non_zero(tmp_path):
+def test_entry_points_print_one_line_and_exit_non_zero(tmp_path, webtext_data):
     """The command lines themselves, started together (about 4 s of imports each)."""
     (tmp_path / "wiki.txt").write_text("some text\n")
     webtext = os.path.join(REPO, "data", "webtext")
