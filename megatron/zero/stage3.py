@@ -194,32 +194,20 @@ class _Buffer:
         self.state = "released"
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward gathers the unit before the unit's own backward runs."""
+class _CallInBackward(torch.autograd.Function):
+    """Identity on tensors whose backward first calls `on_backward()`: hung on a unit's outputs it gathers the
+    unit before the unit's own backward runs; on a unit's inputs it runs once the unit's backward has produced
+    their gradients."""
 
     @staticmethod
-    def forward(ctx, manager, unit, *tensors):
-        ctx.manager, ctx.unit = manager, unit
+    def forward(ctx, on_backward, *tensors):
+        ctx.on_backward = on_backward
         return tensors[0] if len(tensors) == 1 else tensors
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.manager.fetch(ctx.unit, backward=True)
-        return (None, None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward has produced their gradients."""
-
-    @staticmethod
-    def forward(ctx, manager, unit, *tensors):
-        ctx.manager, ctx.unit = manager, unit
-        return tensors[0] if len(tensors) == 1 else tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.manager.inputs_reached(ctx.unit)
-        return (None, None, *grads)
+        ctx.on_backward()
+        return (None, *grads)
 
 
 class Stage3Parameters:
@@ -287,7 +275,7 @@ class Stage3Parameters:
         wrapped = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
         if not (torch.is_grad_enabled() and wrapped and any(b.has_frozen for b in unit.buffers)):
             return None
-        outputs = _PostBackward.apply(self, unit, *(args[i] for i in wrapped))
+        outputs = _CallInBackward.apply(lambda: self.inputs_reached(unit), *(args[i] for i in wrapped))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         args = list(args)
         for i, output in zip(wrapped, outputs):
@@ -308,7 +296,7 @@ class Stage3Parameters:
                 if buffer.holders == 0 and not buffer.persistent:
                     self._release(buffer)
         if torch.is_grad_enabled():
-            return tree_map(lambda t: _PreBackward.apply(self, unit, t)
+            return tree_map(lambda t: _CallInBackward.apply(lambda: self.fetch(unit, backward=True), t)
                             if torch.is_tensor(t) and t.requires_grad else t, output)
         return output
 
