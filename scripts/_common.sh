@@ -97,3 +97,12 @@ launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
   "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
 }
+
+plot_log() {  # plot_log LOG_JSONL OUT_DIR: run.png and run.html of a --log-jsonl next to the checkpoint (matplotlib)
+  if "$PYTHON" -c "import matplotlib" 2>/dev/null; then
+    "$PYTHON" tools/plot_run.py "$1" --output "$2/run.png" --html "$2/run.html" >/dev/null \
+      && echo "plot: $2/run.png and $2/run.html (from $1)" || echo "plot: tools/plot_run.py failed (above); the log is $1"
+  else
+    echo "plot: pip install matplotlib, then $PYTHON tools/plot_run.py $1 --output run.png (log: $1)"
+  fi
+}

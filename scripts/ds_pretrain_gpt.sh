@@ -22,12 +22,4 @@ launch 1 pretrain_gpt.py $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS \
   ${EXTRA_ARGS:-}
 echo "checkpoint: $CHECKPOINT_PATH (latest: $(cat "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" 2>/dev/null))"
 echo "resume: run the same command again (it loads $CHECKPOINT_PATH); raise TRAIN_ITERS to train further"
-if [ -n "$LOG_JSONL" ]; then
-  if "$PYTHON" -c "import matplotlib" 2>/dev/null; then
-    "$PYTHON" tools/plot_run.py "$LOG_JSONL" --output "$CHECKPOINT_PATH/run.png" --html "$CHECKPOINT_PATH/run.html" \
-      >/dev/null && echo "plot: $CHECKPOINT_PATH/run.png and $CHECKPOINT_PATH/run.html (from $LOG_JSONL)" \
-      || echo "plot: tools/plot_run.py failed (above); the log is $LOG_JSONL"
-  else
-    echo "plot: pip install matplotlib, then $PYTHON tools/plot_run.py $LOG_JSONL --output run.png (log: $LOG_JSONL)"
-  fi
-fi
+if [ -n "$LOG_JSONL" ]; then plot_log "$LOG_JSONL" "$CHECKPOINT_PATH"; fi

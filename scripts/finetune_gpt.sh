@@ -10,7 +10,8 @@
 # evaluation-only run, --train-iters 0), (2) TRAIN_ITERS LoRA steps into CHECKPOINT_PATH, ending with the validation
 # perplexity, (3) greedy answers of both checkpoints to the first three test questions (tools/generate_samples_gpt.py
 # --chat-template deepspeed-chat; the LoRA checkpoint loads with the same --lora-* flags). Rerunning resumes, or only
-# re-evaluates, the run in CHECKPOINT_PATH (delete it to start over).
+# re-evaluates, the run in CHECKPOINT_PATH (delete it to start over). The fine-tuning run's log is kept as
+# CHECKPOINT_PATH/log.jsonl and plotted next to it (run.png, run.html) when matplotlib is installed.
 # Reads: PYTHON, BASE_CHECKPOINT (default checkpoints/gpt2_zero2; made with the same model shape: NUM_LAYERS
 # HIDDEN_SIZE NUM_HEADS SEQ_LENGTH), CHECKPOINT_PATH (default checkpoints/gpt2_lora), SFT_DATA_DIR (default data/sft),
 # TRAIN_ITERS (default 100), LR (default 1e-2), LORA_RANK (8), LORA_ALPHA (16), EVAL_ITERS (default: the
@@ -52,6 +53,8 @@ launch 1 finetune_gpt.py $MODEL_ARGS $LORA_ARGS $SFT_DATA_ARGS $FT_ARGS $DS_ARGS
 echo "== 2/3 LoRA rank ${LORA_RANK:-8} fine-tuning, $TRAIN_ITERS iterations -> $CHECKPOINT_PATH"
 launch 1 finetune_gpt.py $MODEL_ARGS $LORA_ARGS $SFT_DATA_ARGS $FT_ARGS $DS_ARGS --train-iters "$TRAIN_ITERS" \
   --load "$BASE_CHECKPOINT" --save "$CHECKPOINT_PATH" --save-interval "$TRAIN_ITERS" --log-jsonl "$workdir/after.jsonl" ${EXTRA_ARGS:-}
+cp "$workdir/after.jsonl" "$CHECKPOINT_PATH/log.jsonl"
+plot_log "$CHECKPOINT_PATH/log.jsonl" "$CHECKPOINT_PATH"
 echo "== 3/3 greedy answers to three held-out test questions"
 head -n 3 "$SFT_DATA_DIR/test.jsonl" > "$workdir/questions.jsonl"
 "$PYTHON" -c 'import json, sys; print("\n".join(json.loads(l)["prompt"].replace("\n", " ") for l in open(sys.argv[1])))' \

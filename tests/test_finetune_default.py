@@ -117,3 +117,6 @@ def test_finetune_gpt_sh(tmp_path, sft_dir, webtext_data):
                           re.M)
         assert block.group(1, 2) == (row["prompt"], row["response"])
     assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    lora = tmp_path / "lora"
+    assert f"plot: {lora}/run.png and {lora}/run.html (from {lora}/log.jsonl)" in stdout
+    assert (lora / "run.png").stat().st_size > 10_000 and "<svg" in (lora / "run.html").read_text()
