@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 from megatron import cli  # noqa: E402
-from megatron.data.indexed_dataset import (best_fitting_dtype, data_file_path, index_file_path,  # noqa: E402
-                                           make_builder)
+from megatron.data.indexed_dataset import (best_fitting_dtype, building_datasets, data_file_path,  # noqa: E402
+                                           index_file_path, make_builder)
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 
 BLOCK_BYTES = 1 << 20
@@ -206,16 +206,15 @@ def preprocess(args, clock=time.monotonic):
     prefixes = output_prefixes(args)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    suffix = f".tmp{os.getpid()}"
-    temps = {key: (data_file_path(p) + suffix, index_file_path(p) + suffix) for key, p in prefixes.items()}
-    builders = {}
     total_bytes = max(os.path.getsize(args.input), 1)
     stats = dict(documents=0, bad_lines=0, bytes=0, tokens=0, seconds=0.0, backend=tokenizer.backend)
     progress = cli.ProgressLine("Processed", "documents", rate_unit="docs", clock=clock)
     next_log = args.log_interval
-    try:
-        for key, (bin_tmp, _) in temps.items():
-            builders[key] = make_builder(bin_tmp, impl=args.dataset_impl, vocab_size=tokenizer.vocab_size)
+
+    def new_builder(key, path):
+        return make_builder(path, impl=args.dataset_impl, vocab_size=tokenizer.vocab_size)
+
+    with building_datasets(prefixes, new_builder) as builders:
         for (arrays, docs, bad), consumed in encoded_blocks(args):
             for key, (tokens, lengths, per_doc) in arrays.items():
                 builders[key].add_documents(tokens, lengths, per_doc)
@@ -227,19 +226,6 @@ def preprocess(args, clock=time.monotonic):
             if due:
                 next_log = (stats["documents"] // args.log_interval + 1) * args.log_interval
             progress.update(stats["documents"], consumed, consumed / total_bytes, may_print=due)
-        for key, (bin_tmp, idx_tmp) in temps.items():
-            builders.pop(key).finalize(idx_tmp)
-        for key, prefix in prefixes.items():
-            bin_tmp, idx_tmp = temps[key]
-            os.replace(bin_tmp, data_file_path(prefix))
-            os.replace(idx_tmp, index_file_path(prefix))
-    finally:
-        for builder in builders.values():
-            builder.close()
-        for paths in temps.values():
-            for path in paths:
-                if os.path.exists(path):
-                    os.remove(path)
     skipped = f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else ""
     stats["summary"] = progress.summary(counts=f", {stats['tokens']} tokens", trailer=skipped,
                                         details=f", backend {stats['backend']}, {args.workers} workers")

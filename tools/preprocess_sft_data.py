@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 from megatron import cli  # noqa: E402
 from megatron.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype,  # noqa: E402
-                                           data_file_path, index_file_path)
+                                           building_datasets, data_file_path, index_file_path)
 from megatron.posttrain import sft_data  # noqa: E402
 from megatron.posttrain.sft_dataset import INPUT_IDS, LOSS_MASK, output_prefixes  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
@@ -118,17 +118,17 @@ def preprocess(options, clock=time.monotonic):
     """The whole conversion; returns a stats dict (with the summary line). Raises BadLine naming FILE:LINE."""
     prefixes = output_prefixes(options.output_prefix, options.preference)
     os.makedirs(os.path.dirname(os.path.abspath(options.output_prefix)), exist_ok=True)
-    suffix = f".tmp{os.getpid()}"
-    temps = {key: (data_file_path(p) + suffix, index_file_path(p) + suffix) for key, p in prefixes.items()}
     vocab_size = GPT2BPETokenizer(options.vocab_file, options.merge_file).vocab_size
-    builders = {}
     counts = collections.Counter()
     named = 0
     progress = cli.ProgressLine("Processed", "examples", clock=clock)
     total_bytes = max(os.path.getsize(options.input), 1)
-    try:
-        builders[INPUT_IDS] = MMapIndexedDatasetBuilder(temps[INPUT_IDS][0], dtype=best_fitting_dtype(vocab_size))
-        builders[LOSS_MASK] = MMapIndexedDatasetBuilder(temps[LOSS_MASK][0], dtype=np.uint8)
+    dtypes = {INPUT_IDS: best_fitting_dtype(vocab_size), LOSS_MASK: np.uint8}
+
+    def new_builder(key, path):
+        return MMapIndexedDatasetBuilder(path, dtype=dtypes[key])
+
+    with building_datasets(prefixes, new_builder) as builders:
         for (ids, mask, lengths, block_counts, skipped), consumed in encoded_blocks(options, Encoder):
             per_document = np.ones(len(lengths), dtype=np.int64)
             builders[INPUT_IDS].add_documents(ids, lengths, per_document)
@@ -143,18 +143,6 @@ def preprocess(options, clock=time.monotonic):
         if counts["examples"] == 0:
             raise BadLine(f"{options.input}: no usable example ({counts['bad']} bad lines, {counts['dropped']} "
                           "dropped): nothing written")
-        for key, (bin_tmp, idx_tmp) in temps.items():
-            builders.pop(key).finalize(idx_tmp)
-        for key, prefix in prefixes.items():
-            os.replace(temps[key][0], data_file_path(prefix))
-            os.replace(temps[key][1], index_file_path(prefix))
-    finally:
-        for builder in builders.values():
-            builder.close()
-        for paths in temps.values():
-            for path in paths:
-                if os.path.exists(path):
-                    os.remove(path)
     notes = []
     if counts["bad"]:
         notes.append(f"skipped {counts['bad']} bad lines")

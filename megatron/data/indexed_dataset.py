@@ -16,6 +16,7 @@ PREFIX.bin is the tokens of all sequences back to back. Example: documents [[464
 14-byte .bin. Megatron-LM's multimodal files (one int8 mode per sequence after the document index) are read as
 plain files; the modes are ignored.
 """
+import contextlib
 import os
 import struct
 
@@ -253,6 +254,36 @@ def make_builder(bin_path, impl="mmap", vocab_size=None):
     if impl != "mmap":
         raise ValueError(f"dataset impl {impl!r} is not supported (only 'mmap')")
     return MMapIndexedDatasetBuilder(bin_path, dtype=best_fitting_dtype(vocab_size))
+
+
+@contextlib.contextmanager
+def building_datasets(prefixes, new_builder):
+    """{key: builder} for the datasets {key: prefix}, each written under a temporary name (`new_builder(key,
+    bin_path)` makes one): when the block succeeds every index is written and both files of every dataset are
+    renamed into place; on an exception every temporary file is removed and nothing is left behind.
+
+        with building_datasets({"text": prefix}, lambda key, path: make_builder(path, vocab_size=V)) as builders:
+            builders["text"].add_documents(tokens, lengths, per_document)
+    """
+    suffix = f".tmp{os.getpid()}"
+    temps = {key: (data_file_path(p) + suffix, index_file_path(p) + suffix) for key, p in prefixes.items()}
+    builders = {}
+    try:
+        for key, (bin_tmp, _) in temps.items():
+            builders[key] = new_builder(key, bin_tmp)
+        yield builders
+        for key, (_, idx_tmp) in temps.items():
+            builders.pop(key).finalize(idx_tmp)
+        for key, prefix in prefixes.items():
+            os.replace(temps[key][0], data_file_path(prefix))
+            os.replace(temps[key][1], index_file_path(prefix))
+    finally:
+        for builder in builders.values():
+            builder.close()
+        for paths in temps.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
 
 
 def make_dataset(prefix, impl="mmap", skip_warmup=True):
