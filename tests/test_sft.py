@@ -296,37 +296,49 @@ def _saved_weights_as_hf(save_dir):
 
 # ---------------------------------------------------------------------------------------------------- data tests
 
+def _pieces(tokenizer, *pieces):
+    """The ids and mask of hand-written template pieces: (text, mask) pairs, each tokenized alone (the documented
+    rule), "<eod>" for the end-of-text id. The ids depend on the default data's BPE (built from what is installed),
+    so expected ids are spelled as strings, never as numbers."""
+    ids, mask = [], []
+    for text, bit in pieces:
+        piece = [tokenizer.eod] if text == "<eod>" else tokenizer.tokenize(text)
+        ids += piece
+        mask += [bit] * len(piece)
+    return ids, mask
+
+
 def test_multi_turn_ids_and_mask_equal_the_hand_built_ones(webtext_data):
     from megatron.posttrain import TEMPLATES, encode_example, parse_example
+    tokenizer = _tokenizer(webtext_data)
     messages = parse_example({"messages": [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Hi"},
                                            {"role": "assistant", "content": "Hello!"},
                                            {"role": "user", "content": "Bye"},
                                            {"role": "assistant", "content": "Bye."}]})
-    ids, mask = encode_example(messages, _tokenizer(webtext_data), TEMPLATES["deepspeed-chat"])
-    system, human_hi, assistant = [411, 2456, 26, 653, 69, 289, 500, 368, 14], [667, 5569, 26, 667, 73], \
-        [362, 1341, 366, 659, 26]                 # " System: Be brief." " Human: Hi" " Assistant:"
-    hello, human_bye, bye, eod = [667, 367, 354, 1], [667, 5569, 26, 2344, 69], [2344, 69, 14], [0]
-    assert ids == system + human_hi + assistant + hello + eod + human_bye + assistant + bye + eod
-    assert mask == [0] * 9 + [0] * 5 + [0] * 5 + [1] * 5 + [0] * 5 + [0] * 5 + [1] * 4
-    assert _tokenizer(webtext_data).detokenize(ids) == (" System: Be brief. Human: Hi Assistant: Hello!<|endoftext|>"
-                                                        " Human: Bye Assistant: Bye.<|endoftext|>")
+    ids, mask = encode_example(messages, tokenizer, TEMPLATES["deepspeed-chat"])
+    expected = _pieces(tokenizer, (" System: Be brief.", 0), (" Human: Hi", 0), (" Assistant:", 0),
+                       (" Hello!", 1), ("<eod>", 1), (" Human: Bye", 0), (" Assistant:", 0), (" Bye.", 1),
+                       ("<eod>", 1))
+    assert (ids, mask) == expected
+    assert sum(mask) == len(tokenizer.tokenize(" Hello!")) + len(tokenizer.tokenize(" Bye.")) + 2
+    assert tokenizer.detokenize(ids) == (" System: Be brief. Human: Hi Assistant: Hello!<|endoftext|>"
+                                         " Human: Bye Assistant: Bye.<|endoftext|>")
 
 
 def test_prompt_response_and_generation_prompt(webtext_data):
     from megatron.posttrain import TEMPLATES, encode_example, encode_prompt, parse_example
     tokenizer, template = _tokenizer(webtext_data), TEMPLATES["deepspeed-chat"]
     ids, mask = encode_example(parse_example({"prompt": "What is 2 plus 3?", "response": "5."}), tokenizer, template)
-    question = [667, 5569, 26, 4304, 265, 305, 394, 6360, 491, 31]       # " Human: What is 2 plus 3?"
-    assert ids == question + [362, 1341, 366, 659, 26] + [753, 14] + [0]
-    assert mask == [0] * 15 + [1, 1, 1]
+    prompt_ids, _ = _pieces(tokenizer, (" Human: What is 2 plus 3?", 0), (" Assistant:", 0))
+    assert (ids, mask) == _pieces(tokenizer, (" Human: What is 2 plus 3?", 0), (" Assistant:", 0), (" 5.", 1),
+                                  ("<eod>", 1))
     prompt = encode_prompt([{"role": "user", "content": "What is 2 plus 3?"}], tokenizer, template)
-    assert prompt == ids[:15]                                            # what generation feeds: ends "Assistant:"
+    assert prompt == prompt_ids == ids[:len(prompt_ids)]                 # what generation feeds: ends "Assistant:"
     import generate_samples_gpt
     assert generate_samples_gpt.Codec(tokenizer, "deepspeed-chat").encode("What is 2 plus 3?") == prompt
-    hh_ids, hh_mask = encode_example(parse_example({"prompt": "Hi", "response": "5."}), tokenizer, TEMPLATES["hh"])
-    assert hh_ids == [199, 199, 40, 5569, 26, 667, 73] + [199, 199, 33, 1341, 366, 659, 26] + [753, 14, 0]
-    assert hh_mask == [0] * 14 + [1] * 3
+    hh = encode_example(parse_example({"prompt": "Hi", "response": "5."}), tokenizer, TEMPLATES["hh"])
+    assert hh == _pieces(tokenizer, ("\n\nHuman: Hi", 0), ("\n\nAssistant:", 0), (" 5.", 1), ("<eod>", 1))
 
 
 def _write_lines(tmp_path, lines):
@@ -380,26 +392,35 @@ def test_bad_lines_are_named_and_refused_or_skipped(tmp_path, webtext_data, caps
 
 def test_long_examples_truncated_from_the_start_or_refused(tmp_path, webtext_data, capsys):
     from megatron.posttrain import open_sft_files
-    lines = ['{"prompt": "What is 2 plus 3?", "response": "5."}',   # 18 tokens
-             '{"prompt": "Hi", "response": "Hello!"}']              # 15 tokens
-    kept, _ = _preprocess(tmp_path, webtext_data, lines, "--seq-length", "15")   # at most 16 tokens
-    assert "cut 1 examples to --seq-length 15 + 1 tokens" in kept["summary"] and not kept["dropped"]
+    tokenizer = _tokenizer(webtext_data)
+    lines = ['{"prompt": "What is 2 plus 3?", "response": "5."}', '{"prompt": "Hi", "response": "Hello!"}']
+    first = _pieces(tokenizer, (" Human: What is 2 plus 3?", 0), (" Assistant:", 0), (" 5.", 1), ("<eod>", 1))
+    second = _pieces(tokenizer, (" Human: Hi", 0), (" Assistant:", 0), (" Hello!", 1), ("<eod>", 1))
+    prompt_1, prompt_2 = first[1].count(0), second[1].count(0)
+    assert prompt_1 >= len(second[0]) - 1 > prompt_2       # the sizes the cases below rely on
+
+    # --seq-length = the first prompt's length: its start and one answer token are kept (seq_length + 1 tokens)
+    keep = prompt_1 + 1
+    kept, _ = _preprocess(tmp_path, webtext_data, lines, "--seq-length", str(prompt_1))
+    cut = 1 + (len(second[0]) > keep)
+    assert f"cut {cut} examples to --seq-length {prompt_1} + 1 tokens" in kept["summary"] and not kept["dropped"]
     ids, mask = open_sft_files(str(tmp_path / "out"))
-    question = [667, 5569, 26, 4304, 265, 305, 394, 6360, 491, 31]     # " Human: What is 2 plus 3?"
-    assert list(ids[0]) == question + [362, 1341, 366, 659, 26, 753] and list(mask[0]) == [0] * 15 + [1]
-    assert list(mask[1]) == [0] * 10 + [1] * 5                          # " Human: Hi Assistant:" | " Hello!" eod
-    dropped, _ = _preprocess(tmp_path, webtext_data, lines, "--seq-length", "13")
-    assert "cut 2 examples to --seq-length 13 + 1 tokens; dropped 1 of them left without an answer token" in \
-        dropped["summary"]
+    assert list(ids[0]) == first[0][:keep] and list(mask[0]) == [0] * prompt_1 + [1]
+    assert list(ids[1]) == second[0][:keep] and list(mask[1]) == second[1][:keep]
+
+    # one token fewer than the second example: the first is left without an answer token and dropped
+    short = len(second[0]) - 1
+    dropped, _ = _preprocess(tmp_path, webtext_data, lines, "--seq-length", str(short - 1))
+    assert (f"cut 2 examples to --seq-length {short - 1} + 1 tokens; dropped 1 of them left without an answer "
+            "token") in dropped["summary"]
     ids, mask = open_sft_files(str(tmp_path / "out"))
-    assert len(ids) == 1 and list(mask[0]) == [0] * 10 + [1] * 4
-    refused, path = _preprocess(tmp_path, webtext_data, lines, "--seq-length", "15", "--on-long", "refuse")
-    assert refused == (f"error: {path}:1: the example has 18 tokens, more than --seq-length 15 + 1: raise "
-                       "--seq-length, or pass --on-long truncate to keep its start")
+    assert len(ids) == 1 and list(ids[0]) == second[0][:short] and list(mask[0]) == second[1][:short]
+
+    refused, path = _preprocess(tmp_path, webtext_data, lines, "--seq-length", str(prompt_1), "--on-long", "refuse")
+    assert refused == (f"error: {path}:1: the example has {len(first[0])} tokens, more than --seq-length "
+                       f"{prompt_1} + 1: raise --seq-length, or pass --on-long truncate to keep its start")
     capsys.readouterr()
     assert _preprocess(tmp_path, webtext_data, lines, "--seq-length", "0")[0] == 2
-    error = capsys.readouterr().err.strip()
-    assert error.endswith("error: --seq-length is 0: it must be a positive number (see --help)")
 
 
 def test_packing_is_next_fit_and_rows_hold_every_example_once(setup):
