@@ -56,7 +56,7 @@ with open(out_path, "w") as handle:
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _SPAN = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")
-_ENTRY = re.compile(r"(?<![\w./-])((?:tools|tasks)/\w+\.(?:py|sh)|pretrain_gpt\.py)\b")
+_ENTRY = re.compile(r"(?<![\w./-])((?:tools|tasks)/(?:bench/)?\w+\.(?:py|sh)|pretrain_gpt\.py)\b")
 _MODULE = re.compile(r"python -m ((?:megatron|tools|tasks)(?:\.\w+)+)")
 _LONG_FLAG = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 _REPO_PATH = re.compile(r"(?<![\w./:-])((?:megatron|mpu|tools|tasks|scripts|tests|docs|data)/[\w./-]*[\w/]|"
@@ -150,7 +150,7 @@ def test_docs_name_the_entry_points():
     entries = _entry_points()
     for name in ("pretrain_gpt.py", "tasks/main.py", "tools/preprocess_data.py", "tools/zero_to_fp32.py",
                  "tools/checkpoint_util.py", "tools/convert_to_hf.py", "tools/estimate_memory.py",
-                 "tools/bench_zero.py", "tools/gpu_check.sh", "megatron.text_generation.lm_eval_model"):
+                 "tools/bench/bench_zero.py", "tools/gpu_check.sh", "megatron.text_generation.lm_eval_model"):
         assert name in entries, name
     assert len(entries) >= 15, sorted(entries)
 

@@ -1,4 +1,4 @@
-"""The CPU-only parts of the GPU check: tools/gpu_check.sh's argument handling and tools/bench_gpu.py's arguments,
+"""The CPU-only parts of the GPU check: tools/gpu_check.sh's argument handling and tools/bench/bench_gpu.py's arguments,
 peak table, rows and table, plus one benchmark cell run on the CPU through the real training loop."""
 import json
 import os
@@ -9,6 +9,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 import bench_gpu  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tools", "gpu_check.sh")
@@ -138,7 +139,7 @@ def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     """The plumbing on a CPU: a tiny GPT-2 trained by pretrain_gpt.py under ZeRO-2; TFLOP/s per token is
     Megatron's formula for that shape, the model-state formula the ZeRO paper's 16 bytes per parameter (fp32)."""
     out = tmp_path / "rows.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_gpu.py"), "--models", "tiny",
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench", "bench_gpu.py"), "--models", "tiny",
                            "--precisions", "fp32", "--stages", "2", "--device", "cpu", "--steps", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

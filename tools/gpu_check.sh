@@ -9,7 +9,7 @@
 #     AdamW, activation checkpointing, exact resume) with `pytest --device cuda` (tests/conftest.py), one NCCL rank
 #     per GPU: a test needing more ranks than the machine has GPUs is skipped and named in the summary (one GPU:
 #     only the single-rank tests run);
-# (b) runs tools/bench_gpu.py: GPT-2 124M and ~1.3B on one GPU, bf16 and fp16, ZeRO-2 and stage 3 where the engine
+# (b) runs tools/bench/bench_gpu.py: GPT-2 124M and ~1.3B on one GPU, bf16 and fp16, ZeRO-2 and stage 3 where the engine
 #     accepts it (--stages 2 to leave it out): tokens/s, TFLOP/s, MFU, max_memory_allocated against the ZeRO formula.
 # The test summary and the benchmark table come last. Logs: $LOG_DIR (default runs/gpu_check/). Reads PYTHON
 # (default .venv/bin/python, else python3), TEST_TIMEOUT (240 s), BENCH_TIMEOUT (330 s) and GPU_COUNT (default: the
@@ -59,7 +59,7 @@ plan() {
 }
 
 TEST_CMD=("$PYTHON" -m pytest -q -rs --device cuda $TESTS)
-BENCH_CMD=("$PYTHON" tools/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" "${BENCH_ARGS[@]}")
+BENCH_CMD=("$PYTHON" tools/bench/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" "${BENCH_ARGS[@]}")
 if [ "$DRY_RUN" = 1 ]; then
   [ "$RUN_TESTS" = 1 ] && plan "${GPU_COUNT:-$(gpu_count)}" && echo "timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
   [ "$RUN_BENCH" = 1 ] && echo "timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
@@ -98,7 +98,7 @@ fi
 if [ "$RUN_BENCH" = 1 ]; then
   echo "benchmark (exit $BENCH_RC):"
   # the table bench_gpu prints at the end, or the rows it printed before a timeout
-  "$PYTHON" tools/bench_gpu.py --print-log "$LOG_DIR/bench.log"
+  "$PYTHON" tools/bench/bench_gpu.py --print-log "$LOG_DIR/bench.log"
 fi
 [ "$TEST_RC" = 0 ] || [ "$TEST_RC" = skipped ] || exit 1
 [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ] || exit 1

@@ -1,8 +1,8 @@
 """Generation and evaluation throughput: our KV-cache generation vs recomputing the prefix (--recompute) vs Hugging
 Face GPT2LMHeadModel.generate on the same weights, greedy, one process; and evaluation forward tokens/s.
 
-    python tools/bench_generate.py                       # L4 h256 V8192, prompt 16, new tokens 32/128/256
-    python tools/bench_generate.py --lengths 64 512 --batch 4 --repeats 5
+    python tools/bench/bench_generate.py                       # L4 h256 V8192, prompt 16, new tokens 32/128/256
+    python tools/bench/bench_generate.py --lengths 64 512 --batch 4 --repeats 5
 
 Each cell is the median of --repeats runs, the three implementations alternating within each repeat (this
 machine is shared and noisy). tokens/s = batch x new tokens / seconds. The cache's speedup over recomputing should
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402

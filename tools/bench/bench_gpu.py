@@ -1,9 +1,9 @@
 """One-GPU training benchmark through the real training loop (pretrain_gpt.py, --deepspeed, ZeRO): tokens/s,
 achieved TFLOP/s, MFU and peak memory against the ZeRO formula, one markdown table at the end.
 
-    python tools/bench_gpu.py                                   # GPT-2 124M and 1.3B, bf16 and fp16, ZeRO-2
-    python tools/bench_gpu.py --models 124m --precisions bf16 --stages 2 --steps 10
-    python tools/bench_gpu.py --models tiny --device cpu        # the plumbing on a CPU (what the tests run)
+    python tools/bench/bench_gpu.py                                   # GPT-2 124M and 1.3B, bf16 and fp16, ZeRO-2
+    python tools/bench/bench_gpu.py --models 124m --precisions bf16 --stages 2 --steps 10
+    python tools/bench/bench_gpu.py --models tiny --device cpu        # the plumbing on a CPU (what the tests run)
 
 Each cell (model x precision x stage) is one fresh process (`--cell`), so `torch.cuda.max_memory_allocated` is its
 own and an out-of-memory cell does not stop the others. A cell runs 2 x --steps iterations on mock data with
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 # GPT-2 shapes: layers, hidden, heads, sequence, vocabulary (before padding), default micro-batch

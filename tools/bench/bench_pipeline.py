@@ -1,7 +1,7 @@
 """Pipeline parallelism: measured 1F1B bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage.
 
-    python tools/bench_pipeline.py                       # P = 2, M = 2, 4, 8; markdown table
-    python tools/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
+    python tools/bench/bench_pipeline.py                       # P = 2, M = 2, 4, 8; markdown table
+    python tools/bench/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
 
 Each cell runs megatron.schedules on gloo processes with a GPT2Model split into P stages (fp32, dropout off).
 Bubble = 1 - (time inside forward/backward) / (step time), averaged over the stages: the share of a step a stage
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _cell(stages, micro_batches, steps, layers, hidden, seq, micro):

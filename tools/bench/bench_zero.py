@@ -1,8 +1,8 @@
 """Benchmark: torch DDP vs our ZeRO stages 0-3 (and DeepSpeed's 0-2, when installed), fp32 and bf16.
 
-    .venv/bin/python tools/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~3 minutes on a quiet machine
-    .venv/bin/python tools/bench_zero.py --steps 10 --repeats 7 --variants ddp-fp32,zero2-fp32
-    .venv/bin/python tools/bench_zero.py --repeats 0     # communication table only
+    .venv/bin/python tools/bench/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~3 minutes on a quiet machine
+    .venv/bin/python tools/bench/bench_zero.py --steps 10 --repeats 7 --variants ddp-fp32,zero2-fp32
+    .venv/bin/python tools/bench/bench_zero.py --repeats 0     # communication table only
 
 Model: a GPT-2 (nanoGPT-style, tied head) with L=4, h=256, heads=4, s=256, V=8192; micro-batch 4 per rank.
 Each variant runs in fresh processes, so peak RSS is its own. The variants run --repeats times, alternating
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import median_and_spread, peak_rss_mb  # noqa: E402
 

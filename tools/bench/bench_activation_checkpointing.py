@@ -1,7 +1,7 @@
 """Benchmark activation checkpointing on the parallel transformer stack (no embeddings, no LM head).
 
-    python tools/bench_activation_checkpointing.py                       # L=8 h=512 s=512, mp 1 and 2
-    python tools/bench_activation_checkpointing.py --micro-batch 1 --steps 3 --mp 2 --modes off partitioned
+    python tools/bench/bench_activation_checkpointing.py                       # L=8 h=512 s=512, mp 1 and 2
+    python tools/bench/bench_activation_checkpointing.py --micro-batch 1 --steps 3 --mp 2 --modes off partitioned
 
 For each model-parallel size and mode, fresh processes (so peak RSS is per configuration) build
 mpu.ParallelTransformer with dropout 0.1, run one warm-up step, one step whose forward is counted with
@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import peak_rss_mb  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Benchmark tools/preprocess_data.py (1 and 2 workers x both tokenizer backends) and the GPT sample index.
 
-    python tools/prepare_default_data.py && python tools/bench_preprocess.py     # ~2 min on 2 cores
+    python tools/prepare_default_data.py && python tools/bench/bench_preprocess.py     # ~2 min on 2 cores
 
 Prints a markdown table of end-to-end MB/s and docs/s (wall time of the whole preprocess: reading, JSON, BPE,
 writing; tokenizer loading included) on the sample corpus with the default 8192 vocab (both backends) and with a
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-TOOLS = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 sys.path.insert(0, REPO_ROOT)

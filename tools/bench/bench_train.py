@@ -1,8 +1,8 @@
 """Training-step throughput: our Megatron train_step (model-parallel 1) next to a plain PyTorch nanoGPT-style
 loop and Hugging Face GPT2LMHeadModel on the same config, run alternately in one process so ratios are fair.
 
-    python tools/bench_train.py                      # tiny and small, fp32 (+ bf16 where native); markdown table
-    python tools/bench_train.py --configs small --dtypes fp32 --rounds 7 --steps 5
+    python tools/bench/bench_train.py                      # tiny and small, fp32 (+ bf16 where native); markdown table
+    python tools/bench/bench_train.py --configs small --dtypes fp32 --rounds 7 --steps 5
 
 Every implementation runs `--steps` steps per round, alternating, for `--rounds` rounds (>= 5): tokens/s is the
 median over rounds with its min-max, and "vs plain PyTorch" the median of the per-round ratios (each from the same
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import median_and_spread  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Checkpoint save/load throughput of megatron.utils (atomic, fsynced, weights_only) next to plain torch.save /
 torch.load of the same tensors, for the tiny test model and a ~1 GB model state (fp32 weights + Adam moments).
 
-    python tools/bench_checkpoint.py                          # both sizes, 3 alternated repeats, temp dir
-    python tools/bench_checkpoint.py --sizes small --repeats 5 --dir /scratch/bench
+    python tools/bench/bench_checkpoint.py                          # both sizes, 3 alternated repeats, temp dir
+    python tools/bench/bench_checkpoint.py --sizes small --repeats 5 --dir /scratch/bench
 
 Columns (MB/s of the checkpoint file's size, median over repeats; every save writes a new file, and the two
 ways alternate which runs first, so page-cache state and machine load affect both alike):
@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402
