@@ -40,13 +40,13 @@ from megatron.data.corpora import DataPathError
 from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.initialize import run_main
-from megatron.operations import NonFiniteError
-from megatron.preflight import PreflightError
+from megatron.guards.operations import NonFiniteError
+from megatron.guards.preflight import PreflightError
 from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0
 from megatron.zero import ConfigError
-from megatron.zero.checkpoint import TRACKER_FILENAME, CheckpointError
+from megatron.checkpoint.layout import TRACKER_FILENAME, CheckpointError
 
 # Pretraining's data flags: fine-tuning data come from --data-path, its example boundaries from the rows.
 PRETRAINING_ONLY = {"mock_data": "--mock-data", "train_data": "--train-data",

@@ -12,13 +12,13 @@ from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.initialize import run_main
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.model import GPT2Model
-from megatron.operations import NonFiniteError
-from megatron.preflight import PreflightError
+from megatron.guards.operations import NonFiniteError
+from megatron.guards.preflight import PreflightError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0, reduce_losses
 from megatron import zero
 from megatron.zero import ConfigError
-from megatron.zero.checkpoint import CheckpointError
+from megatron.checkpoint.layout import CheckpointError
 from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 
 

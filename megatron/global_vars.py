@@ -44,11 +44,10 @@ def set_global_variables(args):
 def _build_tokenizer(args):
     """Sets args.real_vocab_size and args.padded_vocab_size (the vocabulary padded to make-vocab-size-divisible-by
     x model-parallel size)."""
-    from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding
+    from megatron.tokenizer.tokenizer import build_tokenizer, set_padded_vocab_size
     if args.mock_data:
         args.real_vocab_size = args.vocab_size
-        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
-                                                         args.model_parallel_size)
+        set_padded_vocab_size(args, args.vocab_size)
         return None
     tokenizer = build_tokenizer(args)
     args.real_vocab_size = tokenizer.vocab_size

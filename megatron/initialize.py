@@ -1,6 +1,6 @@
 """Start-up: parse and validate the command line, join torch.distributed (env:// from torchrun, with the
 --distributed-timeout-minutes collective timeout), build the model-parallel groups, check that every rank agrees on
-its settings and code (megatron.preflight), seed every generator. SIGUSR1 dumps every thread's stack."""
+its settings and code (megatron.guards.preflight), seed every generator. SIGUSR1 dumps every thread's stack."""
 import os
 import sys
 import random
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron import breadcrumbs, preflight
+from megatron.guards import breadcrumbs, preflight
 from megatron.arguments import parse_args
 from megatron.global_vars import set_global_variables
 

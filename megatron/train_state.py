@@ -1,6 +1,7 @@
 """What a run carries from step to step and across checkpoints (TrainState), and the flags that choose what a
 checkpoint save or load includes (CheckpointOptions). Both are explicit objects, so the training loop, the
 checkpoint functions and offline tools pass them instead of writing onto the argparse Namespace."""
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,16 @@ class TrainState:
     """Validation samples consumed (the validation sampler cycles through its split)."""
     skipped_iterations: int = 0
     """Steps skipped because of an fp16 overflow."""
+
+    def to_state(self):
+        """The counters as a checkpoint stores them (model_optim_rng.pt's keys; the ZeRO path's client_state):
+        the field names are the keys (megatron.checkpoint.layout spells them ITERATION, CONSUMED_..., ...)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state):
+        """The counters of a checkpoint's state (a counter it lacks, e.g. in a converted model: 0)."""
+        return cls(**{f.name: int(state.get(f.name, 0)) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,7 @@ class CheckpointOptions:
     """Load the weights only: counters, optimizer, lr scheduler and RNG start fresh."""
     async_save: bool = False
     """Write the files in a background thread after a copy to host memory; published at the next save, load or
-    the end of training (megatron.utils.finalize_async_save)."""
+    the end of training (megatron.checkpoint.finalize_async_save)."""
 
     @classmethod
     def from_args(cls, args):

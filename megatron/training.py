@@ -8,17 +8,18 @@ import time
 import torch
 
 import mpu
-from megatron import breadcrumbs, memory, operations, p2p_communication, schedules, zero
+from megatron import zero
+from megatron.checkpoint import finalize_async_save, load_checkpoint, save_checkpoint
 from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.guards import breadcrumbs, memory, operations
+from megatron.guards.exit_controller import ExitController
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import AnnealingLR
-from megatron.exit_controller import ExitController
 from megatron.model import DistributedDataParallel as LocalDDP
+from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
-from megatron.zero.builder import adam_kernel_options
-from megatron.zero.partition import full_numel
-from megatron.utils import finalize_async_save, load_checkpoint, print_rank_0, save_checkpoint, unwrap_model
+from megatron.utils import print_rank_0, unwrap_model
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -54,8 +55,8 @@ def get_model(model_provider):
     args = get_args()
     model = model_provider()
     if args.rank == 0 or mpu.get_data_parallel_rank() == 0 and mpu.get_model_parallel_rank() > 0:
-        count = sum(full_numel(p) for p in model.parameters())   # whole sizes, also under zero.Init
-        trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        count = sum(mpu.full_numel(p) for p in model.parameters())   # whole sizes, also under zero.Init
+        trainable = sum(mpu.full_numel(p) for p in model.parameters() if p.requires_grad)
         frozen = f" ({trainable} trainable, the rest frozen)" if trainable < count else ""
         print(f" > number of parameters on model-parallel rank {mpu.get_model_parallel_rank()}: {count}{frozen}",
               flush=True)
@@ -89,7 +90,7 @@ def get_optimizer(model):
     args = get_args()
     groups = _param_groups_for_weight_decay(unwrap_model(model))
     # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
-    kernel = adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
+    kernel = zero.adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
     if args.deepspeed:
@@ -137,7 +138,7 @@ def setup_model_and_optimizer(model_provider):
 def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, after_backward=None):
     """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks (and the tied
     word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
-    global gradient norm after the last micro-batch, else None. Pipelining (megatron.schedules): before the last
+    global gradient norm after the last micro-batch, else None. Pipelining (megatron.pipeline.schedules): before the last
     stage `loss` is the stage's output and `output_grad` the gradient the next stage sent (already scaled);
     `after_backward()` sends this stage's input gradient back, before any reduction."""
     args, timers = get_args(), get_timers()
@@ -219,7 +220,7 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
 
 
 def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step=None, forward_only=False):
-    """This step's micro-batches through the schedule (megatron.schedules: a plain loop, or 1F1B across pipeline
+    """This step's micro-batches through the schedule (megatron.pipeline.schedules: a plain loop, or 1F1B across pipeline
     stages). Returns (every micro-batch's data-parallel averaged losses, on every rank; the gradient norm from
     backward_step, or None)."""
     args, timers = get_args(), get_timers()
@@ -309,7 +310,7 @@ def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     zero_config = args.zero_config.zero_optimization if args.zero_config is not None else None
     module = unwrap_model(model)
-    counts = [sum(full_numel(p) for p in group["params"]) for group in _param_groups_for_weight_decay(module)]
+    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in _param_groups_for_weight_decay(module)]
     estimate = operations.model_state_estimate(counts, args, zero_config, module)
     setting = operations.memory_setting(args, zero_config)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")

@@ -16,6 +16,17 @@ def get_backend():
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def full_numel(param):
+    """Elements of the whole parameter, also while ZeRO-3 holds only a partition of it (`ds_numel`, DeepSpeed's
+    attribute name): what parameter counts, memory estimates and checkpoint shapes use."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def full_shape(param):
+    """The whole parameter's shape, also while ZeRO-3 holds only a partition of it (`ds_shape`)."""
+    return getattr(param, "ds_shape", None) or param.shape
+
+
 def ensure_divisibility(numerator, denominator, what="value"):
     if numerator % denominator != 0:
         raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")

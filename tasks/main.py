@@ -18,8 +18,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
-from megatron.utils import get_checkpoint_iteration  # noqa: E402
-from megatron.zero.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint import get_checkpoint_iteration  # noqa: E402
+from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 from megatron.text_generation import load_inference_model  # noqa: E402
 from tasks import zeroshot_gpt  # noqa: E402
 

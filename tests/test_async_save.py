@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from megatron import manifest
+from megatron.checkpoint import manifest
 from megatron.spawn import free_port, run_distributed
-from megatron.zero import checkpoint as ckpt
+from megatron.checkpoint import layout as ckpt
 from tests.test_deepspeed_path import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ def _train(args_list):
 def _train_with_a_slow_writer(args_list):
     """Train with the background writer held back HOLD_SECONDS (so the loop changes the weights meanwhile);
     also returns how long each save blocked the training loop and whether the loop ran during the write."""
-    from megatron import atomic_io
+    from megatron.checkpoint import atomic_io
     run = atomic_io._BackgroundSave._run
     ran_meanwhile = []
 

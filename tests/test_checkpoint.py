@@ -39,7 +39,7 @@ def _train_and_sigterm_rank_1(args_list):
 
 
 def _sigterm_once_handled():
-    from megatron.exit_controller import ExitController
+    from megatron.guards.exit_controller import ExitController
     while not isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), ExitController):
         time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -53,8 +53,8 @@ def train_killed_in_save(args_list, iteration):
     """Train, but SIGKILL every rank during the save of `iteration`: after the files are written into the
     temporary directory, before it is renamed into place (rank 0 in publish_directory, the others where they
     would wait for it). The fault is injected here, from the test, not in the save path."""
-    from megatron import atomic_io
-    from megatron.zero.checkpoint import iteration_dir_name
+    from megatron.checkpoint import atomic_io
+    from megatron.checkpoint.layout import iteration_dir_name
     publish = atomic_io.publish_directory
 
     def publish_or_die(tmp_dir, final_dir):

@@ -61,7 +61,8 @@ def _fresh_load(args, **flags):
 
 def _flag_checks(save_dir):
     from megatron.train_state import CheckpointOptions, TrainState
-    from megatron.utils import CheckpointError, save_checkpoint, unwrap_model
+    from megatron.checkpoint import CheckpointError, save_checkpoint
+    from megatron.utils import unwrap_model
     args = _save_once(save_dir)
     saved = torch.load(os.path.join(save_dir, f"iter_{ITERS:07d}", "mp_rank_00", "model_optim_rng.pt"),
                        weights_only=True)
@@ -131,7 +132,7 @@ def _write(path, data):
 def _bad_input_checks(root):
     """Each bad input raises CheckpointError with its message; returns nothing (asserts here)."""
     from megatron.train_state import CheckpointOptions
-    from megatron.utils import CheckpointError, load_checkpoint
+    from megatron.checkpoint import CheckpointError, load_checkpoint
     import pretrain_gpt
     save_dir = os.path.join(root, "save")
     args = _save_once(save_dir)

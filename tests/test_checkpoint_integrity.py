@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron import atomic_io, manifest
+from megatron.checkpoint import atomic_io, manifest
 from megatron.spawn import free_port, run_distributed
-from megatron.zero import checkpoint as ckpt
+from megatron.checkpoint import layout as ckpt
 from tests.test_deepspeed_path import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,8 +218,8 @@ def test_zero_path_manifest_covers_every_rank_and_fallback(tmp_path):
 
 
 def test_tools_refuse_a_damaged_checkpoint_and_resize_writes_a_manifest(tmp_path, capsys):
-    from megatron.full_checkpoint import resize_checkpoint
-    from megatron.reshard import SavedCheckpoint
+    from megatron.checkpoint.full_checkpoint import resize_checkpoint
+    from megatron.checkpoint.reshard import SavedCheckpoint
     save_dir = str(tmp_path / "save")
     run_distributed(_train, 1, args=(ARGS + ["--save", save_dir],))
     resized = resize_checkpoint(SavedCheckpoint(save_dir), str(tmp_path / "mp2"), 2, deepspeed=True)

@@ -1,4 +1,4 @@
-"""Bytes sent per rank for one training step, measured by megatron.comm_bytes, against the ideal volumes.
+"""Bytes sent per rank for one training step, measured by megatron.guards.comm_bytes, against the ideal volumes.
 
 Ideal, for G = fp32 gradient bytes = 4 x parameter count, over dp ranks:
     torch DDP and ZeRO stage 0: one ring all-reduce          2 (dp-1)/dp G
@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron import comm_bytes
-from megatron.comm_bytes import CommCounter, collective_bytes
+from megatron.guards import comm_bytes
+from megatron.guards.comm_bytes import CommCounter, collective_bytes
 from megatron.spawn import run_distributed
 from tests.zero_helpers import ds_config, param_groups
 

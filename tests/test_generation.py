@@ -162,7 +162,7 @@ def _generation_errors(argvs):
     """The one-line message tools/generate_samples_gpt.py prints for each bad command line."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import generate_samples_gpt
-    from megatron.zero.checkpoint import CheckpointError
+    from megatron.checkpoint.layout import CheckpointError
     messages = []
     for argv in argvs:
         try:

@@ -108,7 +108,7 @@ def _breadcrumb_on_timeout():
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from megatron import breadcrumbs
+    from megatron.guards import breadcrumbs
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if dist.get_rank() == 1:
         time.sleep(4)
@@ -143,7 +143,7 @@ def _stuck_in_a_collective(seconds):
 def test_slow_step_prints_breadcrumb_and_stacks_once():
     import io
     import torch
-    from megatron import breadcrumbs
+    from megatron.guards import breadcrumbs
     stream = io.StringIO()
     watchdog = breadcrumbs.SlowStepWatchdog(factor=5, min_seconds=0.0, min_history=3, poll_seconds=0.01,
                                             stream=stream)
@@ -169,7 +169,7 @@ def test_slow_step_prints_breadcrumb_and_stacks_once():
 
 def test_no_watchdog_thread_when_off():
     import threading
-    from megatron import breadcrumbs
+    from megatron.guards import breadcrumbs
     before = threading.active_count()
     breadcrumbs.SlowStepWatchdog(factor=0).close()
     assert threading.active_count() == before
@@ -180,7 +180,8 @@ def _engine_and_mpu_breadcrumbs():
     import io
     import torch
     import mpu
-    from megatron import breadcrumbs, zero
+    from megatron.guards import breadcrumbs
+    from megatron import zero
     from tests.zero_helpers import TinyNet, batch, ds_config, param_groups
     breadcrumbs.install_collective_breadcrumbs()
     seen = []
@@ -235,7 +236,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import mpu
-from megatron import breadcrumbs
+from megatron.guards import breadcrumbs
 breadcrumbs.install_collective_breadcrumbs()            # as initialize_megatron does
 dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 rank, mode, timeout = dist.get_rank(), os.environ["STALL_MODE"], float(os.environ["STALL_TIMEOUT"])
@@ -274,7 +275,7 @@ if mode == "zero":
     started()
     train_one_step()
 else:                                                  # the last stage waits for activations that never come
-    from megatron import p2p_communication
+    from megatron.pipeline import p2p_communication
     mpu.initialize_model_parallel(1, 2, timeout=timedelta(seconds=timeout))
     spec = p2p_communication.TensorSpec((2, 4, 8), torch.float32, torch.device("cpu"))
 
@@ -355,6 +356,6 @@ def test_rank_stalled_before_a_pipeline_send_is_reported_by_the_receiving_stage(
     code, stderr, seconds = _stalled_job(tmp_path, "pipeline")
     assert code != 0, stderr[-3000:]
     _assert_reported(stderr, 1, "batch_isend_irecv [irecv from 0]", "[0, 1]",
-                     _line_of("megatron/p2p_communication.py", "dist.batch_isend_irecv(ops)"), "receive_activations")
+                     _line_of("megatron/pipeline/p2p_communication.py", "dist.batch_isend_irecv(ops)"), "receive_activations")
     assert seconds < STALL_TIMEOUT + 20, seconds
     print(f"pipeline stall: exit {seconds:.1f} s after the hang began (timeout {STALL_TIMEOUT} s)")

@@ -1,5 +1,5 @@
 """Hugging Face interchange and consolidation tools: tools/convert_from_hf.py, tools/convert_to_hf.py,
-tools/zero_to_fp32.py (through megatron.reshard and megatron.model.hf_interchange).
+tools/zero_to_fp32.py (through megatron.checkpoint.reshard and megatron.model.hf_interchange).
 
 - import: a random GPT2LMHeadModel saved locally -> our checkpoint at mp 1 and mp 2, both paths -> loaded by the
   training code (setup_model_and_optimizer, --load --finetune) -> our gathered logits == HF's (1e-5, fp32); and
@@ -199,7 +199,7 @@ def test_imported_checkpoint_gives_hf_logits(runs, hf_model, mp, deepspeed):
 def test_import_then_export_gives_the_original_tensors_bitwise(runs, hf_model):
     from safetensors.torch import load_file
     from megatron.model.hf_interchange import to_hf_config_dict, to_hf_state_dict
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     original = load_file(os.path.join(hf_model["dir"], "model.safetensors"))
     original.pop("lm_head.weight", None)
     for key, directory in runs["imported_dirs"].items():
@@ -254,7 +254,7 @@ def test_exported_tokenizer_gives_our_ids(runs, exported):
 
 
 def test_export_then_import_gives_the_trained_weights_bitwise(runs, exported):
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     save = str(runs["root"] / "reimported_mp2")
     assert convert_from_hf.main(["--hf", exported["megatron_mp1"], "--save", save, "--model-parallel-size", "2",
                                  "--make-vocab-size-divisible-by", PAD_MULTIPLE]) == 0
@@ -290,7 +290,7 @@ def test_zero_to_fp32_equals_the_gathered_weights(runs, name, tmp_path, capsys):
 def test_zero_to_fp32_of_bf16_training_gives_the_fp32_masters(runs, name, tmp_path):
     """The bf16 parameters are the masters rounded; the output is the masters (finer than bf16), and
     read_full_checkpoint(...).weights() keeps the saved bf16."""
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     output = str(tmp_path / "fp32.pt")
     assert zero_to_fp32.main([runs["trained_dirs"][name], output]) == 0
     state = torch.load(output, weights_only=True)

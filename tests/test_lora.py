@@ -53,10 +53,10 @@ def _write_zero_config(directory, stage):
 # ---------------------------------------------------------------------------------------------------- workers
 
 def _full(name, tensor):
-    """The full tensor of parameter `name` from every model-parallel rank's piece (megatron.reshard's table)."""
+    """The full tensor of parameter `name` from every model-parallel rank's piece (megatron.checkpoint.reshard's table)."""
     import torch.distributed as dist
     import mpu
-    from megatron.reshard import join_shards, partitioning
+    from megatron.checkpoint.reshard import join_shards, partitioning
     dim, stride, _ = partitioning(name)
     world = mpu.get_model_parallel_world_size()
     tensor = tensor.detach().contiguous()
@@ -88,7 +88,7 @@ def _peft_comparison():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import GPT2Config, GPT2LMHeadModel
     from megatron.model.hf_interchange import from_hf_state_dict, from_peft_state_dict
-    from megatron.reshard import shard_for
+    from megatron.checkpoint.reshard import shard_for
     torch.manual_seed(0)
     hf_config = GPT2Config(**HF_SHAPE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                            eos_token_id=0)
@@ -148,7 +148,7 @@ _INITIAL = []   # this rank's pieces of the adapters as _random_b_model_provider
 
 def _mp_worker(train_args, resume_args):
     """At this run's model-parallel size: the PEFT comparison, then a LoRA training run with random initial B;
-    with `resume_args`, then load another size's LoRA checkpoint (through megatron.reshard) and return its adapters."""
+    with `resume_args`, then load another size's LoRA checkpoint (through megatron.checkpoint.reshard) and return its adapters."""
     import pretrain_gpt
     from megatron.initialize import initialize_megatron
     from megatron.training import pretrain, setup_model_and_optimizer
@@ -317,9 +317,9 @@ def test_fresh_adapter_is_peft_init_and_changes_nothing(mp_runs, mp):
 
 
 def test_partitioning_table_matches_the_parameters(mp_runs):
-    """megatron.reshard.partitioning (how checkpoints are joined and split) agrees with mpu's attributes for every
+    """megatron.checkpoint.reshard.partitioning (how checkpoints are joined and split) agrees with mpu's attributes for every
     parameter of a LoRA model at mp 2, the adapters included."""
-    from megatron.reshard import partitioning
+    from megatron.checkpoint.reshard import partitioning
     table = mp_runs[2][0]["partitioning"]
     assert sum(name.endswith(("lora_A", "lora_B")) for name in table) == 2 * 4 * HF_SHAPE["n_layer"]
     for name, (dim, stride) in table.items():
@@ -344,7 +344,7 @@ def test_mp2_equals_mp1(mp_runs):
 
 
 def test_lora_checkpoint_loads_at_another_model_parallel_size(mp_runs):
-    """The mp 2 run's checkpoint resumed at mp 1 (megatron.reshard: the adapters' split dims and stride): its
+    """The mp 2 run's checkpoint resumed at mp 1 (megatron.checkpoint.reshard: the adapters' split dims and stride): its
     adapters bitwise, the iteration and the Adam moments of the adapters only."""
     one, two = mp_runs[1][0], mp_runs[2][0]
     assert one["resumed_iteration"] == 6
@@ -358,7 +358,7 @@ def test_lora_checkpoint_loads_at_another_model_parallel_size(mp_runs):
 
 def test_only_adapters_train(base_then_lora):
     import mpu
-    from megatron.reshard import SavedCheckpoint
+    from megatron.checkpoint.reshard import SavedCheckpoint
     name, base_dir, results = base_then_lora
     base = SavedCheckpoint(base_dir)
     for result in results:

@@ -1,4 +1,4 @@
-"""megatron/memory.py: the model-state estimate equals the engine's real tensors to the byte (stages 0-2, mp 1
+"""megatron/guards/memory.py: the model-state estimate equals the engine's real tensors to the byte (stages 0-2, mp 1
 and 2, dp 2); GPT-2 parameter counts match a real GPT2Model; tools/estimate_memory.py prints the same numbers
 as the training script's start-up line."""
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron import memory
+from megatron.guards import memory
 from megatron.spawn import run_distributed
 from tests.test_training import NO_DROPOUT, TINY
 from tests.zero_helpers import ParallelTinyNet, TinyNet, engine_train_step, ds_config, param_groups

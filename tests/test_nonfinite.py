@@ -113,7 +113,7 @@ def test_skip_nonfinite_steps_leaves_parameters_and_adam_state(tmp_path, path):
 
 
 def _train_until_stopped(args_list):
-    from megatron.operations import NonFiniteError
+    from megatron.guards.operations import NonFiniteError
     try:
         _train_poisoned(args_list, 2, 1)
     except NonFiniteError as error:
@@ -151,7 +151,7 @@ class _ThreeParameters(torch.nn.Module):
 def test_megatron_path_names_the_parameter_with_one_bad_element():
     """operations.first_nonfinite_gradient: one NaN (or inf) element of a non-first parameter's gradient is enough;
     all finite (or no gradients) is None."""
-    from megatron.operations import first_nonfinite_gradient
+    from megatron.guards.operations import first_nonfinite_gradient
     module = _ThreeParameters()
     assert first_nonfinite_gradient(module) is None                 # no gradients yet
     for p in module.parameters():
@@ -176,7 +176,7 @@ def _zero_one_nan_element(poison_rank):
     """For each stage and poisoned element of fc2.weight (one NaN on one rank's local gradient, before the
     reduction): (stage, element, this rank's last_nonfinite_param name, the name every rank reports, steps skipped)."""
     from megatron import zero
-    from megatron.operations import gather_first_name
+    from megatron.guards.operations import gather_first_name
     from tests.zero_helpers import TinyNet, batch, ds_config, param_groups
     rank, out = torch.distributed.get_rank(), []
     for stage in (1, 2, 3):
@@ -218,7 +218,7 @@ def test_zero_engine_names_the_parameter_with_one_bad_element(deepspeed_stopped)
 
 
 def test_min_loss_scale_watch_counts_only_skips_at_the_minimum():
-    from megatron.operations import LossScaleStuckError, MinLossScaleWatch
+    from megatron.guards.operations import LossScaleStuckError, MinLossScaleWatch
     watch = MinLossScaleWatch(min_scale=1.0, limit=3, initial_scale=4.0)
     # (skipped, scale after the step): two ordinary skips down to the minimum, two at it, a clean step resets
     for iteration, (skipped, scale) in enumerate([(1, 2.0), (1, 1.0), (1, 1.0), (1, 1.0), (0, 1.0), (1, 1.0),
@@ -236,7 +236,7 @@ def _train_overflowing_fp16(args_list):
     """pretrain with every training loss made inf (every fp16 gradient overflows); the error's text, or None."""
     import pretrain_gpt
     from megatron import training
-    from megatron.operations import LossScaleStuckError
+    from megatron.guards.operations import LossScaleStuckError
 
     def forward_step(data_iterator, model):
         loss, reduced = pretrain_gpt.forward_step(data_iterator, model)

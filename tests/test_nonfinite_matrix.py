@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron.spawn import run_distributed
-from megatron.zero.checkpoint import LATEST_FILE, MODEL, MODULE, TRACKER_FILENAME
+from megatron.checkpoint.layout import LATEST_FILE, MODEL, MODULE, TRACKER_FILENAME
 from tests.test_deepspeed_path import write_config
 from tests.test_training import NO_DROPOUT, TINY
 
@@ -73,7 +73,7 @@ def _run_cases(cases):
     flags, loss scales and gradient norms, and the 'skipped step' lines it printed."""
     import pretrain_gpt
     from megatron import training
-    from megatron.operations import NonFiniteError
+    from megatron.guards.operations import NonFiniteError
     results = []
     for flags, poison_rank in cases:
         printed, error, history = io.StringIO(), None, {}

@@ -345,8 +345,8 @@ def test_pp2_zero_checkpoint_continues_at_pp1(saved_zero_pp2, deepspeed_config, 
 def test_pp2_zero_checkpoint_missing_stage_is_named(saved_zero_pp2, tmp_path):
     import shutil
 
-    from megatron.reshard import SavedCheckpoint
-    from megatron.zero.checkpoint import CheckpointError
+    from megatron.checkpoint.reshard import SavedCheckpoint
+    from megatron.checkpoint.layout import CheckpointError
     save, _ = saved_zero_pp2
     shutil.copytree(os.path.join(save, "iter_0000010"), tmp_path / "iter_0000010")
     saved = SavedCheckpoint(str(tmp_path), "iter_0000010")

@@ -4,7 +4,7 @@ itself on two gloo processes follows that order."""
 import pytest
 import torch
 
-from megatron.schedules import num_warmup_micro_batches, pipeline_order
+from megatron.pipeline.schedules import num_warmup_micro_batches, pipeline_order
 
 
 def _expected(num_stages, stage, num_micro_batches):
@@ -110,7 +110,7 @@ class _Stage(torch.nn.Module):
 def _executed_orders(num_micro_batches):
     """The executor's own order of forwards and backwards on this stage of a 2-stage gloo pipeline."""
     import mpu
-    from megatron import p2p_communication, schedules
+    from megatron.pipeline import p2p_communication, schedules
     mpu.initialize_model_parallel(1, 2)
     model, trace = _Stage(), []
     batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])

@@ -386,7 +386,7 @@ def test_converters_and_checkpoint_util_report_tensors_done_of_total(small, tmp_
     import convert_from_hf
     import convert_to_hf
     from megatron.tokenizer import GPT2BPETokenizer
-    from megatron.zero import checkpoint as ckpt
+    from megatron.checkpoint import layout as ckpt
     vocab = GPT2BPETokenizer(small["vocab"], small["merges"]).vocab_size
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=16, n_embd=32, n_layer=2, n_head=4)).save_pretrained(

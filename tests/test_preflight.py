@@ -1,5 +1,5 @@
 """Pre-flight agreement: ranks started with different settings all stop before the model is built, naming every
-difference and which ranks hold which value (megatron.preflight)."""
+difference and which ranks hold which value (megatron.guards.preflight)."""
 import json
 import os
 import subprocess
@@ -16,7 +16,7 @@ def _initialize(per_rank_args):
     """initialize_megatron with this rank's arguments; returns the PreflightError text (None when they agree)."""
     import torch.distributed as dist
     from megatron.initialize import initialize_megatron
-    from megatron.preflight import PreflightError
+    from megatron.guards.preflight import PreflightError
     try:
         initialize_megatron(args_list=TINY + per_rank_args[dist.get_rank()])
     except PreflightError as error:
@@ -39,7 +39,7 @@ def test_different_hidden_size_and_seed_stop_every_rank_naming_both_values():
 def test_only_the_documented_per_process_keys_are_left_out_of_the_digest(tmp_path):
     """Every argument is in the digest except rank, local_rank, the parsed config object (its content is, as
     zero_config.*) and the config file's path; the seed is in it."""
-    from megatron import preflight
+    from megatron.guards import preflight
     from megatron.arguments import parse_args
     args = parse_args(args_list=TINY + ["--hidden-size", "32", "--seed", "1", "--deepspeed", "--deepspeed_config",
                                         _config(str(tmp_path), "ds.json", 2)])
@@ -52,7 +52,7 @@ def test_only_the_documented_per_process_keys_are_left_out_of_the_digest(tmp_pat
 def test_a_key_on_one_rank_only_is_reported_by_name():
     """differences() takes the union of every rank's keys: a key absent from rank 0's digest (or any other) is
     reported with '<absent>' for the ranks that lack it."""
-    from megatron import preflight
+    from megatron.guards import preflight
     same = {"hidden_size": "32", "seed": "1"}
     found = preflight.differences([same, dict(same, only_here="x"), dict(same), dict(same, only_here="x")])
     assert found == [("only_here", {"<absent>": [0, 2], "x": [1, 3]})]
@@ -82,9 +82,9 @@ def test_different_json_config_stops_every_rank(tmp_path):
 
 
 def test_digest_names_changed_source_file():
-    from megatron import preflight
+    from megatron.guards import preflight
     digest = preflight.source_digest()
-    assert "source:pretrain_gpt.py" in digest and "source:megatron/preflight.py" in digest
+    assert "source:pretrain_gpt.py" in digest and "source:megatron/guards/preflight.py" in digest
     assert any(key.startswith("source:mpu/") for key in digest)
     other = dict(digest, **{"source:megatron/training.py": "0" * 16})
     found = preflight.differences([digest, other, digest])

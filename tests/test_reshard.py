@@ -6,7 +6,7 @@ checkpoint at dp4 touches only each rank's share of the optimizer files; a bf16 
 offline) at mp1 keeps its fp32 masters and Adam moments bitwise (read back from the files by hand); bad inputs name
 the problem.
 
-The reference state is gathered independently of megatron.reshard: in the saving run, right after the save, from
+The reference state is gathered independently of megatron.checkpoint.reshard: in the saving run, right after the save, from
 the live model and optimizer (all-gather over the data- and model-parallel groups)."""
 import json
 import os
@@ -180,7 +180,7 @@ def _load_and_save(args_list, save_dir):
     from megatron.initialize import initialize_megatron
     from megatron.train_state import CheckpointOptions
     from megatron.training import setup_model_and_optimizer
-    from megatron.utils import save_checkpoint
+    from megatron.checkpoint import save_checkpoint
     import pretrain_gpt
     initialize_megatron(args_list=args_list)
     model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(pretrain_gpt.model_provider)
@@ -229,7 +229,7 @@ OPTIMIZER_KINDS_BY_HAND = ("master", "exp_avg", "exp_avg_sq")
 def _saved_zero_state_by_hand(tag_dir, mp):
     """{name: {"weight", "master", "exp_avg", "exp_avg_sq"}} of a dp1 ZeRO checkpoint, read with torch.load alone:
     each mp rank's flat fp32 groups cut in its param_names order, the shards joined by SPLIT_BY_HAND."""
-    from megatron.zero import checkpoint as ckpt
+    from megatron.checkpoint import layout as ckpt
     per_rank = []
     for rank in range(mp):
         model = torch.load(os.path.join(tag_dir, ckpt.model_states_name(rank)), weights_only=True)
@@ -349,7 +349,7 @@ class _CountingTensor(torch.Tensor):
 
 
 def _counting_optimizer_states(state):
-    from megatron.zero import checkpoint as ckpt
+    from megatron.checkpoint import layout as ckpt
     for group in state[ckpt.GROUPS]:
         group[ckpt.MASTER] = group[ckpt.MASTER].as_subclass(_CountingTensor)
         group[ckpt.SLICE_STATE] = {k: v.as_subclass(_CountingTensor) for k, v in group[ckpt.SLICE_STATE].items()}
@@ -361,7 +361,7 @@ def _load_measuring_optimizer_reads(args_list):
     import pretrain_gpt
     from megatron.initialize import initialize_megatron
     from megatron.training import setup_model_and_optimizer
-    from megatron.zero import checkpoint as ckpt
+    from megatron.checkpoint import layout as ckpt
     original = ckpt.safe_torch_load
 
     def load(path, *args, **kwargs):
@@ -393,7 +393,7 @@ def test_loading_a_dp1_checkpoint_at_dp4_reads_only_each_ranks_share(tmp_path):
 # ---------------------------------------------------------------------------------------------- rules, bad input
 def _partitioning_of_real_parameters():
     from megatron.model import GPT2Model, GPT2ModelConfig
-    from megatron.reshard import partitioning
+    from megatron.checkpoint.reshard import partitioning
     model = GPT2Model(GPT2ModelConfig(num_layers=1, vocab_size=16, hidden_size=8, num_attention_heads=2,
                                       max_sequence_length=4))
     return [(name, partitioning(name)[:2], (getattr(p, "partition_dim", None) if getattr(p, "model_parallel", False)
@@ -410,7 +410,7 @@ def _load_expecting_error(args_list):
     import pretrain_gpt
     from megatron.initialize import initialize_megatron
     from megatron.training import setup_model_and_optimizer
-    from megatron.zero.checkpoint import CheckpointError
+    from megatron.checkpoint.layout import CheckpointError
     initialize_megatron(args_list=args_list)
     try:
         setup_model_and_optimizer(pretrain_gpt.model_provider)

@@ -288,7 +288,7 @@ def _hf_step(setup, examples, train_on_prompt):
 
 
 def _saved_weights_as_hf(save_dir):
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     from megatron.model.hf_interchange import to_hf_state_dict
     checkpoint = read_full_checkpoint(save_dir)
     return to_hf_state_dict(checkpoint.fp32_weights(), checkpoint.model_config)

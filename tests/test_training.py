@@ -131,7 +131,7 @@ def test_fp16_optimizer_skip_and_fp32_masters():
 def _exit_controller_after_foreign_sigterm_handler():
     """signal.signal() returns None when the previous SIGTERM handler was installed outside Python."""
     import signal
-    from megatron.exit_controller import ExitController
+    from megatron.guards.exit_controller import ExitController
     real = signal.signal
     signal.signal = lambda signum, handler: (real(signum, handler), None)[1]
     try:

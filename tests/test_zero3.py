@@ -122,7 +122,7 @@ def _offload_placement():
     opt = engine.optimizer
     aliased = any(m.untyped_storage().data_ptr() == g.own_partition().untyped_storage().data_ptr()
                   for m, g in zip(opt.masters, opt.groups))
-    from megatron import memory
+    from megatron.guards import memory
     return {k: str(v) for k, v in opt.state_devices().items()}, aliased, memory.measured_model_state_bytes(opt)
 
 

@@ -62,7 +62,7 @@ def _share_and_largest(engine):
     dp = engine.ctx.data_parallel_size
     module = sum(g.numel * g.dtype.itemsize for g in engine.stage3.groups) // dp
     optimizer = sum(g.numel * 4 * 3 for g in engine.optimizer.groups) // dp        # master, exp_avg, exp_avg_sq
-    from megatron.zero.partition import full_numel
+    from mpu import full_numel
     largest = max(full_numel(p) * 4 for p in engine.module.parameters())
     return module + optimizer, largest
 

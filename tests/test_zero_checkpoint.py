@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import zero
-from megatron.zero import checkpoint as ckpt
+from megatron.checkpoint import layout as ckpt
 from megatron.spawn import run_distributed
 from tests.zero_helpers import TinyNet, engine_train_step, max_relative_difference, param_groups
 

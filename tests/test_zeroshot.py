@@ -278,7 +278,7 @@ def test_lambada_cli_on_a_zero_checkpoint_matches_huggingface(tmp_path, zero_che
 
 def _task_errors(argvs):
     """The one-line message tasks/main.py prints for each bad command line (the error main() raises)."""
-    from megatron.zero.checkpoint import CheckpointError
+    from megatron.checkpoint.layout import CheckpointError
     from tasks import main as tasks_main
     messages = []
     for argv in argvs:

@@ -1,6 +1,6 @@
 """Resize a checkpoint offline: write it at another tensor-parallel size and/or in the other path's layout
 (Megatron-LM's tool name and flags). Training does not need this: --load reshards any checkpoint at load time with
-the same code (megatron.reshard). Use it for files at the new size, e.g. to ship a model.
+the same code (megatron.checkpoint.reshard). Use it for files at the new size, e.g. to ship a model.
 
     python tools/checkpoint_util.py --load-dir CKPT --save-dir CKPT_MP4 --target-tensor-parallel-size 4
     python tools/checkpoint_util.py --load-dir CKPT --save-dir CKPT_ZERO --target-path zero
@@ -16,15 +16,15 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 from megatron import cli  # noqa: E402
-from megatron.zero.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 
 def resize(load_dir, save_dir, target_tensor_parallel_size, target_path=None, make_vocab_size_divisible_by=128,
            progress=None):
     """Returns (source description, directory written). `progress`: a cli.ProgressLine counting the tensors
     written (main's prints a line on stderr at most once a second)."""
-    from megatron.full_checkpoint import resize_checkpoint
-    from megatron.reshard import SavedCheckpoint
+    from megatron.checkpoint.full_checkpoint import resize_checkpoint
+    from megatron.checkpoint.reshard import SavedCheckpoint
     if os.path.abspath(load_dir) == os.path.abspath(save_dir):
         raise CheckpointError(f"--save-dir {save_dir} is the --load-dir: write the resized copy elsewhere")
     saved = SavedCheckpoint(load_dir)

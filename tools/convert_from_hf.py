@@ -5,7 +5,7 @@
 
 Reads config.json and model.safetensors (or a sharded model.safetensors.index.json, or pytorch_model.bin, loaded
 with weights_only=True); no hub access. Maps the names back (Conv1D weights transposed, the fused c_attn to
-query_key_value's rows) and writes a 'release' checkpoint through megatron.full_checkpoint.write_full_checkpoint: the
+query_key_value's rows) and writes a 'release' checkpoint through megatron.checkpoint.full_checkpoint.write_full_checkpoint: the
 Megatron layout, or the ZeRO layout with --deepspeed, split for --model-parallel-size, the vocabulary padded to a
 multiple of --make-vocab-size-divisible-by x model-parallel size (train with the same flag). Any vocabulary size
 is accepted. Bad input: one line, exit status 1.
@@ -19,7 +19,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import InterchangeError, check_hf_config, from_hf_state_dict  # noqa: E402
-from megatron.zero.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -108,7 +108,7 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
         weights, model_config = from_hf_state_dict(read_hf_weights(hf_dir), hf_config)
     except InterchangeError as error:
         raise ConversionError(f"{hf_dir}: {error}") from None
-    from megatron.full_checkpoint import write_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import write_full_checkpoint
     try:
         write_full_checkpoint(save_dir, weights, model_config, model_parallel_size, deepspeed=deepspeed,
                               make_vocab_size_divisible_by=make_vocab_size_divisible_by, progress=progress)

@@ -38,7 +38,7 @@ from megatron.model.hf_interchange import (InterchangeError, lora_layout, merge_
                                            to_hf_config_dict, to_hf_state_dict, to_peft_state_dict)
 from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
-from megatron.zero.checkpoint import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
+from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
 
 DEFAULT_VOCAB_FILE = os.path.join(REPO, "data", "webtext", "vocab.json")
 DEFAULT_MERGE_FILE = os.path.join(REPO, "data", "webtext", "merges.txt")
@@ -71,9 +71,9 @@ def check_checkpoint_dir(load_dir):
 
 
 def read_checkpoint(load_dir):
-    """megatron.full_checkpoint.read_full_checkpoint with one-line errors."""
+    """megatron.checkpoint.full_checkpoint.read_full_checkpoint with one-line errors."""
     check_checkpoint_dir(load_dir)
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     try:
         return read_full_checkpoint(load_dir)
     except (CheckpointError, OSError, ValueError, KeyError) as error:

@@ -1,4 +1,4 @@
-"""Model-state and activation memory per rank of a GPT-2 shape, without hardware (megatron/memory.py).
+"""Model-state and activation memory per rank of a GPT-2 shape, without hardware (megatron/guards/memory.py).
 
     python tools/estimate_memory.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
         --vocab-size 50257 --model-parallel-size 2 --data-parallel-size 8 --zero-stage 2 --bf16 --micro-batch-size 4
@@ -14,12 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import cli  # noqa: E402
-from megatron import memory  # noqa: E402
-
-
-def _vocab_size_with_padding(vocab_size, divisible_by, model_parallel_size):
-    multiple = divisible_by * model_parallel_size
-    return -(-vocab_size // multiple) * multiple
+from megatron.guards import memory  # noqa: E402
+from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
 
 
 def build_parser():
@@ -57,7 +53,7 @@ def build_parser():
 
 def estimate(args):
     """(parameters per mp rank, per-group counts, model-state bytes, activation bytes)."""
-    padded_vocab = _vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
+    padded_vocab = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.model_parallel_size)
     counts = memory.gpt2_param_groups(args.num_layers, args.hidden_size, padded_vocab,
                                       args.max_position_embeddings or args.seq_length, args.model_parallel_size)
@@ -97,7 +93,7 @@ def plan(device_bytes, dtype="bfloat16", vocab=50257, seq=2048, threshold=100_00
         for dp in PLAN_DP:
             best = None
             for name, layers, hidden, _ in PLAN_SHAPES:
-                padded = _vocab_size_with_padding(vocab, 128, 1)
+                padded = vocab_size_with_padding(vocab, 128, 1)
                 sizes = memory.gpt2_parameter_sizes(layers, hidden, padded, seq)
                 counts = memory.gpt2_param_groups(layers, hidden, padded, seq)
                 persistent = sum(n for n, _ in sizes if n <= threshold) if stage == 3 else 0

@@ -28,8 +28,8 @@ from megatron.initialize import initialize_megatron, run_main  # noqa: E402
 from megatron.posttrain import TEMPLATES, encode_prompt  # noqa: E402
 from megatron.text_generation import generate, load_inference_model  # noqa: E402
 from megatron.text_generation.generation import check_sampling_options  # noqa: E402
-from megatron.utils import get_checkpoint_iteration  # noqa: E402
-from megatron.zero.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint import get_checkpoint_iteration  # noqa: E402
+from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 
 def add_text_generate_args(parser):

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 from megatron import cli  # noqa: E402
-from megatron.atomic_io import atomic_path  # noqa: E402
+from megatron.checkpoint.atomic_io import atomic_path  # noqa: E402
 
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 

@@ -30,7 +30,7 @@ REPO_ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 sys.path.insert(0, REPO_ROOT)
 from megatron import cli  # noqa: E402
-from megatron.atomic_io import atomic_write_text  # noqa: E402
+from megatron.checkpoint.atomic_io import atomic_write_text  # noqa: E402
 from megatron.data.gpt_dataset import get_train_valid_test_split_  # noqa: E402
 from megatron.posttrain.sft_dataset import output_prefixes  # noqa: E402
 import prepare_default_data  # noqa: E402

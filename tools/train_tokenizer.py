@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 from megatron import cli  # noqa: E402
-from megatron.atomic_io import atomic_write_text  # noqa: E402
+from megatron.checkpoint.atomic_io import atomic_write_text  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"
 

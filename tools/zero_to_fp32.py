@@ -17,7 +17,7 @@ import sys
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
-from megatron.zero.checkpoint import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
+from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
 
 
 class ConversionError(Exception):
@@ -34,7 +34,7 @@ def _tags(checkpoint_dir):
 
 
 def _read(checkpoint_dir, tag=None):
-    from megatron.full_checkpoint import read_full_checkpoint
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     try:
         return read_full_checkpoint(checkpoint_dir, tag)
     except (CheckpointError, OSError, ValueError, KeyError) as error:
@@ -59,7 +59,7 @@ def consolidate(checkpoint_dir, output_file, tag=None):
         full = _read(checkpoint_dir, tag)
     state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in
              full.fp32_weights().items()}
-    from megatron.atomic_io import atomic_torch_save
+    from megatron.checkpoint.atomic_io import atomic_torch_save
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
         atomic_torch_save(state, output_file)

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from megatron.atomic_io import agree_on_success, atomic_path
+from megatron.checkpoint.atomic_io import agree_on_success, atomic_path
 
 from .indexed_dataset import MMapIndexedDataset, index_file_path
 

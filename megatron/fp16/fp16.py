@@ -1,5 +1,5 @@
 """Megatron's mixed-precision optimizer: low-precision (fp16/bf16) model parameters, fp32 master copies that
-the inner optimizer updates, and (fp16) a dynamic loss scale from megatron.zero.loss_scaler.
+the inner optimizer updates, and (fp16) a dynamic loss scale from megatron.fp16.loss_scaler.
 
 Per iteration (Megatron's interface):
     optimizer.zero_grad()

@@ -5,7 +5,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import mpu
-from megatron import breadcrumbs
+from megatron.guards import breadcrumbs
 
 
 class DistributedDataParallel(nn.Module):

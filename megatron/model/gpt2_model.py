@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 import mpu
-from megatron.zero.stage3 import register_external_parameter
-from megatron.zero.zero_init import GatheredParameters
+from megatron.zero import GatheredParameters, register_external_parameter
 
 
 @dataclass(frozen=True)

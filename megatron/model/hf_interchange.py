@@ -5,7 +5,7 @@
     hf_config = to_hf_config_dict(model_config, eod_id)          # -> the keyword arguments of GPT2Config
     weights, model_config = from_hf_state_dict(hf_state, hf_config)   # HF -> ours (hf_config: config.json dict)
 
-`weights` are what megatron.reshard returns: {our name: full tensor}, vocabulary rows = the real vocabulary.
+`weights` are what megatron.checkpoint.reshard returns: {our name: full tensor}, vocabulary rows = the real vocabulary.
 `model_config`: num_layers, hidden_size, num_attention_heads, max_sequence_length, vocab_size (real),
 layernorm_epsilon.
 

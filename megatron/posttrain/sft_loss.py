@@ -25,7 +25,7 @@ token inside its example and position ids that restart at 0 at each example (meg
 import torch
 
 import mpu
-from megatron import breadcrumbs
+from megatron.guards import breadcrumbs
 from megatron.data.masks import document_masks_and_position_ids
 
 ROW_KEYS = ("text", "loss_mask", "segments")

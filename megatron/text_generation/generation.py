@@ -150,7 +150,7 @@ def load_inference_model(args):
     import dataclasses
     from megatron.model import GPT2Model, GPT2ModelConfig
     from megatron.train_state import CheckpointOptions
-    from megatron.utils import load_checkpoint
+    from megatron.checkpoint import load_checkpoint
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(f"generation and evaluation need the whole model on one stage, not "
                          f"--pipeline-model-parallel-size {mpu.get_pipeline_model_parallel_world_size()}: run with "

@@ -48,7 +48,7 @@ def load_from_megatron_args(args_list):
     and mpu like the tools do, then loads the checkpoint named by --load weights-only."""
     from megatron.global_vars import get_tokenizer
     from megatron.initialize import initialize_megatron
-    from megatron.utils import get_checkpoint_iteration
+    from megatron.checkpoint import get_checkpoint_iteration
     if isinstance(args_list, str):
         args_list = shlex.split(args_list)
 
@@ -195,7 +195,7 @@ def main():
     """The harness's command line with this model registered; our bad input (flags, checkpoint) is one line."""
     import sys
     from lm_eval.__main__ import cli_evaluate
-    from megatron.zero.checkpoint import CheckpointError
+    from megatron.checkpoint.layout import CheckpointError
     try:
         cli_evaluate()
     except (CheckpointError, ValueError) as error:

@@ -70,6 +70,14 @@ def vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by, model_para
     return -(-vocab_size // multiple) * multiple
 
 
+def set_padded_vocab_size(args, vocab_size):
+    """The one place args.padded_vocab_size is set (a tokenizer's vocabulary, or --vocab-size with --mock-data):
+    the word embedding's rows, split evenly over the model-parallel ranks."""
+    args.padded_vocab_size = vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by,
+                                                     args.model_parallel_size)
+    return args.padded_vocab_size
+
+
 def build_tokenizer(args):
     """Build the tokenizer named by args.tokenizer_type and set args.padded_vocab_size.
 
@@ -85,8 +93,7 @@ def build_tokenizer(args):
     if args.vocab_file is None or args.merge_file is None:
         raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size)
+    set_padded_vocab_size(args, tokenizer.vocab_size)
     if rank == 0:
         print(f" > padded vocab (size: {tokenizer.vocab_size}) with "
               f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size}) "

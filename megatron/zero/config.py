@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .loss_scaler import LossScalerConfig
+from megatron.fp16.loss_scaler import LossScalerConfig
 
 
 class ConfigError(ValueError):

@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 import mpu.lora as mpu_lora
-from megatron import atomic_io
+from mpu.utils import full_shape
+from megatron.checkpoint import atomic_io, layout as ckpt
 from megatron.timers import Timers
 
-from . import checkpoint as ckpt
 from . import stage3
 from .optimizer import ZeroOptimizer
-from .partition import full_shape
 
 
 class ZeroEngine(torch.nn.Module):
@@ -143,6 +142,12 @@ class ZeroEngine(torch.nn.Module):
     def zero_optimization_stage(self):
         return self.config.zero_optimization.stage
 
+    def set_step_counters(self, global_steps, skipped_steps):
+        """Resume the step counters (a checkpoint of this engine or of any other topology): micro steps
+        follow from this run's accumulation, which may differ from the saving run's."""
+        self.global_steps, self.skipped_steps = int(global_steps), int(skipped_steps)
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+
     def get_lr(self):
         return [group["lr"] for group in self.optimizer.param_groups]
 
@@ -158,7 +163,7 @@ class ZeroEngine(torch.nn.Module):
         `latest` (the commit point), then calls on_commit(). When any rank fails, every rank raises
         CheckpointError (none waits forever) and the previous checkpoint stays the latest.
         `async_save`: returns once the states are copied to host memory; the files are written in a background
-        thread and published by the next save or load (megatron.atomic_io.finish_pending_save)."""
+        thread and published by the next save or load (megatron.checkpoint.atomic_io.finish_pending_save)."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
@@ -169,7 +174,7 @@ class ZeroEngine(torch.nn.Module):
 
         def commit():
             if save_latest:
-                ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
+                ckpt.write_latest_tag(save_dir, tag)
             if on_commit is not None:
                 on_commit()
         atomic_io.save_directory_atomically(os.path.join(save_dir, tag), write, commit, self.device, is_rank_0,
@@ -299,7 +304,5 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:
             self.lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
-        self.global_steps = state[ckpt.GLOBAL_STEPS]
-        self.skipped_steps = state[ckpt.SKIPPED_STEPS]
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()   # accumulation may differ
+        self.set_step_counters(state[ckpt.GLOBAL_STEPS], state[ckpt.SKIPPED_STEPS])
         return path, state[ckpt.CLIENT_STATE]

@@ -16,10 +16,10 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
 import torch
 
 from .bucketing import BoundaryReducer, BucketReducer
-from .checkpoint import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
+from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
                          PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
 from .grad_norm import clip_coefficient, global_norm_and_overflow
-from .loss_scaler import LossScaler, LossScalerConfig
+from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
 from .partition import FlatGroup
 
 
@@ -234,7 +234,7 @@ class ZeroOptimizer:
         self.loss_scaler.load_state_dict(states[0][LOSS_SCALER])
 
     def load_full_state(self, tensor_of, scalar_states, hyperparameters, loss_scaler_state):
-        """Load from a checkpoint of another topology or path (megatron.reshard): `tensor_of(param, kind)` is this
+        """Load from a checkpoint of another topology or path (megatron.checkpoint.reshard): `tensor_of(param, kind)` is this
         model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
         (None: not saved). Only the parameters that overlap this rank's range are asked for."""
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):

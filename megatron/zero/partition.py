@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpu.utils import full_numel
+
 from .collectives import gather_equal_pieces
 
 ALIGNMENT = 32   # elements; every partition size is a multiple of it (128 bytes in fp32)
@@ -59,15 +61,6 @@ class ParallelContext:
 def padded_size(numel, num_partitions):
     unit = num_partitions * ALIGNMENT
     return -(-numel // unit) * unit
-
-
-def full_numel(param):
-    """Elements of the whole parameter, also while ZeRO-3 holds only a partition of it (`ds_numel`)."""
-    return getattr(param, "ds_numel", None) or param.numel()
-
-
-def full_shape(param):
-    return getattr(param, "ds_shape", None) or param.shape
 
 
 class FlatLayout:

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .partition import FlatLayout, full_numel, full_shape
+from mpu.utils import full_numel, full_shape
+
+from .partition import FlatLayout
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
 

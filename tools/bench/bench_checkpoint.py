@@ -17,19 +17,19 @@ Target: >= 0.8x (atomicity must not cost more).
 
 A second table is --async-save's blocking time: save_checkpoint synchronously next to save_checkpoint with
 async_save (the training loop waits only for the copy to host memory; a thread writes and fsyncs), and the time
-until that save is published (megatron.atomic_io.finish_pending_save right after: the rest of the write, the
+until that save is published (megatron.checkpoint.atomic_io.finish_pending_save right after: the rest of the write, the
 manifest, the rename). Target: blocking <= 10% of the synchronous save at ~1 GB.
 
 `--reshard` adds a table: the same mp-1 checkpoint loaded by fresh processes at model-parallel 1 (the
-saving size: the path's own loader) and at 2 and 4 (megatron.reshard, reading only the overlapping pieces of the
+saving size: the path's own loader) and at 2 and 4 (megatron.checkpoint.reshard, reading only the overlapping pieces of the
 memory-mapped shards): seconds per process (median over repeats), and per process its anonymous resident memory
 (RssAnon; the touched pages of a memory-mapped file are page cache), the bytes it owns (weights + Adam moments of
 its shard), the peak growth during the load (sampled every 2 ms), and the largest tensor.
 Targets: resharding <= 1.5x the plain load's time; growth <= the largest tensor (the share itself was allocated
 when the model and optimizer were built).
 
-A third table is the manifest's cost (megatron.manifest: size and crc32 of every file, written last): the same
-state saved with megatron.atomic_io.atomic_torch_save with and without its checksum (read back in a thread while
+A third table is the manifest's cost (megatron.checkpoint.manifest: size and crc32 of every file, written last): the same
+state saved with megatron.checkpoint.atomic_io.atomic_torch_save with and without its checksum (read back in a thread while
 the file is fsynced), back to back, alternating which goes first ("added": median of the pairs' relative
 difference); and the crc32 of the saved file by itself (page cache, no overlap: the cost if it were computed after
 the save), as a fraction of the save. Target: the added time <= 5%.
@@ -55,7 +55,7 @@ from bench_common import init_single_process  # noqa: E402
 from megatron.learning_rates import AnnealingLR  # noqa: E402
 from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
 from megatron.train_state import CheckpointOptions, TrainState  # noqa: E402
-from megatron.utils import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: E402
 
 SIZES = {  # name: (layers, hidden, heads, vocab, seq)
     "small": (2, 32, 4, 64, 16),
@@ -138,7 +138,7 @@ def bench(name, repeats, root):
 def bench_manifest(name, repeats, root):
     """Seconds (medians): atomic save without / with the checksum, and crc32 of the file alone; "added": the
     median over repeats of (with - without) / without, each pair run back to back. Returns (size, {column: value})."""
-    from megatron import atomic_io, manifest
+    from megatron.checkpoint import atomic_io, manifest
     model, optimizer, scheduler = build(*SIZES[name])
     state = checkpoint_state(TrainState(iteration=1), model, optimizer, scheduler, CheckpointOptions())
     times = {"save": [], "save+checksum": [], "crc32 alone": []}
@@ -160,7 +160,7 @@ def bench_async(name, repeats, root):
     """Seconds (medians): synchronous save_checkpoint; with async_save, until it returns (blocking) and until
     finish_pending_save() returns after it (published); the two alternate which goes first. Returns
     (size, {column: seconds})."""
-    from megatron import atomic_io
+    from megatron.checkpoint import atomic_io
     model, optimizer, scheduler = build(*SIZES[name])
     times = {"sync": [], "blocking": [], "published": []}
     size = None

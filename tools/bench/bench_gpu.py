@@ -12,7 +12,7 @@ tokens/s x `flops_per_token` (Narayanan et al. 2021, eq. 3: 24 L h^2 (1 + s/6h) 
 4 with activation recomputation, plus 6 h V for the LM head); MFU = that / the GPU's dense peak for the precision
 (PEAK_TFLOPS, datasheet figures without sparsity; --peak-tflops overrides). The training log's own "TFLOP/s per
 rank" (megatron/training.py `_flops_per_iteration`) is recorded too, as `log_tflops`.
-Memory: max_memory_allocated next to the model-state formula (megatron/memory.py, the ZeRO paper's 2P + 2P + 12P
+Memory: max_memory_allocated next to the model-state formula (megatron/guards/memory.py, the ZeRO paper's 2P + 2P + 12P
 at dp 1) plus the activation estimate (Korthikanti et al. 2022) for the micro-batch.
 """
 import argparse
@@ -129,7 +129,7 @@ def run_cell(model, precision, stage, args):
     """Train one cell in this process; returns its row (dict)."""
     import torch
     import pretrain_gpt
-    from megatron import memory
+    from megatron.guards import memory
     m, micro = MODELS[model], args.micro_batch or MODELS[model]["micro"]
     with tempfile.TemporaryDirectory() as scratch:
         config_path, jsonl_path = os.path.join(scratch, "ds_config.json"), os.path.join(scratch, "log.jsonl")

@@ -3,7 +3,7 @@
     python tools/bench/bench_pipeline.py                       # P = 2, M = 2, 4, 8; markdown table
     python tools/bench/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
 
-Each cell runs megatron.schedules on gloo processes with a GPT2Model split into P stages (fp32, dropout off).
+Each cell runs megatron.pipeline.schedules on gloo processes with a GPT2Model split into P stages (fp32, dropout off).
 Bubble = 1 - (time inside forward/backward) / (step time), averaged over the stages: the share of a step a stage
 waits for its neighbours (the formula assumes equal stage times and free communication). tokens/s is the same
 global batch (M micro-batches) through pp1 on one process and through pp2 on two; on a CPU with one core per
@@ -23,7 +23,7 @@ def _cell(stages, micro_batches, steps, layers, hidden, seq, micro):
     """On every rank of a P-stage pipeline: (median step s, median compute s) over `steps` timed steps."""
     import torch
     import mpu
-    from megatron import p2p_communication, schedules
+    from megatron.pipeline import p2p_communication, schedules
     from megatron.model import GPT2Model, GPT2ModelConfig
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, stages)

@@ -13,7 +13,7 @@ held by real tensors) next to the ZeRO formula, and peak RSS per rank. Every var
 (--adam, default fused, as megatron.training.get_optimizer does).
 
 A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
-counted by megatron.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
+counted by megatron.guards.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
 2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total; stage 3
 reduce-scatter + a gather before forward and one before backward (parameters under the persistence threshold stay
 whole: one refresh after the step instead). This figure does not depend on the machine's speed.
@@ -113,7 +113,7 @@ def _tensor_bytes(tensors):
 
 def _build(variant, zero_options, adam, count_ddp_comm=False):
     """(parameter count, train_step(tokens, targets), state_bytes()) for one variant on this rank.
-    `count_ddp_comm` routes torch DDP's all-reduce through Python so megatron.comm_bytes sees it."""
+    `count_ddp_comm` routes torch DDP's all-reduce through Python so megatron.guards.comm_bytes sees it."""
     kind, precision = variant.split("-")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = GPT()
@@ -124,7 +124,7 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
     if kind in ("ddp", "ddpamp"):
         engine = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         if count_ddp_comm:
-            from megatron.comm_bytes import count_ddp_allreduce
+            from megatron.guards.comm_bytes import count_ddp_allreduce
             count_ddp_allreduce(engine)
         autocast = kind == "ddpamp" and precision == "bf16"
         device_type = next(model.parameters()).device.type
@@ -168,7 +168,7 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
 
     def state_bytes():     # on the device (what offload moves to the host is not counted)
         if hasattr(optimizer, "partitioned_state_bytes"):
-            from megatron.memory import measured_model_state_bytes
+            from megatron.guards.memory import measured_model_state_bytes
             return measured_model_state_bytes(optimizer)["total"]
         return float("nan")
     return params, train_step, state_bytes
@@ -189,7 +189,7 @@ def adam_options(adam):
     default."""
     if adam == "default":
         return {}
-    from megatron.zero.builder import adam_kernel_options
+    from megatron.zero import adam_kernel_options
     return adam_kernel_options(torch.device("cpu"))
 
 
@@ -221,7 +221,7 @@ def _comm_worker(variants, zero_options, adam):
     """{variant: (bytes sent by op in the second step, gradient bytes, bytes of stage-3 persistent parameters)}
     on this rank; the first step warms up."""
     from megatron import zero
-    from megatron.comm_bytes import CommCounter
+    from megatron.guards.comm_bytes import CommCounter
     numels = [p.numel() for p in GPT().parameters()]       # full sizes (stage 3 partitions the model's own)
     threshold = zero.load_config({"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {
         "stage": 3, **zero_options}}, dist.get_world_size()).zero_optimization.stage3_param_persistence_threshold
@@ -404,7 +404,7 @@ def main():
     if comm_sizes:
         measured = {dp: run_distributed(_comm_worker, dp, args=(variants, zero_options, args.adam),
                                         timeout=1800)[0] for dp in comm_sizes}
-        print("# bytes each rank sends in one training step (megatron.comm_bytes cost model), ideal: DDP/stage 0 "
+        print("# bytes each rank sends in one training step (megatron.guards.comm_bytes cost model), ideal: DDP/stage 0 "
               "2(dp-1)/dp G, stages 1-2 (dp-1)/dp G reduce-scatter + (dp-1)/dp G all-gather, stage 3 reduce-scatter "
               "+ 2 gathers of the partitioned parameters + 1 refresh of the persistent ones")
         print("\n".join(comm_table(measured)))

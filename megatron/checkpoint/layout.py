@@ -1,10 +1,10 @@
 """Checkpoint file names and keys of both layouts (the one place they are spelled), safe loads, checked saves.
 
-    atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.atomic_io;
+    atomic_torch_save(obj, path)   checked (weights_only-safe values only), then atomic: megatron.checkpoint.atomic_io;
                                    returns the file's manifest entry (size, crc32)
     host_copy(state, clone)        the state's tensors in host memory, structure kept (the same file bytes): what
                                    a save writes, and with clone (--async-save) what a background thread writes
-    safe_torch_load(path)          verified against its checkpoint directory's manifest (megatron.manifest), then
+    safe_torch_load(path)          verified against its checkpoint directory's manifest (megatron.checkpoint.manifest), then
                                    torch.load(weights_only=True) on the CPU: a checkpoint can never run code.
                                    Store only tensors, python scalars, str, None, and lists/tuples/dicts of those.
     verify_checkpoint_directory    every listed file (or this rank's share), before a load picks a checkpoint
@@ -18,7 +18,7 @@ ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/latest                                                           the tag, written last
     Under pipelining (P > 1) both names carry the stage, Megatron-style: mp_rank_{mp:02d}_{pp:03d}_model_states.pt,
     zero_pp_rank_{dp}_mp_rank_{mp:02d}_{pp:03d}_optim_states.pt (each stage's parameters under their global names).
-Megatron layout (written by megatron.utils):
+Megatron layout (written by megatron.checkpoint.saving):
     SAVE/iter_{:07d}/mp_rank_{mp:02d}/model_optim_rng.pt                  model, optimizer, lr scheduler, RNG
     SAVE/latest_checkpointed_iteration.txt                                the iteration (both paths write it)
 """
@@ -29,9 +29,9 @@ import re
 
 import torch
 
-from megatron import manifest
-from megatron.atomic_io import atomic_torch_save as _atomic_torch_save
-from megatron.atomic_io import atomic_write_text  # noqa: F401  (re-exported: the checkpoint writers' text files)
+from megatron.checkpoint import manifest
+from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_torch_save
+from megatron.checkpoint.atomic_io import atomic_write_text
 
 # ---- ZeRO layout -------------------------------------------------------------------------------------------
 LATEST_FILE = "latest"
@@ -81,37 +81,59 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padde
 ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")
 
 
+def model_shape_record(num_layers, hidden_size, num_attention_heads, padded_vocab_size, model_parallel_size,
+                       vocab_size, layernorm_epsilon, lora=None):
+    """MODEL_SHAPE as every writer stores it (a LoRA run also records its rank and alpha: convert_to_hf merges
+    the adapters with them; they are not compared on load)."""
+    shape = {"num_layers": num_layers, "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
+             "padded_vocab_size": padded_vocab_size, "model_parallel_size": model_parallel_size,
+             "vocab_size": vocab_size, "layernorm_epsilon": layernorm_epsilon}
+    if lora is not None:
+        shape.update(lora_rank=lora.rank, lora_alpha=lora.alpha)
+    return shape
+
+
+def check_model_shape(saved, ours, fields, where, strict=True):
+    """CheckpointError naming every field of `fields` where the saved MODEL_SHAPE differs from this run's;
+    a field the saved record lacks differs when `strict` (at the saving topology), is skipped otherwise."""
+    diffs = [f"{field} {saved.get(field)} (checkpoint) != {ours[field]} (this run)" for field in fields
+             if field in ours and (strict or field in saved) and saved.get(field) != ours[field]]
+    if diffs:
+        raise CheckpointError(f"{where} was saved by another model shape: {'; '.join(diffs)}")
+
+
 def iteration_dir_name(iteration):
     """The directory of an iteration's checkpoint (both paths; the ZeRO path's tag)."""
     return f"iter_{iteration:07d}"
-
-
-def megatron_rank_dir_name(model_parallel_rank):
-    """The Megatron path's per-model-parallel-rank directory (holds CHECKPOINT_FILENAME)."""
-    return f"mp_rank_{model_parallel_rank:02d}"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, or holds objects that weights_only loading refuses."""
 
 
-def _rank_suffix(model_parallel_rank, pipeline_rank=None):
-    """mp_rank_{tp:02d}, or mp_rank_{tp:02d}_{pp:03d} under pipelining (pipeline_rank None: P = 1, as before)."""
+def rank_dir_name(model_parallel_rank, pipeline_rank=None):
+    """mp_rank_{tp:02d}, or mp_rank_{tp:02d}_{pp:03d} under pipelining (pipeline_rank None: P = 1): the Megatron
+    layout's per-rank directory (holds CHECKPOINT_FILENAME) and the rank part of the ZeRO layout's file names."""
     return f"mp_rank_{model_parallel_rank:02d}" + ("" if pipeline_rank is None else f"_{pipeline_rank:03d}")
 
 
+# rank_dir_name's names (groups: tensor rank, pipeline stage or None), alone or as the ZeRO model-states file's
+RANK_DIR_PATTERN = re.compile(r"mp_rank_(\d+)(?:_(\d{3}))?$")
+MODEL_STATES_PATTERN = re.compile(r"mp_rank_(\d+)(?:_(\d{3}))?_model_states\.pt$")
+
+
 def model_states_name(model_parallel_rank, pipeline_rank=None):
-    return f"{_rank_suffix(model_parallel_rank, pipeline_rank)}_model_states.pt"
+    return f"{rank_dir_name(model_parallel_rank, pipeline_rank)}_model_states.pt"
 
 
 def optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None):
-    return f"zero_pp_rank_{data_parallel_rank}_{_rank_suffix(model_parallel_rank, pipeline_rank)}_optim_states.pt"
+    return f"zero_pp_rank_{data_parallel_rank}_{rank_dir_name(model_parallel_rank, pipeline_rank)}_optim_states.pt"
 
 
 def optim_states_ranks(directory, model_parallel_rank, pipeline_rank=None):
     """Data-parallel ranks that have an optimizer-states file for `model_parallel_rank` (and pipeline stage
     `pipeline_rank`, None at P = 1) in `directory`."""
-    suffix = _rank_suffix(model_parallel_rank, pipeline_rank)
+    suffix = rank_dir_name(model_parallel_rank, pipeline_rank)
     pattern = re.compile(rf"zero_pp_rank_(\d+)_{suffix}_optim_states\.pt$")
     return sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(directory)) if m)
 
@@ -216,7 +238,7 @@ def checkpoint_directory_of(path):
     """The checkpoint directory holding `path` (where its manifest is): the file's directory, or its parent for
     the Megatron layout's mp_rank_XX[_XXX]/model_optim_rng.pt."""
     parent = os.path.dirname(os.path.abspath(path))
-    if re.fullmatch(r"mp_rank_\d+(_\d{3})?", os.path.basename(parent)):
+    if RANK_DIR_PATTERN.match(os.path.basename(parent)):
         return os.path.dirname(parent)
     return parent
 
@@ -277,13 +299,42 @@ def _warn_unverified(directory):
               "or by DeepSpeed): loading it without checking its files", flush=True)
 
 
+def checkpoint_dir(checkpoints_path, iteration, release=False):
+    """SAVE/iter_{:07d} (or SAVE/release): one checkpoint's directory, both layouts."""
+    return os.path.join(checkpoints_path, RELEASE if release else iteration_dir_name(iteration))
+
+
 def read_latest_tag(load_dir):
-    """The tag in `load_dir/latest`, or None when there is no such file."""
+    """The tag in `load_dir/latest` (the ZeRO engine's), or None when there is no such file."""
     path = os.path.join(load_dir, LATEST_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def write_latest_tag(save_dir, tag):
+    atomic_write_text(os.path.join(save_dir, LATEST_FILE), str(tag))
+
+
+def read_tracker(load_dir):
+    """(iteration, release) from Megatron's tracker file in `load_dir` ("release" reads as (0, True)), or None
+    when there is none. CheckpointError when it holds anything else."""
+    tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    if text == RELEASE:
+        return 0, True
+    if not text.isdigit():
+        raise CheckpointError(f"tracker file {tracker} holds {text!r}: expected an iteration number or 'release'")
+    return int(text), False
+
+
+def write_tracker(save_dir, iteration, release=False):
+    """The commit point of a save: Megatron's tracker names the iteration (or "release")."""
+    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), RELEASE if release else str(iteration))
 
 
 _SAFE_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, int, float, bool, str, bytes, type(None))

@@ -6,7 +6,7 @@ the bytes it reads are the bytes the save wrote (torch.load checks no zip CRC: a
      "files": [{"file": "mp_rank_00/model_optim_rng.pt", "size": 1234, "crc32": "9a0b1c2d"}, ...]}
 
 "file" is relative to the checkpoint directory (POSIX separators); "crc32" is zlib.crc32 of the whole file as
-8 hex digits. megatron.atomic_io.save_directory_atomically gathers every rank's entries and writes the manifest
+8 hex digits. megatron.checkpoint.atomic_io.save_directory_atomically gathers every rank's entries and writes the manifest
 into the temporary directory after all files are written, before the directory is renamed into place; a directory
 without one was saved before manifests existed (or by DeepSpeed) and loads unverified.
 

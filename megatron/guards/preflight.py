@@ -93,7 +93,7 @@ def describe(found):
 def check_agreement(args):
     """One all_gather_object over the world; raises PreflightError on every rank when any digests differ."""
     import torch.distributed as dist
-    from megatron import breadcrumbs
+    from megatron.guards import breadcrumbs
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     digest = compute_digest(args)

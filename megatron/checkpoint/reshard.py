@@ -6,7 +6,7 @@ of any other topology or path. Files are memory-mapped: a process touches only t
     saved.full_tensor("word_embeddings.weight")            # [real vocab, h]: the padding rows dropped
     saved.full_tensor(name, "exp_avg")                     # also "exp_avg_sq" and "master" (fp32 masters)
     load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (megatron.utils calls it)
-    megatron.full_checkpoint                               # the tools' entry points (zero_to_fp32, HF, resize)
+    megatron.checkpoint.full_checkpoint                               # the tools' entry points (zero_to_fp32, HF, resize)
 
 How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it
 against the attributes mpu gives the real parameters):
@@ -36,8 +36,8 @@ import re
 import torch
 
 import mpu
+from megatron.checkpoint import atomic_io, layout as ckpt
 from megatron.train_state import TrainState
-from megatron.zero import checkpoint as ckpt
 
 _ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
 _COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.(weight|lora_A)$")
@@ -102,7 +102,6 @@ class SavedCheckpoint:
         self.tag, self.release = tag, tag == ckpt.RELEASE
         if tag is None:
             self.tag, self.release = _tracked_tag(load_dir)
-        from megatron import atomic_io
         self.directory = atomic_io.readable_directory(os.path.join(load_dir, self.tag))
         if not os.path.isdir(self.directory):
             raise ckpt.CheckpointError(f"{self.directory} does not exist (named by {load_dir}'s tracker)")
@@ -129,8 +128,7 @@ class SavedCheckpoint:
     def _model_file(self, mp_rank, stage=None):
         if self.path == "zero":
             return os.path.join(self.directory, ckpt.model_states_name(mp_rank, stage))
-        name = ckpt.megatron_rank_dir_name(mp_rank) + ("" if stage is None else f"_{stage:03d}")
-        return os.path.join(self.directory, name, ckpt.CHECKPOINT_FILENAME)
+        return os.path.join(self.directory, ckpt.rank_dir_name(mp_rank, stage), ckpt.CHECKPOINT_FILENAME)
 
     def _load_model_file(self, mp_rank):
         """One tensor-parallel rank's file; its pipeline stages' files merged into one (memory-mapped)."""
@@ -367,28 +365,19 @@ class SavedCheckpoint:
         return state.get(ckpt.RNG)
 
     def train_state(self):
-        state = self.run_state
-        return TrainState(iteration=int(state.get(ckpt.ITERATION, 0)),
-                          consumed_train_samples=int(state.get(ckpt.CONSUMED_TRAIN_SAMPLES, 0)),
-                          consumed_valid_samples=int(state.get(ckpt.CONSUMED_VALID_SAMPLES, 0)),
-                          skipped_iterations=int(state.get(ckpt.SKIPPED_ITERATIONS, 0)))
+        return TrainState.from_state(self.run_state)
 
 
 def _layout_and_ranks(directory):
     """(path, sorted model-parallel ranks, pipeline stages)."""
     names = os.listdir(directory)
-    staged = [m for m in map(re.compile(r"mp_rank_(\d+)_(\d{3})_model_states\.pt$").match, names) if m]
-    if staged:   # names with the stage exist only at P > 1 (a lost last stage is caught by the recorded size)
-        return "zero", sorted({int(m.group(1)) for m in staged}), max(2, max(int(m.group(2)) for m in staged) + 1)
-    if any(n.endswith("_model_states.pt") for n in names):
-        pattern = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
-        return "zero", sorted(int(m.group(1)) for m in map(pattern.match, names) if m), 1
-    staged = [m for m in map(re.compile(r"mp_rank_(\d+)_(\d{3})$").match, names) if m]
-    if staged:
-        return "megatron", sorted({int(m.group(1)) for m in staged}), max(int(m.group(2)) for m in staged) + 1
-    if any(re.fullmatch(r"mp_rank_\d+", n) for n in names):
-        pattern = re.compile(r"mp_rank_(\d+)$")
-        return "megatron", sorted(int(m.group(1)) for m in map(pattern.match, names) if m), 1
+    for path, pattern in (("zero", ckpt.MODEL_STATES_PATTERN), ("megatron", ckpt.RANK_DIR_PATTERN)):
+        found = [m for m in map(pattern.match, names) if m]
+        staged = [m for m in found if m.group(2) is not None]
+        if staged:   # names with the stage exist only at P > 1 (a lost last stage is caught by the recorded size)
+            return path, sorted({int(m.group(1)) for m in staged}), max(2, max(int(m.group(2)) for m in staged) + 1)
+        if found:
+            return path, sorted(int(m.group(1)) for m in found), 1
     raise ckpt.CheckpointError(f"{directory} is not a checkpoint: it holds neither mp_rank_*/"
                                f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
 
@@ -468,15 +457,10 @@ def _merge_stages(stages, directory):
 
 def _tracked_tag(load_dir):
     """(tag, release) named by Megatron's tracker, else by the engine's `latest`."""
-    tracker = os.path.join(load_dir, ckpt.TRACKER_FILENAME)
-    if os.path.isfile(tracker):
-        text = open(tracker).read().strip()
-        if text == ckpt.RELEASE:
-            return ckpt.RELEASE, True
-        if not text.isdigit():
-            raise ckpt.CheckpointError(f"tracker file {tracker} holds {text!r}: expected an iteration number or "
-                                       "'release'")
-        return ckpt.iteration_dir_name(int(text)), False
+    tracked = ckpt.read_tracker(load_dir)
+    if tracked is not None:
+        iteration, release = tracked
+        return os.path.basename(ckpt.checkpoint_dir("", iteration, release)), release
     tag = ckpt.read_latest_tag(load_dir)
     if tag is None:
         raise ckpt.CheckpointError(f"{load_dir} is not a checkpoint directory: it has neither "

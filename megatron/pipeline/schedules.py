@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import mpu
-from megatron import p2p_communication as p2p
+from megatron.pipeline import p2p_communication as p2p
 from megatron.utils import unwrap_model
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron import breadcrumbs
+from megatron.guards import breadcrumbs
 
 
 class ExitController:

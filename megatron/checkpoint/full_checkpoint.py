@@ -1,14 +1,14 @@
 """The tools' view of a checkpoint: its model as full tensors by name (read_full_checkpoint), and writers of a
 checkpoint at any model-parallel size and path from full tensors (write_full_checkpoint for imported weights,
-resize_checkpoint for tools/checkpoint_util.py). Reading and splitting are megatron.reshard's, the same code that
+resize_checkpoint for tools/checkpoint_util.py). Reading and splitting are megatron.checkpoint.reshard's, the same code that
 loads a checkpoint at another topology during training."""
 import os
 
 import torch
 
-from megatron.reshard import (OPTIMIZER_KINDS, VOCAB_PARAMETER, SavedCheckpoint, default_param_names,
-                              shard_for)
-from megatron.zero import checkpoint as ckpt
+from megatron.checkpoint import atomic_io, layout as ckpt
+from megatron.checkpoint.reshard import (OPTIMIZER_KINDS, VOCAB_PARAMETER, SavedCheckpoint, default_param_names,
+                                         shard_for)
 
 
 class FullCheckpoint:
@@ -82,21 +82,15 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
                       make_vocab_size_divisible_by, saved=None, with_optimizer=False, progress=None):
     """`progress` (a megatron.cli.ProgressLine) counts the shards written: per rank every weight, and with the
     optimizer also its OPTIMIZER_KINDS."""
-    from megatron import atomic_io
     from megatron.tokenizer.tokenizer import vocab_size_with_padding
     vocab = model_config["vocab_size"]
     padded = vocab_size_with_padding(vocab, make_vocab_size_divisible_by, model_parallel_size)
-    shape = {"num_layers": model_config["num_layers"], "hidden_size": model_config["hidden_size"],
-             "num_attention_heads": model_config["num_attention_heads"], "padded_vocab_size": padded,
-             "model_parallel_size": model_parallel_size, "vocab_size": vocab,
-             "layernorm_epsilon": model_config.get("layernorm_epsilon", 1e-5)}
+    shape = ckpt.model_shape_record(model_config["num_layers"], model_config["hidden_size"],
+                                    model_config["num_attention_heads"], padded, model_parallel_size, vocab,
+                                    model_config.get("layernorm_epsilon", 1e-5))
     run_state = {ckpt.ITERATION: 0, ckpt.MODEL_SHAPE: shape}
     if saved is not None:
-        train_state = saved.train_state()
-        run_state.update({ckpt.ITERATION: train_state.iteration,
-                          ckpt.CONSUMED_TRAIN_SAMPLES: train_state.consumed_train_samples,
-                          ckpt.CONSUMED_VALID_SAMPLES: train_state.consumed_valid_samples,
-                          ckpt.SKIPPED_ITERATIONS: train_state.skipped_iterations})
+        run_state.update(saved.train_state().to_state())
 
     if progress is not None:
         progress.set_total(model_parallel_size * len(names) * (1 + (len(OPTIMIZER_KINDS) if with_optimizer else 0)))
@@ -127,16 +121,15 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
                 state = {ckpt.MODEL: shards, **rank_state}
                 if saved is not None and saved.lr_scheduler_state() is not None:
                     state[ckpt.LR_SCHEDULER] = saved.lr_scheduler_state()
-                path = os.path.join(directory, ckpt.megatron_rank_dir_name(rank), ckpt.CHECKPOINT_FILENAME)
+                path = os.path.join(directory, ckpt.rank_dir_name(rank), ckpt.CHECKPOINT_FILENAME)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 entries.append(ckpt.atomic_torch_save(state, path))
         return entries
 
     def commit():
         if deepspeed:
-            ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST_FILE), tag)
-        ckpt.atomic_write_text(os.path.join(save_dir, ckpt.TRACKER_FILENAME),
-                               tag if tag == ckpt.RELEASE else str(run_state[ckpt.ITERATION]))
+            ckpt.write_latest_tag(save_dir, tag)
+        ckpt.write_tracker(save_dir, run_state[ckpt.ITERATION], release=tag == ckpt.RELEASE)
     final_dir = os.path.join(save_dir, tag)
     atomic_io.save_directory_atomically(final_dir, write, commit, torch.device("cpu"), is_rank_0=True,
                                         error_class=ckpt.CheckpointError)
@@ -164,7 +157,7 @@ def _zero_optimizer_file(saved, shard, weights):
         groups.append({ckpt.NUMEL: numel, ckpt.START: 0, ckpt.END: numel, ckpt.MASTER: flats["master"],
                        ckpt.SLICE_STATE: {k: flats[k] for k in ("exp_avg", "exp_avg_sq")},
                        ckpt.SCALAR_STATE: saved.optimizer_scalars(index)})
-    from megatron.zero.loss_scaler import LossScaler, LossScalerConfig
+    from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
     scaler = saved.loss_scaler_state() or LossScaler(LossScalerConfig(loss_scale=1.0)).state_dict()
     return {ckpt.ZERO_STAGE: 2, ckpt.DATA_PARALLEL_SIZE: 1, ckpt.DATA_PARALLEL_RANK: 0, ckpt.LOSS_SCALER: scaler,
             ckpt.PARAM_GROUPS: saved.optimizer_hyperparameters() or [{} for _ in groups], ckpt.GROUPS: groups}

@@ -28,8 +28,7 @@ master or moments), whole on every rank in stages 0-2; stage 3 partitions them a
 """
 import torch
 
-from megatron.zero.bucketing import MAX_IN_FLIGHT
-from megatron.zero.partition import ALIGNMENT
+from megatron.zero import ALIGNMENT, MAX_IN_FLIGHT
 
 KINDS = ("parameters", "gradients", "master", "moments")
 

@@ -10,7 +10,7 @@ trainer, the preprocessing tools):
     discard_old_directory(final_dir)        #   until the caller's pointer file names the new one
     readable_directory(final_dir)           # final_dir, or final_dir.old after a crash between the renames
     save_directory_atomically(final_dir, write, commit, ...)   # the protocol both checkpoint paths use,
-                                                               # with its manifest (megatron.manifest)
+                                                               # with its manifest (megatron.checkpoint.manifest)
     save_directory_atomically(..., background=True)            # --async-save: the files written in a thread,
     finish_pending_save()                                      #   published here (the next save, load, exit)
     size, crc = atomic_torch_save(obj, path, checksum=True)    # the file's crc32, read back during the fsync
@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 
-from megatron import manifest
+from megatron.checkpoint import manifest
 
 OLD_SUFFIX = ".old"
 
@@ -124,7 +124,7 @@ def prepare_empty_directory(path):
 def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error_class=RuntimeError,
                               background=False):
     """Every rank calls this; write(tmp_dir) runs on every rank and returns the manifest entries of the files it
-    wrote ({"file": path, "size", "crc32"}: what megatron.zero.checkpoint.atomic_torch_save returns), or a
+    wrote ({"file": path, "size", "crc32"}: what megatron.checkpoint.layout.atomic_torch_save returns), or a
     callable that writes them and returns those entries (the file writes deferred: given host copies of the
     states, it may run in another thread); commit() runs on rank 0 after the rename.
 

@@ -1,39 +1,35 @@
 """Loading a checkpoint of any topology or path into this rank's model, optimizer and lr scheduler, from the full
-tensors megatron.reshard reads (megatron.utils.load_checkpoint calls it whenever the saving path or
+tensors megatron.checkpoint.reshard reads (megatron.checkpoint.loading calls it whenever the saving path or
 model-parallel size differs from this run's)."""
 import torch
 
 import mpu
-from megatron.reshard import partitioning
+from megatron.checkpoint import layout as ckpt
+from megatron.checkpoint.reshard import partitioning
+from megatron.checkpoint.rng import set_rng_state
+from megatron.checkpoint.saving import is_zero_engine, optimizer_param_names
 from megatron.train_state import TrainState
-from megatron.zero import checkpoint as ckpt
-from megatron.zero.partition import full_shape
+from megatron.utils import print_rank_0, unwrap_model
 
 
 def check_same_model(saved, config):
     """The saved model and `config` (a GPT2ModelConfig) differ only in how they are split."""
-    shape = saved.model_shape
-    fields = [("num_layers", config.num_layers), ("hidden_size", config.hidden_size),
-              ("num_attention_heads", config.num_attention_heads)]
+    ours = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads}
     if saved.real_vocab_size is not None and config.real_vocab_size is not None:
-        fields.append(("vocab_size", config.real_vocab_size))
-    diffs = [f"{field} {shape.get(field)} (checkpoint) != {ours} (this run)" for field, ours in fields
-             if field in shape and shape[field] != ours]
-    if diffs:
-        raise ckpt.CheckpointError(f"{saved.directory} was saved by another model shape: {'; '.join(diffs)}")
+        ours["vocab_size"] = config.real_vocab_size
+    ckpt.check_model_shape(saved.model_shape, ours, list(ours), saved.directory, strict=False)
 
 
 def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     """Load `saved` (any layout, any topology) into this rank's `model` and (unless fresh / no_load_optim) its
     optimizer, lr scheduler and loss scaler. Returns the TrainState to continue from. RNG states are restored
     only at the saving model-parallel size (dropout streams are per model-parallel rank anyway)."""
-    from megatron.utils import print_rank_0, set_rng_state, unwrap_model
-    from megatron.zero import ZeroEngine
     module = unwrap_model(model)
     check_same_model(saved, module.config)
     world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
     target = (f"mp{world} x dp{mpu.get_data_parallel_world_size()} "
-              + (f"(zero-{model.zero_optimization_stage()})" if isinstance(model, ZeroEngine) else "(megatron)"))
+              + (f"(zero-{model.zero_optimization_stage()})" if is_zero_engine(model) else "(megatron)"))
     print_rank_0(f"resharding checkpoint saved at {saved.describe()} for {target}")
 
     params = dict(module.named_parameters())
@@ -43,13 +39,13 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     def shard(name, kind):
         """This rank's piece of `name`'s full tensor: the parameter's dtype for weights, fp32 otherwise."""
         like = params[name]
-        padded_rows = full_shape(like)[0] * world if partitioning(name)[2] else None
+        padded_rows = mpu.full_shape(like)[0] * world if partitioning(name)[2] else None
         piece = saved.shard(name, kind, world, rank, padded_rows)
         return None if piece is None else piece.to(like.dtype if kind == "weight" else torch.float32)
 
     with torch.no_grad():
         for name, param in params.items():
-            if isinstance(model, ZeroEngine):
+            if is_zero_engine(model):
                 model.load_parameter(param, shard(name, "weight"))   # stage 3: into its partition
             else:
                 param.copy_(shard(name, "weight"))
@@ -60,7 +56,7 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     if load_optimizer and not saved.has_optimizer_state():
         raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "
                                    "--no-load-optim or --finetune to start it fresh")
-    if isinstance(model, ZeroEngine):
+    if is_zero_engine(model):
         if load_optimizer:
             name_of = {id(p): n for n, p in params.items()}
             model.optimizer.load_full_state(lambda param, kind: shard(name_of[id(param)], kind),
@@ -80,9 +76,8 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
             lr_scheduler.load_state_dict(saved.lr_scheduler_state())
         except ValueError as e:
             raise ckpt.CheckpointError(f"{saved.directory}: {e}") from None
-    if isinstance(model, ZeroEngine):
-        model.global_steps, model.skipped_steps = train_state.iteration, train_state.skipped_iterations
-        model.micro_steps = model.global_steps * model.gradient_accumulation_steps()
+    if is_zero_engine(model):
+        model.set_step_counters(train_state.iteration, train_state.skipped_iterations)
     rng = saved.rng_state(rank) if saved.model_parallel_size == world else None
     if rng is not None and not options.no_load_rng:
         set_rng_state(rng)
@@ -92,7 +87,6 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
 def _load_megatron_optimizer(optimizer, module, saved, shard):
     """torch Adam/AdamW, or FP16_Optimizer around it: each parameter's fp32 master and moments copied into the
     optimizer's own tensors one parameter at a time (no second copy of the state is ever built)."""
-    from megatron.utils import optimizer_param_names
     inner = getattr(optimizer, "optimizer", optimizer)
     params = dict(module.named_parameters())
     masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params)) \

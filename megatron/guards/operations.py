@@ -9,8 +9,7 @@ import os
 import torch
 
 import mpu
-from megatron import memory
-from megatron.zero.partition import full_numel
+from megatron.guards import memory
 from megatron.utils import unwrap_model
 
 
@@ -197,12 +196,12 @@ def model_state_estimate(counts, args, zero_config=None, module=None):
     """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups
     (`zero_config`: the engine's zero_optimization block, None on the Megatron path; `module`: the model, whose
     small parameters stage 3 keeps whole and whose frozen ones have parameters only)."""
-    frozen = sum(full_numel(p) for p in module.parameters() if not p.requires_grad) if module is not None else 0
+    frozen = sum(mpu.full_numel(p) for p in module.parameters() if not p.requires_grad) if module is not None else 0
     if zero_config is not None:
         persistent = 0
         if zero_config.stage == 3 and module is not None:
-            persistent = sum(full_numel(p) for p in module.parameters()
-                             if full_numel(p) <= zero_config.stage3_param_persistence_threshold)
+            persistent = sum(mpu.full_numel(p) for p in module.parameters()
+                             if mpu.full_numel(p) <= zero_config.stage3_param_persistence_threshold)
         return memory.model_state_bytes(counts, args.data_parallel_size, zero_config.stage, args.params_dtype,
                                         offload=zero_config.offload_optimizer.enabled,
                                         offload_param=zero_config.offload_param.enabled,

@@ -1,0 +1,27 @@
+"""Everything about checkpoints (DESIGN.md section 6), one module per concern:
+
+    layout.py           every file name and key of both layouts, CheckpointError, the safe load, the tracker and
+                        `latest` reader/writer, the rank/stage directory names
+    atomic_io.py        atomic writes and the atomic, agreed, optionally background save of a whole directory
+    manifest.py         every file's size and crc32, written last; verified before a load
+    rng.py              every RNG state, captured and restored
+    saving.py           save_checkpoint (both paths), finalize_async_save
+    loading.py          load_checkpoint (both paths, any saving topology, falling back to the newest that verifies)
+    reshard.py          SavedCheckpoint: any layout and topology read as full tensors by name, split for another
+    reshard_load.py     loading those into this rank's model, optimizer and lr scheduler
+    full_checkpoint.py  the tools' view: read_full_checkpoint, write_full_checkpoint, resize_checkpoint
+
+    train_state = load_checkpoint(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
+    save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
+
+This package builds on mpu, megatron.train_state and megatron.utils only: the ZeRO engine (megatron.zero) uses its
+layout and atomic writes, and is recognised here by its DeepSpeed API, so no import goes the other way.
+"""
+from .layout import CheckpointError
+from .loading import get_checkpoint_iteration, load_checkpoint, newest_verified_checkpoint
+from .rng import get_rng_state, set_rng_state
+from .saving import checkpoint_state, finalize_async_save, model_shape, save_checkpoint
+
+__all__ = ["CheckpointError", "get_checkpoint_iteration", "load_checkpoint", "newest_verified_checkpoint",
+           "get_rng_state", "set_rng_state", "checkpoint_state", "finalize_async_save", "model_shape",
+           "save_checkpoint"]

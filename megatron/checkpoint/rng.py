@@ -1,0 +1,42 @@
+"""Every RNG state of a process (python, numpy, torch, CUDA when present, mpu's model-parallel tracker), as
+tensors and plain values so that torch.load(weights_only=True) reads them back: what a checkpoint saves for an
+exact resume (both paths; the ZeRO path in its client_state)."""
+import random
+
+import numpy as np
+import torch
+
+import mpu
+
+
+def get_rng_state():
+    """Every RNG state (python, numpy, torch, cuda when present, every mpu tracker state), as tensors and plain
+    values so that torch.load(weights_only=True) reads them back. Also used by the ZeRO path's client_state."""
+    version, python_state, gauss = random.getstate()
+    state = {"python_version": version, "python": torch.tensor(python_state, dtype=torch.int64),
+             "python_gauss": gauss, "numpy": _numpy_state(), "torch": torch.get_rng_state(),
+             "tracker": mpu.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _numpy_state():
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def set_rng_state(state):
+    """Restore what get_rng_state() returned (without a "tracker" entry, e.g. from a checkpoint resized to another
+    model-parallel size, the model-parallel tracker keeps its seeded states)."""
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python"].tolist()),
+                     state["python_gauss"]))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "tracker" in state:
+        mpu.get_cuda_rng_tracker().set_states(state["tracker"])
