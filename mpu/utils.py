@@ -24,7 +24,8 @@ def full_numel(param):
 
 def full_shape(param):
     """The whole parameter's shape, also while ZeRO-3 holds only a partition of it (`ds_shape`)."""
-    return getattr(param, "ds_shape", None) or param.shape
+    shape = getattr(param, "ds_shape", None)
+    return param.shape if shape is None else shape     # not `or`: a scalar's ds_shape, torch.Size([]), is falsy
 
 
 def ensure_divisibility(numerator, denominator, what="value"):

@@ -109,30 +109,78 @@ def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
 
 
-def test_deepspeed_branches_only_at_the_tutorials_places():
-    """`args.deepspeed` appears only in the functions the DeepSpeed-Megatron tutorial changes."""
-    allowed = {"megatron/training.py": {"get_model", "get_optimizer", "setup_model_and_optimizer", "backward_step",
-                                        "train_step", "train"},
-               "megatron/utils.py": {"save_checkpoint", "load_checkpoint"},
-               "megatron/arguments.py": {"validate_args"},
-               "pretrain_gpt.py": {"set_deepspeed_activation_checkpointing"}}
+# Where `args.deepspeed` may branch: the functions the DeepSpeed-Megatron tutorial changes.
+DEEPSPEED_BRANCHES_ALLOWED = {
+    "megatron/training.py": {"get_model", "get_optimizer", "setup_model_and_optimizer", "backward_step",
+                             "train_step", "train"},
+    "megatron/arguments.py": {"validate_args"},
+    "pretrain_gpt.py": {"set_deepspeed_activation_checkpointing"}}
+NOT_SCANNED = {"tests", "data"}      # top-level folders without library code (hidden folders are skipped too)
+DEEPSPEED_BRANCH = re.compile(r"args(\(\))?\.deepspeed\b|getattr\(\s*\w*args(\(\))?\s*,\s*[\"']deepspeed[\"']")
+
+
+def deepspeed_branches(repo):
+    """{path relative to `repo`: top-level functions with a line reading `args.deepspeed`, `get_args().deepspeed`
+    or `getattr(args, "deepspeed")`} over the .py files outside NOT_SCANNED. Folders are compared as path
+    components relative to `repo`, so where the checkout lives (/data/..., .../tests/...) does not matter."""
     found = {}
-    for root, _, files in os.walk(REPO):
-        if any(part in root for part in (".venv", ".git", "tests", "data")):
-            continue
+    for root, dirs, files in os.walk(repo):
+        top = os.path.relpath(root, repo) == "."
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not (top and d in NOT_SCANNED)]
         for name in files:
             if not name.endswith(".py"):
                 continue
-            path = os.path.relpath(os.path.join(root, name), REPO)
+            path = os.path.relpath(os.path.join(root, name), repo).replace(os.sep, "/")
             function = None
             for line in open(os.path.join(root, name)):
                 match = re.match(r"def (\w+)", line)
                 if match:
                     function = match.group(1)
-                if re.search(r"args\.deepspeed\b", line):
+                if DEEPSPEED_BRANCH.search(line):
                     found.setdefault(path, set()).add(function)
-    for path, functions in found.items():
-        assert path in allowed and functions <= allowed[path], (path, functions)
+    return found
+
+
+def misplaced_branches(found):
+    """[(path, [functions])] of `found` outside DEEPSPEED_BRANCHES_ALLOWED, by path."""
+    misplaced = []
+    for path, functions in sorted(found.items()):
+        outside = functions - DEEPSPEED_BRANCHES_ALLOWED.get(path, set())
+        if outside:
+            misplaced.append((path, sorted(outside)))
+    return misplaced
+
+
+def test_deepspeed_branches_only_at_the_tutorials_places():
+    """`args.deepspeed` appears only in the functions the DeepSpeed-Megatron tutorial changes."""
+    found = deepspeed_branches(REPO)
+    assert "megatron/training.py" in found          # the scan sees the real branches (it is not vacuous)
+    assert misplaced_branches(found) == []
+
+
+def _plant(repo, path, text):
+    path = repo / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_deepspeed_branch_scan_does_not_depend_on_where_the_checkout_lives(tmp_path):
+    """A checkout under .../data/tests/...: the planted branches in library folders (megatron/data among them)
+    are found in every spelling; the top-level tests/ and data/ and hidden folders are not scanned; a
+    `--deepspeed_config` read is not a branch."""
+    repo = tmp_path / "data" / "tests" / "checkout"
+    _plant(repo, "megatron/model/planted.py", "import os\n\n\ndef build(args):\n    if args.deepspeed:\n        pass\n")
+    _plant(repo, "megatron/data/planted.py", "def load():\n    return get_args().deepspeed\n")
+    _plant(repo, "tools/planted.py", "def f(args):\n    return getattr(args, 'deepspeed', False)\n")
+    _plant(repo, "megatron/training.py", "def train_step():\n    if get_args().deepspeed:\n        pass\n")
+    _plant(repo, "megatron/quiet.py", "def g(args):\n    return args.deepspeed_config\n")
+    for ignored in ("tests/test_x.py", "data/tool.py", ".venv/lib/site.py"):
+        _plant(repo, ignored, "def h(args):\n    return args.deepspeed\n")
+    found = deepspeed_branches(str(repo))
+    assert found == {"megatron/model/planted.py": {"build"}, "megatron/data/planted.py": {"load"},
+                     "tools/planted.py": {"f"}, "megatron/training.py": {"train_step"}}
+    assert misplaced_branches(found) == [("megatron/data/planted.py", ["load"]),
+                                         ("megatron/model/planted.py", ["build"]), ("tools/planted.py", ["f"])]
 
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
