@@ -78,6 +78,10 @@ class ZeroConfig:
     allgather_partitions: bool = True  # accepted for compatibility: updated slices are always all-gathered
     allgather_bucket_size: int = 500_000_000   # elements per all-gather of updated slices
     overlap_comm: bool = False         # stage 2/3: issue reductions during backward (asynchronous)
+    # Stages 1-2: the step returns with the parameter all-gathers in flight; each module's forward waits for its
+    # own buckets (param_gather.py). Our key, after Megatron-LM's --overlap-param-gather (DeepSpeed has none for
+    # stages 1-2). Off by default: a parameter read directly between step() and the next forward is not waited.
+    overlap_param_gather: bool = False
     reduce_scatter: bool = True        # reduce each bucket to its owner (False: all-reduce the bucket)
     reduce_bucket_size: int = 500_000_000      # elements per gradient reduction ("auto": h^2)
     contiguous_gradients: bool = False # stage 2/3: copy gradients into preallocated bucket buffers as they arrive

@@ -53,6 +53,8 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config.stage, zero_config, config.fp16,
                                        config.gradient_clipping, param_order=param_order, groups=groups)
         self.optimizer.frozen_parameter_bytes = frozen_bytes
+        if zero_config.overlap_param_gather:
+            self.optimizer.param_gather.install_hooks(module)   # each module's forward waits for its own buckets
         if self.stage3 is not None:
             self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
             self.stage3.on_partition_edited = lambda param: self.optimizer.refresh_masters_from_parameters()
@@ -62,6 +64,12 @@ class ZeroEngine(torch.nn.Module):
     @property
     def device(self):
         return next(self.module.parameters()).device
+
+    def wait_for_parameters(self):
+        """Complete the parameter all-gathers the last step left in flight (overlap_param_gather): call it before
+        reading parameters directly between step() and the next forward (forward, state_dict(), checkpoints
+        and the optimizer's state wait by themselves)."""
+        self.optimizer.param_gather.wait_all()
 
     def _broadcast_parameters(self):
         """Every data-parallel rank starts from data-parallel rank 0's parameters."""
@@ -183,7 +191,8 @@ class ZeroEngine(torch.nn.Module):
 
     def module_state_dict(self, keep=True):
         """The module's whole weights. Stage 3 gathers them one unit at a time into host memory (every
-        data-parallel rank must call it; with keep=False this rank only takes part)."""
+        data-parallel rank must call it; with keep=False this rank only takes part). module.state_dict() waits
+        for the parameter gathers still in flight (ParameterGather.install_hooks)."""
         if self.stage3 is None:
             return self.module.state_dict()
         return self.stage3.full_state_dict(keep=keep)
@@ -206,6 +215,7 @@ class ZeroEngine(torch.nn.Module):
 
     def load_parameter(self, param, value):
         """Set a module parameter from its whole value on this model-parallel rank (stage 3: its partition)."""
+        self.wait_for_parameters()
         with torch.no_grad():
             if self.stage3 is not None:
                 self.stage3.write_partition(param, value)
@@ -269,6 +279,7 @@ class ZeroEngine(torch.nn.Module):
         is finished (published) first.
         """
         atomic_io.finish_pending_save()
+        self.wait_for_parameters()      # an in-flight gather would overwrite the loaded weights
         tag = tag if tag is not None else ckpt.read_latest_tag(load_dir)
         if tag is None:
             return None, {}

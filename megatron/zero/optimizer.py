@@ -10,7 +10,8 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
                 the run or counts the skip)
              3. master.grad = partition gradient x (clip coefficient / loss scale)
              4. inner optimizer step on the fp32 master slices (in tiles of sub_group_size elements)
-             5. copy slices into the low-precision parameters; all-gather the slices
+             5. copy slices into the low-precision parameters; launch the slices' all-gathers (param_gather.py):
+                with overlap_param_gather they complete during the next forward, otherwise here
              6. zero gradients; return True
 """
 import torch
@@ -19,6 +20,7 @@ from .bucketing import BoundaryReducer, BucketReducer
 from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
                          PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
 from .grad_norm import clip_coefficient, global_norm_and_overflow
+from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
 from .partition import FlatGroup
 
@@ -63,6 +65,8 @@ class ZeroOptimizer:
         else:
             self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
+        self.param_gather = ParameterGather(self.groups if stage in (1, 2) else [], ctx.data_parallel_group,
+                                            zero_config.allgather_bucket_size, param_order)
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
         params = list(param_order)
@@ -106,6 +110,7 @@ class ZeroOptimizer:
         self.reducer.finish_micro_step(boundary)
 
     def step(self):
+        self.param_gather.wait_all()   # a gather still in flight reads the partitions this step rewrites
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.cur_scale,
                                                    partitioned=self.stage >= 1, device=self.collective_device)
@@ -136,7 +141,9 @@ class ZeroOptimizer:
             partition = group.own_partition()
             if partition.data_ptr() != master.data_ptr():
                 partition.copy_(master)
-            group.all_gather(self.ctx.data_parallel_group, self.zero_config.allgather_bucket_size)
+        self.param_gather.launch()
+        if not self.zero_config.overlap_param_gather:
+            self.param_gather.wait_all()
         self.reducer.zero()
         return True
 
@@ -207,6 +214,7 @@ class ZeroOptimizer:
         """Load this rank's range from the files of *all* saved data-parallel ranks (any data-parallel size) of this
         mp rank. Only the pieces that overlap this rank's range are copied, so with memory-mapped loads a process
         reads its own share only. The parameters themselves come from the module weights (loaded before)."""
+        self.param_gather.wait_all()   # an in-flight gather still reads the masters (fp32) rewritten here
         if len(states[0][GROUPS]) != len(self.groups):
             raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
                              f"the optimizer has {len(self.groups)}")
@@ -237,6 +245,7 @@ class ZeroOptimizer:
         """Load from a checkpoint of another topology or path (megatron.checkpoint.reshard): `tensor_of(param, kind)` is this
         model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
         (None: not saved). Only the parameters that overlap this rank's range are asked for."""
+        self.param_gather.wait_all()   # as in load_partitioned_state_dicts
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
             held = self._master_state(index)   # reuse this rank's moment buffers when they exist

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from mpu.utils import full_numel
 
-from .collectives import gather_equal_pieces
 
 ALIGNMENT = 32   # elements; every partition size is a multiple of it (128 bytes in fp32)
 
@@ -164,12 +163,3 @@ class FlatGroup(FlatLayout):
 
     def parameter_bytes(self):
         return self.flat.numel() * self.flat.element_size()
-
-    def all_gather(self, group, bucket_size):
-        """Every rank's updated partition into every rank's flat buffer (pair: the owners' reduce)."""
-        if self.num_partitions == 1 or self.partition_size == 0:
-            return
-        for lo in range(0, self.partition_size, bucket_size):
-            hi = min(lo + bucket_size, self.partition_size)
-            gather_equal_pieces([self.flat[r * self.partition_size + lo: r * self.partition_size + hi]
-                                 for r in range(self.num_partitions)], group)

@@ -74,9 +74,6 @@ class PartitionedGroup(FlatLayout):
     def parameter_bytes(self):
         return self.partition.numel() * self.partition.element_size()
 
-    def all_gather(self, group, bucket_size):
-        """Nothing: stage 3 gathers a unit when it is used."""
-
 
 def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own), then one more for

@@ -10,7 +10,8 @@ round, so slow phases of the shared machine cancel). "ours, torch-default AdamW"
 ratio to "ours" is the step-time gain of the fused AdamW kernel (printed after the table); `--adam-step-only` times
 AdamW.step() alone for torch's three kernels.
 Peak RSS is measured separately (one short subprocess per cell) because a process's peak only grows.
-TFLOP/s uses Megatron's count, 24 B s L h^2 (1 + s/(6h) + V/(16 L h)) x 2 x 3 (forward + backward).
+TFLOP/s = tokens/s x megatron.training.flops_per_token, the count the training log's TFLOP/s uses (Narayanan et
+al. 2021: 3 passes of 24 L h^2 (1 + s/(6h)) per token plus 3 x 2 h V for the LM head).
 """
 import argparse
 import functools
@@ -156,9 +157,10 @@ def _init_process_group():
     mpu.initialize_model_parallel(1)
 
 
-def flops_per_step(c):
-    b, s, L, h, V = c["batch"], c["seq"], c["layers"], c["hidden"], c["vocab"]
-    return 24 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) * 3
+def flops_per_token(c):
+    """The training log's count for config `c` (make_ours pads the vocabulary to a multiple of 1: V itself)."""
+    from megatron.training import flops_per_token as training_flops_per_token
+    return training_flops_per_token(c["layers"], c["hidden"], c["seq"], c["vocab"])
 
 
 def measure_throughput(config_name, dtype, rounds, steps, impls=tuple(IMPLS)):
@@ -273,7 +275,7 @@ def main():
                     gains.append((config_name, dtype, mine, theirs, summarize(samples, baseline=theirs)[mine][3:]))
             for impl, (tokens_per_s, lo, hi, ratio, ratio_lo, ratio_hi) in summary.items():
                 c = CONFIGS[config_name]
-                tflops = flops_per_step(c) * tokens_per_s / (c["batch"] * c["seq"]) / 1e12
+                tflops = flops_per_token(c) * tokens_per_s / 1e12
                 rss = float("nan") if args.no_rss else peak_rss_mb(config_name, dtype, impl)
                 rows.append(dict(config=config_name, dtype=dtype, impl=impl, tokens_per_s=tokens_per_s,
                                  tokens_per_s_min=lo, tokens_per_s_max=hi, ratio=ratio, ratio_min=ratio_lo,

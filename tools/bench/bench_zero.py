@@ -5,11 +5,14 @@
     .venv/bin/python tools/bench/bench_zero.py --repeats 0     # communication table only
 
 Model: a GPT-2 (nanoGPT-style, tied head) with L=4, h=256, heads=4, s=256, V=8192; micro-batch 4 per rank.
+Variants: ddp, ddpamp (fp32 parameters, bf16 autocast), zeroK (stage K), zeroKoff (optimizer offload), zeroKpg
+(stages 1-2 with overlap_param_gather: the parameter all-gather completes during the next forward), dsK
+(DeepSpeed's stage K), each with -fp32 or -bf16.
 Each variant runs in fresh processes, so peak RSS is its own. The variants run --repeats times, alternating
 (and in reversed order every other repeat), and the table gives the median tokens/s with its min-max, the median
-of the per-repeat ratios to torch DDP of the same precision (each ratio from the same repeat, so slow phases of
-the shared machine cancel), per-rank model-state bytes (parameters + gradients + fp32 masters + Adam moments, as
-held by real tensors) next to the ZeRO formula, and peak RSS per rank. Every variant steps the same AdamW kernel
+of the per-repeat ratios to its precision's DDP baseline (ddp-P, or ddpamp-P when ddp-P is not in the run; each
+ratio from the same repeat, so slow phases of the shared machine cancel), per-rank model-state bytes
+(parameters + gradients + fp32 masters + Adam moments, as held by real tensors) next to the ZeRO formula, and peak RSS per rank. Every variant steps the same AdamW kernel
 (--adam, default fused, as megatron.training.get_optimizer does).
 
 A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
@@ -155,6 +158,7 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     else:
         from megatron import zero
+        config["zero_optimization"]["overlap_param_gather"] = kind.endswith("pg")
         engine, optimizer, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
 
@@ -174,9 +178,13 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
     return params, train_step, state_bytes
 
 
+VARIANT_KINDS = ("ddp", "ddpamp", "zero0", "zero1", "zero2", "zero3", "zero1pg", "zero2pg", "zero1off", "zero2off",
+                 "zero3off", "ds0", "ds1", "ds2", "ds3")
+
+
 def stage_and_offload(kind):
-    """("zero3off" | "ds2" | ...) -> (ZeRO stage, the offload keys of zero_optimization): "off" offloads the
-    optimizer (and, at stage 3, the parameters) to host memory."""
+    """("zero3off" | "zero2pg" | "ds2" | ...) -> (ZeRO stage, the offload keys of zero_optimization): "off"
+    offloads the optimizer (and, at stage 3, the parameters) to host memory."""
     stage = int(kind[4] if kind.startswith("zero") else kind[2])
     if not kind.endswith("off"):
         return stage, {}
@@ -266,7 +274,7 @@ def formula_bytes(variant, params, dp):
         return 16 * params                                         # fp32 params, grads, two fp32 moments
     if kind.endswith("off"):                # on the device: stage 2 keeps the 16-bit params, stage 3 nothing
         return (2 if precision == "bf16" else 4) * params if kind.startswith("zero2") else 0
-    stage = 0 if kind == "ddp" else int(kind[-1])
+    stage = 0 if kind == "ddp" else stage_and_offload(kind)[0]
     if precision == "bf16" and kind != "ddp":
         return {0: 16 * params, 1: 4 * params + 12 * params / dp, 2: 2 * params + 14 * params / dp,
                 3: 16 * params / dp}[stage]
@@ -288,18 +296,25 @@ def parse_args(argv=None):
     parser.add_argument("--adam", choices=["fused", "default"], default="fused",
                         help="AdamW kernel of every variant: fused where torch has it, or torch's default")
     parser.add_argument("--reduce-bucket-size", type=int, default=2_000_000, help="elements")
-    parser.add_argument("--allgather-bucket-size", type=int, default=50_000_000, help="elements")
+    parser.add_argument("--allgather-bucket-size", type=int, default=500_000,
+                        help="elements per partition chunk of the parameter all-gather (several buckets, so the "
+                             "zeroKpg variants' first layers start before the last buckets arrive)")
     parser.add_argument("--no-overlap-comm", action="store_true")
     parser.add_argument("--no-contiguous-gradients", action="store_true")
     args = parser.parse_args(argv)
     if args.repeats < 0 or args.steps < 1:
         parser.error(f"--repeats {args.repeats} / --steps {args.steps}: need repeats >= 0 and steps >= 1")
+    for variant in (args.variants.split(",") if args.variants else []):
+        kind, _, precision = variant.partition("-")
+        if kind not in VARIANT_KINDS or precision not in ("fp32", "bf16"):
+            parser.error(f"--variants: {variant!r} is not KIND-PRECISION with KIND one of {', '.join(VARIANT_KINDS)} "
+                         "and PRECISION fp32 or bf16")
     return args
 
 
 def default_variants(precisions, deepspeed_installed):
     variants = [f"{kind}-{precision}" for precision in precisions
-                for kind in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2off", "zero3off")]
+                for kind in ("ddp", "zero0", "zero1", "zero1pg", "zero2", "zero2pg", "zero3", "zero2off", "zero3off")]
     if "bf16" in precisions:
         variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if deepspeed_installed:
@@ -319,47 +334,74 @@ def run_repeats(variants, args, zero_options):
     return runs
 
 
+def ddp_baseline(runs, precision):
+    """The DDP variant the "vs DDP" column divides by for `precision`: ddp-P, else ddpamp-P, else None."""
+    return next((name for name in (f"ddp-{precision}", f"ddpamp-{precision}") if name in runs), None)
+
+
+def per_repeat_ratios(mine, theirs):
+    """Rank 0's tokens/s of `mine` over `theirs`, repeat by repeat (the same repeat shares the machine's phase)."""
+    return [a[0]["tokens_per_s"] / b[0]["tokens_per_s"] for a, b in zip(mine, theirs)]
+
+
 def throughput_table(runs, world_size):
-    """Markdown rows: median tokens/s (min-max), median per-repeat ratio to DDP (min-max), state and RSS."""
-    lines = [f"| {'variant':<11} | {'tokens/s median':>15} | {'min-max':>11} | {'vs DDP median':>13} | "
+    """Markdown rows: median tokens/s (min-max), median per-repeat ratio to the precision's DDP baseline
+    (min-max), state and RSS."""
+    lines = [f"| {'variant':<12} | {'tokens/s median':>15} | {'min-max':>11} | {'vs DDP median':>13} | "
              f"{'min-max':>11} | {'model-state MB/rank':>19} | {'formula MB':>10} | {'peak RSS MB/rank':>16} |",
-             "|" + "|".join("-" * (width + 2) for width in (11, 15, 11, 13, 11, 19, 10, 16)) + "|"]
+             "|" + "|".join("-" * (width + 2) for width in (12, 15, 11, 13, 11, 19, 10, 16)) + "|"]
     for variant, repeats in runs.items():
         speeds = [results[0]["tokens_per_s"] for results in repeats]
-        ddp = runs.get("ddp-" + variant.split("-")[1])
-        ratios = [mine[0]["tokens_per_s"] / theirs[0]["tokens_per_s"] for mine, theirs in zip(repeats, ddp)] \
-            if ddp else [math.nan]
+        baseline = ddp_baseline(runs, variant.split("-")[1])
+        ratios = per_repeat_ratios(repeats, runs[baseline]) if baseline else [math.nan]
         speed, speed_lo, speed_hi = median_and_spread(speeds)
         ratio, ratio_lo, ratio_hi = median_and_spread(ratios)
         state = max(r["state_bytes"] for results in repeats for r in results) / 2 ** 20
         formula = formula_bytes(variant, repeats[0][0]["params"], world_size) / 2 ** 20
         rss = statistics.median(max(r["peak_rss_mb"] for r in results) for results in repeats)
-        lines.append(f"| {variant:<11} | {speed:>15.0f} | {f'{speed_lo:.0f}-{speed_hi:.0f}':>11} | {ratio:>13.2f} | "
+        lines.append(f"| {variant:<12} | {speed:>15.0f} | {f'{speed_lo:.0f}-{speed_hi:.0f}':>11} | {ratio:>13.2f} | "
                      f"{f'{ratio_lo:.2f}-{ratio_hi:.2f}':>11} | {state:>19.2f} | {formula:>10.2f} | {rss:>16.0f} |")
     return lines
 
 
-def deepspeed_ratio_lines(runs):
-    """'# zeroK / dsK' lines: the median of per-repeat tokens/s ratios (min-max) of our stage K to DeepSpeed's."""
+def baseline_line(runs):
+    """'# vs DDP: ...': which DDP variant each precision's "vs DDP" column divides by."""
+    precisions = sorted({variant.split("-")[1] for variant in runs})
+    return "# vs DDP: " + ", ".join(f"{precision} against {ddp_baseline(runs, precision)}" for precision in precisions)
+
+
+def _ratio_lines(runs, peer_of):
+    """'# A / B' lines (the median of per-repeat tokens/s ratios, min-max) for every variant A with a peer
+    B = peer_of(kind, precision) in the run."""
     lines = []
     for variant, repeats in runs.items():
         kind, precision = variant.split("-")
-        peer = runs.get(f"ds{kind[4:]}-{precision}") if kind.startswith("zero") else None
-        if peer:
-            ratio, lo, hi = median_and_spread([mine[0]["tokens_per_s"] / theirs[0]["tokens_per_s"]
-                                               for mine, theirs in zip(repeats, peer)])
-            lines.append(f"# {variant} / ds{kind[4:]}-{precision}: per-repeat median {ratio:.2f}x ({lo:.2f}-{hi:.2f})")
+        peer = peer_of(kind, precision)
+        if peer in runs:
+            ratio, lo, hi = median_and_spread(per_repeat_ratios(repeats, runs[peer]))
+            lines.append(f"# {variant} / {peer}: per-repeat median {ratio:.2f}x ({lo:.2f}-{hi:.2f})")
     return lines
+
+
+def deepspeed_ratio_lines(runs):
+    """Our stage K (zeroK, zeroKpg) over DeepSpeed's (dsK), per-repeat medians."""
+    return _ratio_lines(runs, lambda kind, precision: f"ds{kind[4]}-{precision}"
+                        if kind.startswith("zero") and not kind.endswith("off") else None)
+
+
+def overlap_ratio_lines(runs):
+    """zeroKpg over zeroK: what overlapping the parameter all-gather with the forward gains."""
+    return _ratio_lines(runs, lambda kind, precision: f"{kind[:-2]}-{precision}" if kind.endswith("pg") else None)
 
 
 def phase_table(runs):
     """Markdown rows: rank 0's milliseconds per step in each phase (median over repeats), to say which phase
     costs a difference between two variants."""
-    lines = ["| variant     | " + " | ".join(f"{phase} ms" for phase in PHASES) + " | total ms |",
-             "|-------------|" + "|".join("-" * (len(phase) + 4) + ":" for phase in PHASES) + "|---------:|"]
+    lines = ["| variant      | " + " | ".join(f"{phase} ms" for phase in PHASES) + " | total ms |",
+             "|--------------|" + "|".join("-" * (len(phase) + 4) + ":" for phase in PHASES) + "|---------:|"]
     for variant, repeats in runs.items():
         medians = [statistics.median(results[0]["phase_ms"][phase] for results in repeats) for phase in PHASES]
-        lines.append(f"| {variant:<11} | " + " | ".join(f"{ms:>{len(phase) + 3}.1f}" for ms, phase in
+        lines.append(f"| {variant:<12} | " + " | ".join(f"{ms:>{len(phase) + 3}.1f}" for ms, phase in
                                                         zip(medians, PHASES)) + f" | {sum(medians):>8.1f} |")
     return lines
 
@@ -397,7 +439,8 @@ def main():
         runs = run_repeats(variants, args, zero_options)
         print(f"# data parallel {args.world_size} (gloo), {runs[variants[0]][0][0]['params'] / 1e6:.2f}M parameters, "
               f"{args.steps} timed steps per run, median of {args.repeats} alternating repeats")
-        print("\n".join(throughput_table(runs, args.world_size) + deepspeed_ratio_lines(runs)), flush=True)
+        print("\n".join(throughput_table(runs, args.world_size) + [baseline_line(runs)]
+                        + deepspeed_ratio_lines(runs) + overlap_ratio_lines(runs)), flush=True)
         print("# ms per step by phase (rank 0, median over repeats). " + " ".join(PHASES_DOC.split()))
         print("\n".join(phase_table(runs)), flush=True)
     comm_sizes = [int(size) for size in args.comm_world_sizes.split(",") if size]
