@@ -8,9 +8,11 @@ checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and 
 The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
 
 Incremental decoding: pass one `InferenceCache` through `ParallelTransformer.forward(..., inference_cache=cache)`
-(GPT2Model.forward does). Each attention layer appends this step's keys/values (its own heads/p heads) to its slot,
-so a step feeds only the new tokens; `cache.sequence_length` is how many positions are already cached.
+(GPT2Model.forward does). Each attention layer writes this step's keys/values (its own heads/p heads) into its
+slot's preallocated buffers, so a step feeds only the new tokens; `cache.sequence_length` is how many positions
+are already cached.
 """
+import contextlib
 import math
 
 import torch
@@ -38,22 +40,44 @@ def scaled_init_method_normal(std, num_layers):
 
 
 class LayerPast:
-    """One attention layer's cached keys and values, [b, heads/p, t, head_dim] each (None before the first step)."""
+    """One attention layer's cached keys and values. The buffers, [b, heads/p, capacity, head_dim] each, are
+    allocated at the first write (with that step's batch, dtype and device) and written in place after: no
+    reallocation or copy of the past per step.
 
-    def __init__(self):
-        self.key = None
-        self.value = None
+        slot = LayerPast(capacity=8)
+        k, v = slot.append(k3, v3)   # [b, heads/p, 3, d] -> views of positions 0..2
+        k, v = slot.append(k1, v1)   # written at position 3 -> views of positions 0..3; slot.length == 4
+    """
 
-    @property
-    def length(self):
-        return 0 if self.key is None else self.key.size(2)
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.key_buffer = None      # [b, heads/p, capacity, head_dim]
+        self.value_buffer = None
+        self.length = 0             # positions written
+
+    def append(self, key, value):
+        """Write key/value [b, heads/p, s, head_dim] at positions length..length+s-1; returns the keys and values
+        of every position so far, [b, heads/p, length, head_dim] (views of the buffers)."""
+        end = self.length + key.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the inference cache holds {self.capacity} positions, this step needs {end}: make "
+                             "the cache with a larger capacity")
+        if self.key_buffer is None:
+            b, heads, _, head_dim = key.shape
+            self.key_buffer = key.new_empty(b, heads, self.capacity, head_dim)
+            self.value_buffer = value.new_empty(b, heads, self.capacity, head_dim)
+        self.key_buffer[:, :, self.length:end] = key
+        self.value_buffer[:, :, self.length:end] = value
+        self.length = end
+        return self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
 
 
 class InferenceCache:
-    """Keys/values of every layer for the tokens already processed (inference only; never used in training)."""
+    """Keys/values of every layer for the tokens already processed, up to `capacity` positions (inference only;
+    never used in training)."""
 
-    def __init__(self, num_layers):
-        self.layers = [LayerPast() for _ in range(num_layers)]
+    def __init__(self, num_layers, capacity):
+        self.layers = [LayerPast(capacity) for _ in range(num_layers)]
 
     @property
     def sequence_length(self):
@@ -88,13 +112,11 @@ class ParallelSelfAttention(nn.Module):
         past = 0
         if layer_past is not None:
             past = layer_past.length
-            if past:
-                k = torch.cat([layer_past.key, k], dim=2)                         # [b, heads/p, past + s, d]
-                v = torch.cat([layer_past.value, v], dim=2)
-            layer_past.key, layer_past.value = k, v
+            k, v = layer_past.append(k, v)                                        # [b, heads/p, past + s, d]
         dropout_p = self.attention_dropout_prob if self.training else 0.0
-        # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream.
-        with self.rng_tracker.fork():
+        # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream. Without
+        # dropout nothing is drawn: skip saving and restoring the RNG states (~20 us per layer and step).
+        with self.rng_tracker.fork() if dropout_p > 0 else contextlib.nullcontext():
             if attention_mask is not None:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
             elif past == 0:  # query length == key length: SDPA's own causal mask
@@ -233,9 +255,9 @@ class ParallelTransformer(nn.Module):
             return hidden_states
         return run
 
-    def new_inference_cache(self):
-        """An empty InferenceCache for this stack (one slot per layer)."""
-        return InferenceCache(len(self.layers))
+    def new_inference_cache(self, capacity):
+        """An empty InferenceCache for this stack (one slot per layer) of `capacity` positions."""
+        return InferenceCache(len(self.layers), capacity)
 
     def forward(self, hidden_states, attention_mask=None, inference_cache=None):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never

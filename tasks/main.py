@@ -18,9 +18,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
-from megatron.checkpoint import get_checkpoint_iteration  # noqa: E402
 from megatron.checkpoint.layout import CheckpointError  # noqa: E402
-from megatron.text_generation import load_inference_model  # noqa: E402
+from megatron.text_generation import InferenceInputError, load_inference_model  # noqa: E402
 from tasks import zeroshot_gpt  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
@@ -50,20 +49,17 @@ def _check_inputs(args):
         raise TaskError("--valid-data FILE is required")
     if not os.path.isfile(args.valid_data[0]):
         raise TaskError(f"--valid-data {args.valid_data[0]} does not exist")
-    if not args.load:
-        raise TaskError("--load DIR is required (a checkpoint saved by pretrain_gpt.py)")
-    if get_checkpoint_iteration(args.load)[0] is None:
-        raise TaskError(f"{args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    if get_tokenizer() is None:
-        raise TaskError("zero-shot tasks need a tokenizer (--vocab-file/--merge-file), not --mock-data")
 
 
 def main(args_list=None):
     """Returns the result dict (printed on rank 0)."""
     args = initialize_megatron(extra_args_provider=add_tasks_args, args_list=args_list)
     _check_inputs(args)
+    try:
+        model = load_inference_model(args, "zero-shot evaluation", need_tokenizer=True)
+    except InferenceInputError as error:
+        raise TaskError(str(error)) from None
     tokenizer = get_tokenizer()
-    model = load_inference_model(args)
     path = args.valid_data[0]
     if args.task == "WIKITEXT103":
         with open(path, "rb") as handle:

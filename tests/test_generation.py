@@ -25,7 +25,8 @@ def build_model(seed=1234, **overrides):
     return GPT2Model(GPT2ModelConfig(**dict(CONFIG, **overrides)), parallel_output=False).eval()
 
 
-def _hf_greedy(model):
+def _hf_greedy(model, prompts=PROMPTS, new=NEW):
+    """HF GPT2LMHeadModel.generate (greedy) with `model`'s weights, each prompt alone: its new token ids."""
     from transformers import GPT2Config, GPT2LMHeadModel
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=CONFIG["vocab_size"], n_positions=CONFIG["max_sequence_length"],
                                     n_embd=CONFIG["hidden_size"], n_layer=CONFIG["num_layers"],
@@ -33,10 +34,10 @@ def _hf_greedy(model):
                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=None, pad_token_id=0)).eval()
     copy_into_hf(model, hf)
     out = []
-    for prompt in PROMPTS:   # one prompt at a time: no padding on the reference side
+    for prompt in prompts:   # one prompt at a time: no padding on the reference side
         ids = torch.tensor([prompt])
-        generated = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
-                                min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        generated = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                min_new_tokens=new, eos_token_id=None, pad_token_id=0)
         out.append(generated[0, len(prompt):].tolist())
     return out
 
@@ -92,7 +93,9 @@ def test_sampling_is_seeded_and_identical_on_every_model_parallel_rank():
     assert results[1] == results[0]
     assert first == again == recompute
     assert other != first
-    assert eod[0] == first[0][:3]           # stops right after producing end-of-document
+    stop = first[0][2]                      # stops right after first producing end-of-document
+    assert eod[0] == first[0][:first[0].index(stop) + 1] and eod[1:] == [
+        row[:row.index(stop) + 1] if stop in row else row for row in first[1:]]
     assert all(len(t) == NEW for t in first)
 
 
@@ -195,6 +198,52 @@ def test_generate_samples_bad_input_is_one_line(tmp_path, checkpoint):
                             env=dict(os.environ, MASTER_PORT=str(free_port())))   # port 6000 may be taken
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {messages[1]}"]
+
+
+def _front_door_errors(checkpoint, empty, valid):
+    """{case: (error class, message)} of the three inference front ends, each refused by load_inference_model."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import generate_samples_gpt
+    from megatron.text_generation.lm_eval_model import load_from_megatron_args
+    from tasks import main as tasks_main
+    task = ["--task", "WIKITEXT103", "--valid-data", valid, "--overlapping-eval", "8"]
+    cases = {"generate: no --load": lambda: generate_samples_gpt.main(MODEL),
+             "generate: empty": lambda: generate_samples_gpt.main(MODEL + ["--load", empty]),
+             "generate: chat without tokenizer": lambda: generate_samples_gpt.main(
+                 MODEL + ["--load", checkpoint, "--chat-template", "deepspeed-chat"]),
+             "tasks: no --load": lambda: tasks_main.main(MODEL + task),
+             "tasks: empty": lambda: tasks_main.main(MODEL + task + ["--load", empty]),
+             "tasks: no tokenizer": lambda: tasks_main.main(MODEL + task + ["--load", checkpoint]),
+             "lm-eval: no --load": lambda: load_from_megatron_args(MODEL),
+             "lm-eval: no tokenizer": lambda: load_from_megatron_args(MODEL + ["--load", checkpoint])}
+    messages = {}
+    for name, call in cases.items():
+        try:
+            call()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = (type(error).__name__, str(error))
+    return messages
+
+
+def test_every_inference_front_end_refuses_a_bad_load_through_one_check(tmp_path, checkpoint):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    valid = tmp_path / "wiki.txt"
+    valid.write_text(" = Title = \n a b c \n")
+    got = run_distributed(_front_door_errors, 1, args=(checkpoint, str(empty), str(valid)))[0]
+    no_checkpoint = f"{empty} holds no checkpoint (no latest_checkpointed_iteration.txt)"
+    tokenizer = "needs a tokenizer (--vocab-file/--merge-file), not --mock-data"
+    load = "needs --load DIR (a checkpoint saved by pretrain_gpt.py)"
+    assert got == {
+        "generate: no --load": ("InferenceInputError", f"generation {load}"),
+        "generate: empty": ("InferenceInputError", no_checkpoint),
+        "generate: chat without tokenizer": ("InferenceInputError", f"generation with --chat-template {tokenizer}"),
+        "tasks: no --load": ("TaskError", f"zero-shot evaluation {load}"),
+        "tasks: empty": ("TaskError", no_checkpoint),
+        "tasks: no tokenizer": ("TaskError", f"zero-shot evaluation {tokenizer}"),
+        "lm-eval: no --load": ("InferenceInputError", f"the lm-eval model (megatron_args) {load}"),
+        "lm-eval: no tokenizer": ("InferenceInputError", f"the lm-eval model (megatron_args) {tokenizer}")}
 
 
 def test_generation_under_pipelining_is_refused_in_one_line(tmp_path, checkpoint):

@@ -28,7 +28,6 @@ from megatron.initialize import initialize_megatron, run_main  # noqa: E402
 from megatron.posttrain import TEMPLATES, encode_prompt  # noqa: E402
 from megatron.text_generation import generate, load_inference_model  # noqa: E402
 from megatron.text_generation.generation import check_sampling_options  # noqa: E402
-from megatron.checkpoint import get_checkpoint_iteration  # noqa: E402
 from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 
@@ -164,13 +163,8 @@ def generate_samples_interactive(model, args, codec):
 def main(args_list=None):
     args = initialize_megatron(extra_args_provider=add_text_generate_args, args_list=args_list)
     check_sampling_options(args.out_seq_length, args.greedy, args.temperature, args.top_k, args.top_p)
-    if not args.load:
-        raise SystemExit("error: generation needs --load DIR (a checkpoint saved by pretrain_gpt.py)")
-    if get_checkpoint_iteration(args.load)[0] is None:  # load_checkpoint would go on with random weights
-        raise SystemExit(f"error: {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    if args.chat_template and args.mock_data:
-        raise SystemExit("error: --chat-template needs the tokenizer (--vocab-file, --merge-file), not --mock-data")
-    model = load_inference_model(args)
+    model = load_inference_model(args, "generation with --chat-template" if args.chat_template else "generation",
+                                 need_tokenizer=bool(args.chat_template))
     codec = Codec(get_tokenizer(), args.chat_template)
     if args.sample_input_file:
         generate_samples_input_from_file(model, args, codec)

@@ -172,18 +172,22 @@ class GPT2Model(nn.Module):
         """The hidden states [b, s, h] the previous pipeline stage sent (the next forward's input)."""
         self.input_tensor = input_tensor
 
-    def new_inference_cache(self):
-        """An empty KV cache to pass as forward(..., inference_cache=cache) step after step."""
-        return self.transformer.new_inference_cache()
+    def new_inference_cache(self, capacity=None):
+        """An empty KV cache of `capacity` positions (default: the position table) to pass as
+        forward(..., inference_cache=cache) step after step; its buffers are allocated once, at the first step."""
+        return self.transformer.new_inference_cache(capacity or self.config.max_sequence_length)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, inference_cache=None):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, inference_cache=None,
+                last_logits_only=False):
         """input_ids, position_ids, labels: [b, s]; attention_mask: None (causal) or bool [b|1, 1, s, t]
         (t = cached + s positions).
 
-        position_ids=None: cached length + 0..s-1 (0..s-1 without a cache). inference_cache (from
-        new_inference_cache()): incremental decoding; this call's keys/values are appended to it.
+        position_ids=None: cached length + 0..s-1 (0..s-1 without a cache); a decoding loop passes slices of
+        ids it built once (generation: per-row positions of left-padded prompts). inference_cache (from
+        new_inference_cache()): incremental decoding; this call's keys/values are written into it.
         Returns per-token losses [b, s] when labels are given, else logits [b, s, V/p] (parallel_output) or
-        [b, s, V] (gathered).
+        [b, s, V] (gathered); with last_logits_only those of the last position, [b, 1, V/p] or [b, 1, V] (what
+        generation needs: a prompt of s tokens costs one LM-head row, not s).
         """
         if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
             raise RuntimeError("logits and generation need the whole model on one stage: run with "
@@ -201,6 +205,8 @@ class GPT2Model(nn.Module):
         hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
+        if last_logits_only:
+            hidden = hidden[:, -1:]                                           # [b, 1, h]
         logits_parallel = self.lm_head(hidden, self.word_embeddings.weight)  # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,

@@ -2,11 +2,13 @@
 
     new_tokens = generate(model, [[5, 7, 9], [3]], max_new_tokens=20, greedy=True, eod_id=tokenizer.eod)
 
-Padding: prompts are RIGHT-padded into one [b, max_prompt] batch (Megatron's scheme). Decoding starts after the
-shortest prompt; at every step a row whose prompt is not yet exhausted takes its next prompt token instead of the
-sampled one, so each row is decoded exactly as if it were alone (same positions, no padding masks). With the KV
-cache (use_cache=True) the shortest prompt's prefix is run once and each later step feeds one token; with
-use_cache=False (--recompute) every step re-runs the whole sequence so far.
+Padding: prompts are LEFT-padded into one [b, P] batch (P: the longest prompt), so every row's next token is at
+the same column and the KV cache is written at one offset for all rows. Each row keeps the position ids it has
+alone and never attends to its padding (one mask built per call, sliced per step; see _left_padded_layout), so
+each row is decoded as if it were alone. With the KV cache (use_cache=True) the whole prompt batch is run once and
+each later step feeds one token per row into a cache preallocated for the call; with use_cache=False
+(--recompute) every step re-runs the whole sequence so far. Nothing is synchronized with the host per token:
+whether every row has finished is asked every DONE_CHECK_INTERVAL steps.
 
 Logits are gathered over the vocab-parallel group (when the model keeps them parallel) and cut to the real
 vocabulary (config.real_vocab_size), so padded ids are never produced. Model-parallel rank 0 samples with a
@@ -18,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 import mpu
+
+DONE_CHECK_INTERVAL = 16
+"""Decoding steps between two checks whether every row has finished (each check waits for the device)."""
 
 
 def _unwrap(model):
@@ -81,24 +86,21 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     prompts = [list(map(int, p)) for p in prompts_token_ids]
     if not prompts:
         return []
-    for index, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompt {index} is empty: give at least one token (e.g. end-of-document)")
-        if len(prompt) > max_positions:
-            raise ValueError(f"prompt {index} has {len(prompt)} tokens, longer than the position table "
-                             f"(max_sequence_length {max_positions}): shorten it")
-        bad = [t for t in prompt if not 0 <= t < real_vocab]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): {bad[:5]}")
+    _check_prompts(prompts, max_positions, real_vocab)
     device = module.word_embeddings.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
     batch = len(prompts)
-    total = min(int(lengths.max()) + max_new_tokens, max_positions)
-    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)       # right-padded
+    lengths = [len(p) for p in prompts]
+    new_counts = [min(max_new_tokens, max_positions - n) for n in lengths]    # the position table caps a row
+    steps = max(new_counts)
+    if steps == 0:
+        return [[] for _ in prompts]
+    width, total = max(lengths), max(lengths) + steps                         # prompt columns, all columns
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)       # left-padded
     for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = torch.tensor(prompt, device=device)
-    limit = torch.clamp(lengths + max_new_tokens, max=max_positions)          # end (exclusive) of each row
-    done = limit <= lengths
+        tokens[row, width - len(prompt):width] = torch.tensor(prompt, device=device)
+    position_ids, mask = _left_padded_layout(lengths, total, max_positions, device)
+    last_column = torch.tensor([width + n - 1 for n in new_counts], device=device)   # a row's last new token
+    done = last_column < width                                                # rows with no room at all
     generator = None
     if mpu.get_model_parallel_rank() == 0 and not greedy:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -106,17 +108,16 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     was_training = model.training
     model.eval()
     try:
-        cache = module.new_inference_cache() if use_cache else None
-        start = int(lengths.min())
-        fed = 0                                         # positions already in the cache
-        for position in range(start, total):
-            if bool(done.all()):
+        cache = module.new_inference_cache(total) if use_cache else None
+        fed = 0                                         # columns already in the cache
+        for column in range(width, total):              # the column whose token this step produces
+            if (column - width) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
                 break
-            if cache is not None:
-                logits = model(tokens[:, fed:position], inference_cache=cache)
-                fed = position
-            else:
-                logits = model(tokens[:, :position])
+            first = fed if cache is not None else 0
+            logits = model(tokens[:, first:column], position_ids=position_ids[:, first:column],
+                           attention_mask=None if mask is None else mask[:, :, first:column, :column],
+                           inference_cache=cache, last_logits_only=True)
+            fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
             if gather:
                 logits = mpu.gather_from_model_parallel_region(logits)
@@ -126,35 +127,86 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
             else:
                 new = torch.empty(batch, dtype=torch.long, device=device)
             new = _broadcast_from_model_parallel_src(new.to(torch.long).contiguous())
-            in_prompt = position < lengths
-            tokens[:, position] = torch.where(in_prompt, tokens[:, position], new)
-            generated = ~in_prompt & ~done
+            tokens[:, column] = new
             if eod_id is not None:
-                done = done | (generated & (new == eod_id))
-            done = done | (position + 1 >= limit)
+                done = done | (new == eod_id)
+            done = done | (column >= last_column)
     finally:
         model.train(was_training)
     results = []
-    for row, prompt in enumerate(prompts):
-        out = tokens[row, len(prompt):int(limit[row])].tolist()
+    for row, count in enumerate(new_counts):
+        out = tokens[row, width:width + count].tolist()
         if eod_id is not None and eod_id in out:
             out = out[:out.index(eod_id) + 1]
         results.append(out)
     return results
 
 
-def load_inference_model(args):
+def _check_prompts(prompts, max_positions, real_vocab):
+    """ValueError (one line) for an empty prompt, one longer than the position table, an id outside the
+    vocabulary."""
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty: give at least one token (e.g. end-of-document)")
+        if len(prompt) > max_positions:
+            raise ValueError(f"prompt {index} has {len(prompt)} tokens, longer than the position table "
+                             f"(max_sequence_length {max_positions}): shorten it")
+        bad = [t for t in prompt if not 0 <= t < real_vocab]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): {bad[:5]}")
+
+
+def _left_padded_layout(lengths, total, max_positions, device):
+    """(position_ids [b, total], mask [b, 1, total, total] or None) of prompts of `lengths` left-padded to the
+    longest, over `total` columns. Row r has pad_r = max(lengths) - lengths[r] padding columns:
+
+        lengths [3, 1], total 5:   position_ids [[0, 1, 2, 3, 4],     mask[1, 0] (row 1, True = masked out):
+                                                 [0, 0, 0, 1, 2]]     query col 2: keys 0, 1 masked, 2 seen
+                                                                       query col 0: key 0 seen (itself)
+
+    A row's positions are those it has alone; its queries never see its padding keys, and a padding query sees
+    only itself (never no key at all, so its junk stays finite: some SDPA kernels give NaN for an all-masked row,
+    which would reach real rows through the next layer's values). Positions past the table (a row already at its
+    end) are clamped; those tokens are never returned. Equal lengths need no mask (SDPA's causal paths)."""
+    pad = max(lengths) - torch.tensor(lengths, device=device)                 # [b]
+    columns = torch.arange(total, device=device)
+    position_ids = (columns[None, :] - pad[:, None]).clamp(0, max_positions - 1)   # [b, total]
+    if not bool(pad.any()):
+        return position_ids, None
+    causal = columns[:, None] >= columns[None, :]                             # [total, total]
+    real_key = columns[None, :] >= pad[:, None]                               # [b, total]
+    allowed = (causal[None] & real_key[:, None, :]) | torch.eye(total, dtype=torch.bool, device=device)
+    return position_ids, ~allowed[:, None]                                    # [b, 1, total, total]
+
+
+class InferenceInputError(ValueError):
+    """What load_inference_model refuses (no --load, no checkpoint there, no tokenizer, a pipelined run): one line
+    naming the problem and the fix. The tools print it as `error: ...` with exit status 1."""
+
+
+def load_inference_model(args, who="generation", need_tokenizer=False):
     """GPT2Model from Megatron's arguments with gathered logits, its weights (only) loaded from args.load at this
     run's model-parallel size (either path, any saving topology), in eval mode: what generation and the zero-shot
-    tasks run on. No optimizer, lr-scheduler, counters or RNG are needed or restored."""
+    tasks run on. No optimizer, lr-scheduler, counters or RNG are needed or restored.
+
+    The checks of every inference front end, before anything is built (InferenceInputError; `who` names the
+    caller in the message, e.g. "zero-shot evaluation"): --load given and holding a checkpoint (load_checkpoint
+    would go on with random weights), a tokenizer when `need_tokenizer` (not --mock-data), one pipeline stage."""
     import dataclasses
+    from megatron.checkpoint import get_checkpoint_iteration, load_checkpoint
+    from megatron.global_vars import get_tokenizer
     from megatron.model import GPT2Model, GPT2ModelConfig
     from megatron.train_state import CheckpointOptions
-    from megatron.checkpoint import load_checkpoint
+    if not args.load:
+        raise InferenceInputError(f"{who} needs --load DIR (a checkpoint saved by pretrain_gpt.py)")
+    if get_checkpoint_iteration(args.load)[0] is None:
+        raise InferenceInputError(f"{args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    if need_tokenizer and get_tokenizer() is None:
+        raise InferenceInputError(f"{who} needs a tokenizer (--vocab-file/--merge-file), not --mock-data")
     if mpu.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError(f"generation and evaluation need the whole model on one stage, not "
-                         f"--pipeline-model-parallel-size {mpu.get_pipeline_model_parallel_world_size()}: run with "
-                         "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        raise InferenceInputError(f"generation and evaluation need the whole model on one stage, not "
+                                  f"--pipeline-model-parallel-size {mpu.get_pipeline_model_parallel_world_size()}: "
+                                  "run with --pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
     model = GPT2Model(GPT2ModelConfig.from_args(args), parallel_output=False)
     model.to(device=mpu.get_device(), dtype=getattr(torch, args.params_dtype))
     options = dataclasses.replace(CheckpointOptions.from_args(args), finetune=True, no_load_optim=True,

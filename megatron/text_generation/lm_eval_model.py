@@ -48,7 +48,6 @@ def load_from_megatron_args(args_list):
     and mpu like the tools do, then loads the checkpoint named by --load weights-only."""
     from megatron.global_vars import get_tokenizer
     from megatron.initialize import initialize_megatron
-    from megatron.checkpoint import get_checkpoint_iteration
     if isinstance(args_list, str):
         args_list = shlex.split(args_list)
 
@@ -56,13 +55,8 @@ def load_from_megatron_args(args_list):
         parser.set_defaults(data_path=["(lm-eval: no training data)"])
         return parser
     args = initialize_megatron(extra_args_provider=no_training_data, args_list=list(args_list))
-    if not args.load:
-        raise ValueError("the lm-eval model needs --load DIR in megatron_args (a checkpoint saved by pretrain_gpt.py)")
-    if get_checkpoint_iteration(args.load)[0] is None:
-        raise ValueError(f"{args.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    if get_tokenizer() is None:
-        raise ValueError("the lm-eval model needs a tokenizer (--vocab-file/--merge-file), not --mock-data")
-    return load_inference_model(args), get_tokenizer()
+    model = load_inference_model(args, "the lm-eval model (megatron_args)", need_tokenizer=True)
+    return model, get_tokenizer()
 
 
 @register_model(MODEL_NAME, "megatron-gpt2")

@@ -1,13 +1,15 @@
 """Generation and evaluation throughput: our KV-cache generation vs recomputing the prefix (--recompute) vs Hugging
 Face GPT2LMHeadModel.generate on the same weights, greedy, one process; and evaluation forward tokens/s.
 
-    python tools/bench/bench_generate.py                       # L4 h256 V8192, prompt 16, new tokens 32/128/256
-    python tools/bench/bench_generate.py --lengths 64 512 --batch 4 --repeats 5
+    python tools/bench/bench_generate.py            # L4 h256 V8192, prompt 16, new tokens 32/128/256/512, batch 1, 8
+    python tools/bench/bench_generate.py --lengths 64 512 --batches 4 --repeats 5 --recompute-up-to 512
 
-Each cell is the median of --repeats runs, the three implementations alternating within each repeat (this
-machine is shared and noisy). tokens/s = batch x new tokens / seconds. The cache's speedup over recomputing should
-grow with the length (recomputing costs O(n^2) tokens of forward for n new tokens, the cache O(n)).
-Targets: ours (cache) >= HF generate; the cache's speedup growing with length.
+The implementations alternate within each repeat (this machine is shared and noisy); tokens/s = batch x new
+tokens / seconds, the median over --repeats. The ratios are the median (min-max) of the per-repeat ratios, each
+from the same repeat, so a slow phase of the machine cancels and one noisy repeat cannot flip the verdict.
+--recompute is measured up to --recompute-up-to new tokens (its cost grows as n^2: O(n^2) tokens of forward for n
+new tokens, the cache O(n)); its speedup should grow with the length.
+Targets: ours (cache) >= 1.2x HF generate at every length and batch; the cache's speedup growing with length.
 """
 import argparse
 import os
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402
-from bench_common import init_single_process, precision_header  # noqa: E402
+from bench_common import init_single_process, median_and_spread, precision_header  # noqa: E402
 from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
 from megatron.model.hf_interchange import to_hf_state_dict  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
@@ -51,23 +53,36 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def bench_generation(ours, hf, prompt, new_tokens, repeats):
-    ways = {
-        "ours (KV cache)": lambda: generate(ours, prompt.tolist(), new_tokens, greedy=True, use_cache=True),
-        "ours (--recompute)": lambda: generate(ours, prompt.tolist(), new_tokens, greedy=True, use_cache=False),
-        "HF generate": lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                           pad_token_id=0),
-    }
-    times = {name: [] for name in ways}
+def bench_generation(ours, hf, prompt, new_tokens, repeats, recompute):
+    """{way: [tokens/s of each repeat]}; the ways alternate order from repeat to repeat."""
+    def ways(count):
+        out = {"cache": lambda: generate(ours, prompt.tolist(), count, greedy=True, use_cache=True),
+               "hf": lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                         max_new_tokens=count, min_new_tokens=count, pad_token_id=0)}
+        if recompute:
+            out["recompute"] = lambda: generate(ours, prompt.tolist(), count, greedy=True, use_cache=False)
+        return out
+    rates = {name: [] for name in ways(new_tokens)}
     with torch.no_grad():
-        for fn in ways.values():
+        for fn in ways(8).values():
             fn()                                   # warm-up
+        measured = ways(new_tokens)
         for repeat in range(repeats):
-            order = list(ways) if repeat % 2 == 0 else list(reversed(ways))
-            for name in order:
-                times[name].append(timed(ways[name]))
-    return {name: prompt.size(0) * new_tokens / statistics.median(values) for name, values in times.items()}
+            for name in (list(measured) if repeat % 2 == 0 else list(reversed(measured))):
+                rates[name].append(prompt.size(0) * new_tokens / timed(measured[name]))
+    return rates
+
+
+def ratio_cell(numerators, denominators):
+    """'median (min-max)' of the per-repeat ratios, or '-' when one side was not measured."""
+    if not numerators or not denominators:
+        return "-"
+    ratio, low, high = median_and_spread([a / b for a, b in zip(numerators, denominators)])
+    return f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def rate_cell(values):
+    return f"{statistics.median(values):,.0f}" if values else "-"
 
 
 def bench_evaluation(ours, hf, tokens, repeats):
@@ -91,28 +106,34 @@ def main():
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 256], help="new tokens")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 256, 512], help="new tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="prompts per generate call")
+    parser.add_argument("--recompute-up-to", type=int, default=128,
+                        help="measure --recompute up to this many new tokens (its time grows as the square)")
     parser.add_argument("--eval-seq", type=int, default=1024)
     parser.add_argument("--eval-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads (0: torch's default); 1 is steadier on a shared, loaded machine")
     options = parser.parse_args()
     init_single_process()
+    if options.threads:
+        torch.set_num_threads(options.threads)
     ours, hf = build(options.layers, options.hidden, options.heads, options.vocab, options.positions)
     print(precision_header() + "; fp32 here")
     print(f"# GPT-2 L={options.layers} h={options.hidden} heads={options.heads} V={options.vocab}, prompt "
-          f"{options.prompt} tokens, batch {options.batch}, greedy, {torch.get_num_threads()} threads, "
-          f"median of {options.repeats}")
-    print("| new tokens | ours KV cache tok/s | ours --recompute tok/s | HF generate tok/s | cache / recompute | "
-          "ours / HF |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    prompt = torch.randint(0, options.vocab, (options.batch, options.prompt),
-                           generator=torch.Generator().manual_seed(7))
-    for length in options.lengths:
-        rate = bench_generation(ours, hf, prompt, length, options.repeats)
-        cache, recompute, theirs = rate["ours (KV cache)"], rate["ours (--recompute)"], rate["HF generate"]
-        print(f"| {length} | {cache:,.0f} | {recompute:,.0f} | {theirs:,.0f} | {cache / recompute:.2f}x | "
-              f"{cache / theirs:.2f}x |", flush=True)
+          f"{options.prompt} tokens, greedy, {torch.get_num_threads()} threads, {options.repeats} repeats: tok/s "
+          "medians; ratios: median (min-max) of the per-repeat ratios")
+    print("| batch | new tokens | ours KV cache tok/s | ours --recompute tok/s | HF generate tok/s | "
+          "cache / recompute | ours / HF |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in options.batches:
+        prompt = torch.randint(0, options.vocab, (batch, options.prompt), generator=torch.Generator().manual_seed(7))
+        for length in options.lengths:
+            rates = bench_generation(ours, hf, prompt, length, options.repeats, length <= options.recompute_up_to)
+            cache, recompute, theirs = rates["cache"], rates.get("recompute", []), rates["hf"]
+            print(f"| {batch} | {length} | {rate_cell(cache)} | {rate_cell(recompute)} | {rate_cell(theirs)} | "
+                  f"{ratio_cell(cache, recompute)} | {ratio_cell(cache, theirs)} |", flush=True)
     tokens = torch.randint(0, options.vocab, (options.eval_batch, options.eval_seq),
                            generator=torch.Generator().manual_seed(8))
     rate = bench_evaluation(ours, hf, tokens, options.repeats)
