@@ -308,11 +308,10 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
 
 def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
-    zero_config = args.zero_config.zero_optimization if args.zero_config is not None else None
     module = unwrap_model(model)
     counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in _param_groups_for_weight_decay(module)]
-    estimate = operations.model_state_estimate(counts, args, zero_config, module)
-    setting = operations.memory_setting(args, zero_config)
+    estimate = operations.model_state_estimate(counts, args, module)
+    setting = operations.memory_setting(args)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
     return estimate, setting
 

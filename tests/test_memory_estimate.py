@@ -1,6 +1,7 @@
 """megatron/guards/memory.py: the model-state estimate equals the engine's real tensors to the byte (stages 0-2, mp 1
 and 2, dp 2); GPT-2 parameter counts match a real GPT2Model; tools/estimate_memory.py prints the same numbers
 as the training script's start-up line."""
+import json
 import os
 import re
 import subprocess
@@ -39,8 +40,7 @@ def _engine_memory(model_parallel):
         engine, optimizer, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
                                                   config=config, mpu=mpu, dist_init_required=False)
         dp = mpu.get_data_parallel_world_size()
-        estimate = memory.model_state_bytes(counts, dp, stage, dtype, offload=offload, reduce_bucket_size=BUCKET,
-                                            overlap_comm=stage == 2)
+        estimate = memory.model_state_bytes(counts, dtype, zero.load_config(config, dp), dp)
         engine_train_step(engine, 0, 2 * dp)
         out.append(((dtype, stage, offload), counts, estimate, memory.measured_model_state_bytes(optimizer)))
     return out
@@ -162,8 +162,13 @@ def test_activation_formula():
     assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
     assert memory.activation_bytes_per_layer(s, b, h, a, 2) == s * b * h * (10 + (24 + 5 * a * s / h) / 2)
     assert memory.activation_bytes_per_layer(s, b, h, a, checkpoint_activations=True) == 2 * s * b * h
-    assert memory.model_state_bytes(64, 2, 2, "fp16") == {"parameters": 128, "gradients": 64, "master": 128,
-                                                          "moments": 256, "total": 576, "host": 0, "buckets": None}
+    from megatron import zero
+    config = zero.load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+                               "zero_optimization": {"stage": 2}}, 2)
+    # buckets: DeepSpeed's defaults, contiguous_gradients off: one reduce_bucket_size (5e8) buffer of 2 bytes each
+    assert memory.model_state_bytes(64, "fp16", config, 2) == {
+        "parameters": 128, "gradients": 64, "master": 128, "moments": 256, "total": 576, "host": 0,
+        "buckets": 10 ** 9}
 
 
 def test_megatron_path_estimate_equals_measurement_and_tool():
@@ -177,6 +182,64 @@ def test_megatron_path_estimate_equals_measurement_and_tool():
                            "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2", "--bf16"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert _printed(tool.stdout, "estimate") == estimate
+
+
+def _training_path_estimates(paths_and_dtypes, dp):
+    """operations.model_state_estimate as training calls it (the JSON file parsed by zero.load_config, TINY's real
+    GPT2Model and its weight-decay groups), for each (config path, params dtype)."""
+    import argparse
+    from megatron import zero
+    from megatron.guards import operations
+    from megatron.model import GPT2Model
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    from megatron.training import _param_groups_for_weight_decay
+    model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                      max_sequence_length=16))
+    counts = [sum(p.numel() for p in group["params"]) for group in _param_groups_for_weight_decay(model)]
+    return [operations.model_state_estimate(counts, argparse.Namespace(
+        zero_config=zero.load_config(path, dp), params_dtype=dtype, data_parallel_size=dp), model)
+        for path, dtype in paths_and_dtypes]
+
+
+# (JSON config, params dtype, the tool's flags for it): every flag the tool maps to a key, off its default somewhere
+TOOL_CASES = [
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 300, "overlap_comm": True,
+                                                       "offload_optimizer": {"device": "cpu"}}}, "bfloat16",
+     ["--bf16", "--zero-stage", "2", "--reduce-bucket-size", "300", "--overlap-comm", "--no-contiguous-gradients",
+      "--offload-optimizer"]),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 100_000,
+                                                       "contiguous_gradients": True,
+                                                       "stage3_param_persistence_threshold": 96,
+                                                       "offload_param": {"device": "cpu"}}}, "float16",
+     ["--fp16", "--zero-stage", "3", "--reduce-bucket-size", "100000", "--param-persistence-threshold", "96",
+      "--offload-param"]),
+    ({"zero_optimization": {"stage": 1}}, "float32", ["--zero-stage", "1"]),
+]
+
+
+def test_tool_estimate_for_a_json_config_equals_training_path(tmp_path):
+    """tools/estimate_memory.py's flags for a JSON config give the training path's estimate for that file, every
+    kind (buckets and host included); anchored by hand: stage 2 + overlap_comm without contiguous gradients holds
+    (2 groups + MAX_IN_FLIGHT 2) x 300 elements x 2 bytes of buckets; stage 3 + offload_param keeps on the device only
+    the parameters of at most 96 elements (per layer 4 LayerNorm vectors of 32, the QKV bias of 96 and two biases
+    of 32, plus the final LayerNorm's 2 x 32: 2 x 288 + 64 = 640 elements, 2 bytes each), and with contiguous
+    gradients its 2 bucket buffers hold the largest group (the decayed one: embeddings 64 x 32 + 16 x 32, per layer
+    3 x 32 x 32 + 32 x 32 + 2 x 4 x 32 x 32: 2560 + 2 x 12288 = 27136 elements), not reduce_bucket_size."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import estimate_memory
+    paths = []
+    for i, (config, dtype, _) in enumerate(TOOL_CASES):
+        path = tmp_path / f"ds_{i}.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, **config}))
+        paths.append((str(path), dtype))
+    training = run_distributed(_training_path_estimates, 1, args=(paths, 2), model_parallel_size=1)[0]
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2"]
+    for (config, _, flags), expected in zip(TOOL_CASES, training):
+        assert estimate_memory.main(shape + flags) == expected, (flags, expected)
+    assert training[0]["buckets"] == 4 * 300 * 2
+    assert training[0]["moments"] == 0 and training[0]["host"] > 0
+    assert training[1]["parameters"] == 640 * 2 and training[1]["buckets"] == 2 * 27136 * 2
 
 
 def test_planning_table_against_the_zero_paper_formula():

@@ -9,11 +9,12 @@ Prints the parameters per model-parallel rank (our GPT2Model's shapes, vocabular
 the model-state bytes by kind (the same numbers `pretrain_gpt.py` prints at start-up for the same settings) and an
 activation estimate (Korthikanti et al. 2022; see memory.activation_bytes_per_layer).
 """
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron import cli  # noqa: E402
+from megatron import cli, zero  # noqa: E402
 from megatron.guards import memory  # noqa: E402
 from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
 
@@ -35,8 +36,12 @@ def build_parser():
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
     parser.add_argument("--reduce-bucket-size", type=int, default=None,
-                        help="stage 2: zero_optimization.reduce_bucket_size, for the bucket bound")
-    parser.add_argument("--overlap-comm", action="store_true")
+                        help="stages 2-3: zero_optimization.reduce_bucket_size, for the bucket bound (default: "
+                             "DeepSpeed's, 5e8)")
+    parser.add_argument("--contiguous-gradients", action=argparse.BooleanOptionalAction, default=True,
+                        help="stages 2-3: zero_optimization.contiguous_gradients (on here by default; off in a JSON "
+                             "config that leaves it out)")
+    parser.add_argument("--overlap-comm", action="store_true", help="stages 2-3: zero_optimization.overlap_comm")
     parser.add_argument("--offload", "--offload-optimizer", dest="offload", action="store_true",
                         help="offload_optimizer: master weights, moments (and stage 2-3 gradients) in host memory")
     parser.add_argument("--offload-param", action="store_true", help="stage 3: parameter partitions in host memory")
@@ -51,24 +56,45 @@ def build_parser():
     return parser
 
 
+def ds_config(stage, dtype, micro_batch_size=1, **zero_keys):
+    """The DeepSpeed JSON (as a dict) of these settings: zero.load_config parses it as training parses
+    --deepspeed_config, so the estimate reads the same zero.Config."""
+    config = {"train_micro_batch_size_per_gpu": micro_batch_size, "zero_optimization": {"stage": stage, **zero_keys}}
+    if dtype != "float32":
+        config[{"float16": "fp16", "bfloat16": "bf16"}[dtype]] = {"enabled": True}
+    return config
+
+
+ZERO_FLAGS = ("reduce_bucket_size", "contiguous_gradients", "overlap_comm", "offload", "offload_param",
+              "param_persistence_threshold")     # the destinations of the flags zero_keys reads
+
+
+def zero_keys(args):
+    """The zero_optimization keys the flags set."""
+    keys = {"contiguous_gradients": args.contiguous_gradients, "overlap_comm": args.overlap_comm,
+            "stage3_param_persistence_threshold": args.param_persistence_threshold}
+    if args.reduce_bucket_size is not None:
+        keys["reduce_bucket_size"] = args.reduce_bucket_size
+    for flag, key in (("offload", "offload_optimizer"), ("offload_param", "offload_param")):
+        if getattr(args, flag):
+            keys[key] = {"device": "cpu"}
+    return keys
+
+
 def estimate(args):
     """(parameters per mp rank, per-group counts, model-state bytes, activation bytes)."""
     padded_vocab = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.model_parallel_size)
     counts = memory.gpt2_param_groups(args.num_layers, args.hidden_size, padded_vocab,
                                       args.max_position_embeddings or args.seq_length, args.model_parallel_size)
+    sizes = memory.gpt2_parameter_sizes(args.num_layers, args.hidden_size, padded_vocab,
+                                        args.max_position_embeddings or args.seq_length, args.model_parallel_size)
     dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
-    if args.zero_stage is None:
-        states = memory.model_state_bytes(counts, 1, 0, dtype, offload=args.offload, alignment=1,
-                                          master_grads=args.fp16 or args.bf16)
-    else:
-        sizes = memory.gpt2_parameter_sizes(args.num_layers, args.hidden_size, padded_vocab,
-                                            args.max_position_embeddings or args.seq_length, args.model_parallel_size)
-        persistent = sum(n for n, _ in sizes if n <= args.param_persistence_threshold) if args.zero_stage == 3 else 0
-        states = memory.model_state_bytes(counts, args.data_parallel_size, args.zero_stage, dtype,
-                                          offload=args.offload, reduce_bucket_size=args.reduce_bucket_size,
-                                          overlap_comm=args.overlap_comm, offload_param=args.offload_param,
-                                          persistent_elements=persistent)
+    config = None if args.zero_stage is None else \
+        zero.load_config(ds_config(args.zero_stage, dtype, args.micro_batch_size, **zero_keys(args)),
+                         args.data_parallel_size)
+    states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size,
+                                      parameter_sizes=[n for n, _ in sizes])
     activations = memory.activation_bytes(args.num_layers, args.seq_length, args.micro_batch_size, args.hidden_size,
                                           args.num_attention_heads, args.model_parallel_size,
                                           args.checkpoint_activations,
@@ -96,9 +122,11 @@ def plan(device_bytes, dtype="bfloat16", vocab=50257, seq=2048, threshold=100_00
                 padded = vocab_size_with_padding(vocab, 128, 1)
                 sizes = memory.gpt2_parameter_sizes(layers, hidden, padded, seq)
                 counts = memory.gpt2_param_groups(layers, hidden, padded, seq)
-                persistent = sum(n for n, _ in sizes if n <= threshold) if stage == 3 else 0
-                states = memory.model_state_bytes(counts, dp, stage, dtype, offload=offload,
-                                                  offload_param=offload_param, persistent_elements=persistent)
+                offloads = {key: {"device": "cpu"} for key, on in (("offload_optimizer", offload),
+                                                                   ("offload_param", offload_param)) if on}
+                config = zero.load_config(ds_config(stage, dtype, stage3_param_persistence_threshold=threshold,
+                                                    **offloads), dp)
+                states = memory.model_state_bytes(counts, dtype, config, dp, parameter_sizes=[n for n, _ in sizes])
                 if states["total"] <= device_bytes:
                     best = name
             table[setting, dp] = best
@@ -128,11 +156,17 @@ def main(argv=None):
                                                     "vocab_size") if getattr(args, k) is None]
     if missing:
         sys.exit(f"error: {', '.join(missing)} required (or --plan)")
-    if args.offload_param and args.zero_stage != 3:
-        sys.exit("error: --offload-param needs --zero-stage 3")
+    zero_flags = [f"--{dest.replace('_', '-')}" for dest in ZERO_FLAGS
+                  if getattr(args, dest) != parser.get_default(dest)]
+    if args.zero_stage is None and zero_flags:
+        sys.exit(f"error: {', '.join(zero_flags)} set the ZeRO engine's config: add --zero-stage N (without it the "
+                 f"estimate is the Megatron optimizer's, which has none of them)")
     if args.hidden_size % args.num_attention_heads or args.num_attention_heads % args.model_parallel_size:
         sys.exit("error: --hidden-size must divide by --num-attention-heads, and the heads by --model-parallel-size")
-    total, counts, states, activations, padded_vocab, dtype = estimate(args)
+    try:
+        total, counts, states, activations, padded_vocab, dtype = estimate(args)
+    except zero.ConfigError as error:
+        sys.exit(f"error: the ZeRO flags give an invalid config: {error}")
     setting = (f"mp {args.model_parallel_size}, dp {args.data_parallel_size}, "
                f"{'Megatron optimizer' if args.zero_stage is None else f'ZeRO stage {args.zero_stage}'}, {dtype}")
     print(f"parameters per model-parallel rank: {total} (weight decay {counts[0]}, no decay {counts[1]}; "

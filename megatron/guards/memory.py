@@ -20,8 +20,9 @@ What our engine (megatron/zero) really allocates, which `model_state_bytes` repr
 offload_optimizer keeps masters, moments (and in stages 2-3 the gradient partitions) in host memory,
 offload_param (stage 3) the parameter partitions: they are reported under "host" and leave the device total.
 
-The Megatron path (no --deepspeed) is `alignment=1, dp=1, stage=0` plus, in fp16/bf16, FP16_Optimizer's fp32 master
-gradients (`master_grads=True`).
+The settings come from the run's parsed DeepSpeed config (`zero.Config`), so the tool and training read them the
+same way. The Megatron path (no --deepspeed, `config=None`) is stage 0 without padding plus, in fp16/bf16,
+FP16_Optimizer's fp32 master gradients.
 
 Frozen parameters (LoRA's base weights, `frozen_elements`) are in no optimizer group: parameters only (no gradients,
 master or moments), whole on every rank in stages 0-2; stage 3 partitions them as one more flat group.
@@ -46,39 +47,45 @@ def _padded(numel, partitions, alignment):
     return -(-numel // unit) * unit
 
 
-def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=False, reduce_bucket_size=None,
-                      contiguous_gradients=True, overlap_comm=False, alignment=ALIGNMENT, master_grads=False,
-                      offload_param=False, persistent_elements=0, frozen_elements=0):
+def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), frozen_elements=0):
     """Bytes per rank by kind: {"parameters", "gradients", "master", "moments", "total", "buckets", "host"}.
 
-    `num_params_on_this_mp_rank`: an int (one param group) or the element counts of each optimizer param group
-    (exact to the byte: each group is padded on its own). `dtype`: the training dtype of the parameters
-    (torch dtype or "fp16"/"bf16"/"fp32"). "total" = parameters + gradients + master + moments (+ master gradients
-    with `master_grads`) on the device; "buckets" is the stage-2/3 bucket bound (None when reduce_bucket_size is
-    not given); "host" is what offload keeps in host memory: `offload` (offload_optimizer, stages 1-3) the fp32
-    masters (always a copy there), the moments and, in stages 2-3, the reduced gradient partitions;
-    `offload_param` (stage 3) the parameter partitions. Stage 3 holds 1/dp of the parameters plus the
-    `persistent_elements` (parameters under stage3_param_persistence_threshold) whole; the units gathered during
-    forward and backward are working memory, not model state. `frozen_elements`: parameters without optimizer
-    state (requires_grad False), counted under "parameters" only.
+    `counts`: an int (one param group) or the element counts of each optimizer param group on this model-parallel
+    rank (exact to the byte: each group is padded on its own). `dtype`: the parameters' training dtype (torch dtype
+    or "fp16"/"bf16"/"fp32"; with fp16 or bf16 enabled in `config`, that one). `config`: the run's `zero.Config`
+    (zero.load_config), whose zero_optimization block gives the stage, the offloads, the stage-3 persistence
+    threshold and the reduce buckets; None: the Megatron optimizer (no partitioning, alignment 1, FP16_Optimizer's
+    fp32 master gradients in fp16/bf16). `dp`: the data-parallel size (the partitions of stages 1-3).
+    `parameter_sizes`: every parameter's element count, for stage 3, which keeps those up to
+    stage3_param_persistence_threshold whole on every rank (the units gathered during forward and backward are
+    working memory, not model state). `frozen_elements`: parameters without optimizer state (requires_grad False),
+    counted under "parameters" only.
+
+    "total" = parameters + gradients + master + moments (+ "master_gradients" on the Megatron path) on the device;
+    "buckets" is the stage-2/3 bucket bound; "host" is what offload keeps in host memory: offload_optimizer
+    (stages 1-3) the fp32 masters (always a copy there), the moments and, in stages 2-3, the reduced gradient
+    partitions; offload_param (stage 3) the parameter partitions.
     """
-    counts = [int(num_params_on_this_mp_rank)] if isinstance(num_params_on_this_mp_rank, int) \
-        else [int(n) for n in num_params_on_this_mp_rank]
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage {stage}: this estimate covers stages 0, 1, 2 and 3")
-    if offload_param and stage != 3:
-        raise ValueError(f"offload_param needs stage 3 (stage is {stage})")
+    counts = [int(counts)] if isinstance(counts, int) else [int(n) for n in counts]
     dtype = _dtype(dtype)
+    zero = config.zero_optimization if config is not None else None
+    if config is not None and _config_dtype(config) not in (None, dtype):
+        raise ValueError(f"dtype {dtype} disagrees with the config, which enables {_config_dtype(config)}")
+    stage = zero.stage if zero is not None else 0
+    offload = zero is not None and zero.offload_optimizer.enabled
+    offload_param = zero is not None and zero.offload_param.enabled
+    persistent = sum(n for n in parameter_sizes if n <= zero.stage3_param_persistence_threshold) \
+        if stage == 3 else 0
     size = torch.tensor([], dtype=dtype).element_size()
     partitions = dp if stage >= 1 else 1
-    padded = [_padded(n, partitions, alignment) for n in counts]
+    padded = [_padded(n, partitions, ALIGNMENT if zero is not None else 1) for n in counts]
     own = [p // partitions for p in padded]
-    frozen = _padded(frozen_elements, partitions, alignment) // partitions if stage == 3 else frozen_elements
-    result = {"parameters": (sum(own) + frozen + persistent_elements if stage == 3 else sum(padded) + frozen) * size,
+    frozen = _padded(frozen_elements, partitions, ALIGNMENT) // partitions if stage == 3 else frozen_elements
+    result = {"parameters": (sum(own) + frozen + persistent if stage == 3 else sum(padded) + frozen) * size,
               "gradients": (sum(own) if stage >= 2 else sum(padded)) * size,
               "master": 0 if dtype == torch.float32 and not offload else sum(own) * 4,
               "moments": 2 * sum(own) * 4}
-    if master_grads and dtype != torch.float32:
+    if zero is None and dtype != torch.float32:
         result["master_gradients"] = sum(own) * 4
     host = 0
     if offload:
@@ -87,16 +94,24 @@ def model_state_bytes(num_params_on_this_mp_rank, dp, stage, dtype, offload=Fals
         result["gradients"] = 0 if stage >= 2 else result["gradients"]
     if offload_param:
         host += (sum(own) + frozen) * size
-        result["parameters"] = persistent_elements * size
+        result["parameters"] = persistent * size
     result["total"] = sum(result.values())
     result["host"] = host
-    if stage >= 2 and reduce_bucket_size is not None and counts:
-        pool = min(reduce_bucket_size, max(counts))
-        buffers = len(counts) + (MAX_IN_FLIGHT if overlap_comm else 0)
-        result["buckets"] = buffers * pool * size if contiguous_gradients else buffers * reduce_bucket_size * size
-    else:
-        result["buckets"] = 0 if stage < 2 else None
+    result["buckets"] = _bucket_bytes(zero, counts, size) if stage >= 2 and counts else 0
     return result
+
+
+def _config_dtype(config):
+    """The parameters' dtype a config sets (as the engine casts them), None when it leaves them as built."""
+    return torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+
+
+def _bucket_bytes(zero, counts, size):
+    """Stages 2-3: with contiguous_gradients a pool of min(reduce_bucket_size, largest group) element buffers, one
+    per param group being filled plus MAX_IN_FLIGHT in flight with overlap_comm; else reduce_bucket_size each."""
+    buffers = len(counts) + (MAX_IN_FLIGHT if zero.overlap_comm else 0)
+    elements = min(zero.reduce_bucket_size, max(counts)) if zero.contiguous_gradients else zero.reduce_bucket_size
+    return buffers * elements * size
 
 
 def measured_model_state_bytes(zero_optimizer):

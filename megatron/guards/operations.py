@@ -186,31 +186,21 @@ def write_jsonl_record(path, record):
         handle.flush()
 
 
-def memory_setting(args, zero_config):
-    return (f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}, "
-            f"{'Megatron optimizer' if zero_config is None else f'ZeRO stage {zero_config.stage}'}, "
-            f"{args.params_dtype}")
+def memory_setting(args):
+    zero_config = args.zero_config
+    optimizer = 'Megatron optimizer' if zero_config is None else f'ZeRO stage {zero_config.zero_optimization.stage}'
+    return f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}, {optimizer}, {args.params_dtype}"
 
 
-def model_state_estimate(counts, args, zero_config=None, module=None):
-    """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups
-    (`zero_config`: the engine's zero_optimization block, None on the Megatron path; `module`: the model, whose
-    small parameters stage 3 keeps whole and whose frozen ones have parameters only)."""
-    frozen = sum(mpu.full_numel(p) for p in module.parameters() if not p.requires_grad) if module is not None else 0
-    if zero_config is not None:
-        persistent = 0
-        if zero_config.stage == 3 and module is not None:
-            persistent = sum(mpu.full_numel(p) for p in module.parameters()
-                             if mpu.full_numel(p) <= zero_config.stage3_param_persistence_threshold)
-        return memory.model_state_bytes(counts, args.data_parallel_size, zero_config.stage, args.params_dtype,
-                                        offload=zero_config.offload_optimizer.enabled,
-                                        offload_param=zero_config.offload_param.enabled,
-                                        persistent_elements=persistent, frozen_elements=frozen,
-                                        reduce_bucket_size=zero_config.reduce_bucket_size,
-                                        contiguous_gradients=zero_config.contiguous_gradients,
-                                        overlap_comm=zero_config.overlap_comm)
-    return memory.model_state_bytes(counts, 1, 0, args.params_dtype, alignment=1,
-                                    master_grads=args.fp16 or args.bf16, frozen_elements=frozen)
+def model_state_estimate(counts, args, module=None):
+    """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups,
+    and the run's zero.Config (args.zero_config, None on the Megatron path; its "auto" values resolved by
+    zero.initialize). `module`: the model, whose small parameters stage 3 keeps whole and whose frozen ones have
+    parameters only."""
+    parameters = list(module.parameters()) if module is not None else []
+    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config, args.data_parallel_size,
+                                    parameter_sizes=[mpu.full_numel(p) for p in parameters],
+                                    frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
 
 
 def measured_model_state(model, optimizer, args):
