@@ -61,7 +61,7 @@ def last():
     return _last
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SKIPPED = None   # the files whose frames are not a collective's caller: torch's, this module's, contextlib's
 
 

@@ -13,7 +13,7 @@ import os
 # rank, the parsed config object (compared as `zero_config.*`) and its file path (only the content must agree).
 PER_PROCESS_KEYS = frozenset({"rank", "local_rank", "zero_config", "deepspeed_config"})
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE_ROOTS = ("megatron", "mpu", "pretrain_gpt.py")
 _source_digest = None
 
