@@ -371,13 +371,7 @@ def _reconcile_with_deepspeed_config(args, parser):
         args.initial_loss_scale = 2.0 ** config.fp16.initial_scale_power
         args.loss_scale_window, args.hysteresis = config.fp16.loss_scale_window, config.fp16.hysteresis
         args.min_scale = config.fp16.min_loss_scale
-    try:
-        resolved = zero.config.resolve_auto_values(config, args.hidden_size)
-    except zero.ConfigError as error:
-        parser.error(f"--deepspeed_config: {error}")
-    if resolved and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {path}: \"auto\" resolved from --hidden-size {args.hidden_size}: "
-              + ", ".join(f"{key}={value}" for key, value in resolved.items()), flush=True)
+    # "auto" values are resolved in one place, zero.initialize (from the model's hidden size), which prints them
     ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
     if ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "

@@ -492,7 +492,7 @@ def test_ds_script_runs_the_zero3_offload_config(tmp_path, webtext_data):
                          "DS_CONFIG": "scripts/ds_zero3_offload_config.json",
                          "EXTRA_ARGS": "--zero-stage 3 --remote-device cpu", "CHECKPOINT_PATH": str(tmp_path / "c")})
     losses = logged_losses(stdout)
-    assert '"auto" resolved from --hidden-size' in stdout
+    assert '[zero] "auto" resolved from the model\'s hidden size: {\'reduce_bucket_size\': 16384' in stdout
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
 
 
