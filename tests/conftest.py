@@ -43,8 +43,13 @@ def test_device(pytestconfig):
 
 @pytest.fixture(scope="session")
 def webtext_data():
-    """The embedded default data (data/webtext/), built once if missing (~20-50 s); returns its directory."""
-    if not os.path.exists(os.path.join(WEBTEXT, "webtext_text_document.idx")):
-        subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_data.py")], cwd=REPO,
-                       check=True, timeout=600)
+    """The embedded default data (data/webtext/), built once if missing (~20-50 s); returns its directory. Under
+    pytest-xdist every worker asks: the first builds it, the others wait on the lock and find it built."""
+    import fcntl
+    os.makedirs(os.path.dirname(WEBTEXT), exist_ok=True)
+    with open(os.path.join(os.path.dirname(WEBTEXT), ".webtext.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(WEBTEXT, "webtext_text_document.idx")):
+            subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_data.py")], cwd=REPO,
+                           check=True, timeout=600)
     return WEBTEXT
