@@ -70,7 +70,7 @@ def get_model(model_provider):
     return LocalDDP(model)
 
 
-def _param_groups_for_weight_decay(module):
+def param_groups_for_weight_decay(module):
     """Biases and LayerNorm parameters get no weight decay (Megatron's grouping). Frozen parameters (LoRA's base
     weights) are in no group: no optimizer state; an empty group is left out."""
     decay, no_decay = [], []
@@ -88,7 +88,7 @@ def _param_groups_for_weight_decay(module):
 
 def get_optimizer(model):
     args = get_args()
-    groups = _param_groups_for_weight_decay(unwrap_model(model))
+    groups = param_groups_for_weight_decay(unwrap_model(model))
     # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
     kernel = zero.adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
@@ -309,7 +309,7 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
 def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     module = unwrap_model(model)
-    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in _param_groups_for_weight_decay(module)]
+    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in param_groups_for_weight_decay(module)]
     estimate = operations.model_state_estimate(counts, args, module)
     setting = operations.memory_setting(args)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")

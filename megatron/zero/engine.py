@@ -50,7 +50,7 @@ class ZeroEngine(torch.nn.Module):
             module.to(dtype)              # stage 3: the (released) parameters are already in it
         if self.stage3 is None:
             frozen_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
-        self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config.stage, zero_config, config.fp16,
+        self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config, config.fp16,
                                        config.gradient_clipping, param_order=param_order, groups=groups)
         self.optimizer.frozen_parameter_bytes = frozen_bytes
         if zero_config.overlap_param_gather:

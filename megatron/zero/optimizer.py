@@ -28,12 +28,12 @@ from .partition import FlatGroup
 class ZeroOptimizer:
     """Partitioned mixed-precision wrapper. Exposes `cur_scale`, `overflow`, `param_groups` like DeepSpeed's."""
 
-    def __init__(self, optimizer, ctx, stage, zero_config, fp16_config=None, gradient_clipping=0.0,
+    def __init__(self, optimizer, ctx, zero_config, fp16_config=None, gradient_clipping=0.0,
                  param_order=(), groups=None):
         """`groups`: the flat groups, one per optimizer param group, when the caller built them (stage 3's
         PartitionedGroup); otherwise FlatGroups are built here. With offload_optimizer the fp32 masters, the
         moments and the reduced gradient partitions live in host memory and the inner optimizer steps there."""
-        self.optimizer, self.ctx, self.stage = optimizer, ctx, stage
+        self.optimizer, self.ctx, self.stage = optimizer, ctx, zero_config.stage
         self.zero_config = zero_config
         self.gradient_clipping = gradient_clipping
         self.fp16 = fp16_config is not None and fp16_config.enabled

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import median_and_spread, peak_rss_mb  # noqa: E402
 
 from megatron import zero  # noqa: E402
+from megatron.training import param_groups_for_weight_decay  # noqa: E402  (Megatron's grouping)
 from megatron.spawn import run_distributed  # noqa: E402  (gloo processes on this machine)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 4, 256, 4, 256, 8192, 4
@@ -77,12 +78,6 @@ class GPT(nn.Module):
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)           # [b, s, V], head tied to wte
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
-
-
-def param_groups(model):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 PHASES = ("forward", "backward", "step")
@@ -123,7 +118,8 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
     params = sum(p.numel() for p in model.parameters())     # before stage 3 partitions them
     if kind == "ddp":
         model.to(dtype)   # ddp-bf16 keeps everything in bf16; ddpamp-bf16: fp32 params and Adam, bf16 autocast
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, **adam_options(adam))
+    optimizer = torch.optim.AdamW(param_groups_for_weight_decay(model), lr=1e-4, weight_decay=0.1,
+                                  **adam_options(adam))
     if kind in ("ddp", "ddpamp"):
         engine = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         if count_ddp_comm:
