@@ -31,7 +31,7 @@ finetune: data   # runs make pretrain first when its checkpoint is missing; buil
 	PYTHON=$(VPY) bash scripts/finetune_gpt.sh
 
 test: install-test
-	$(VPY) -m pytest -q -n 2 --dist loadfile tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 clean-data:
 	rm -rf data/webtext data/sft

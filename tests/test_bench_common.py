@@ -2,7 +2,9 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench"))
+from tests.helpers import REPO
+
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 
 import bench_common  # noqa: E402
 

@@ -15,7 +15,9 @@ import tempfile
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+
+
 README = os.path.join(REPO, "README.md")
 DOCS = os.path.join(REPO, "docs")
 README_MAX_LINES = 160

@@ -7,7 +7,7 @@ import sys
 
 from megatron.spawn import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def _imported_modules(path):

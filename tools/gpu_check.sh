@@ -24,8 +24,8 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo pyth
 LOG_DIR=${LOG_DIR:-runs/gpu_check}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
-TESTS="tests/test_mpu.py tests/test_gpt2_model.py tests/test_zero_engine.py tests/test_activation_checkpointing.py
-tests/test_zero_checkpoint.py"
+TESTS="tests/model/test_mpu.py tests/model/test_gpt2_model.py tests/zero/test_zero_engine.py tests/zero/test_activation_checkpointing.py
+tests/checkpoint/test_zero_checkpoint.py"
 RUN_TESTS=1 RUN_BENCH=1 DRY_RUN=0
 BENCH_ARGS=()
 

@@ -1,0 +1,235 @@
+"""What the tests share (one module): repository paths, the tiny Megatron model's flags and the run helper, the
+tracker and ds_config writers, the ZeRO engine tests' tiny model and single-process reference, the data tests'
+small corpus, and the launch-script runner."""
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(REPO, "tools")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+ZERO_CONFIGS = os.path.join(REPO, "tests", "zero_configs")
+if TOOLS not in sys.path:        # the tools are scripts, imported by name
+    sys.path.insert(0, TOOLS)
+
+
+# ---- the tiny Megatron model, trained through pretrain_gpt.main -------------------------------------------------
+TINY_SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+MOCK_VOCAB = ["--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "8"]   # 64 ids, no padding at mp 2
+TINY = MOCK_VOCAB + TINY_SHAPE + ["--train-iters", "10", "--log-interval", "100", "--eval-iters", "0", "--lr", "1e-3",
+                                  "--warmup", "0", "--seed", "7"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def train(args_list):
+    """pretrain_gpt.main on this process's arguments: what run_distributed runs on each rank (its history)."""
+    import pretrain_gpt
+    return pretrain_gpt.main(args_list)
+
+
+def set_tracker(save_dir, iteration):
+    """Point Megatron's tracker file at `iteration` (written plainly, as a user or another tool would)."""
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+
+
+def write_config(directory, **overrides):
+    """A ZeRO-2 ds_config.json in `directory` (micro batch 2, clipping 1, small buckets), top-level keys overridden."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                    "reduce_bucket_size": 5000, "allgather_bucket_size": 5000}}
+    config.update(overrides)
+    path = os.path.join(directory, "ds_config.json")
+    with open(path, "w") as handle:
+        json.dump(config, handle)
+    return path
+
+
+# ---- the ZeRO engine tests: a tiny model, deterministic data, the single-process reference -----------------------
+IN, HIDDEN, OUT = 16, 32, 8
+
+
+def device():
+    """Where the tests' tensors live: the CPU, or the rank's GPU under `pytest --device cuda` (mpu decides)."""
+    import mpu
+    return mpu.get_device()
+
+
+class TinyNet(nn.Module):
+    """Linear -> GELU -> LayerNorm -> Linear -> tanh -> Linear; ~1.9k parameters."""
+
+    def __init__(self, seed=1234):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(IN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.to(device())
+
+    def forward(self, x, y):
+        h = self.norm(F.gelu(self.fc1(x)))
+        return F.mse_loss(self.head(torch.tanh(self.fc2(h))).float(), y.float())
+
+
+def batch(step, size, seed=99):
+    """The global batch of `step`: x [size, IN], y = tanh(x @ teacher) [size, OUT]."""
+    teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(size, IN, generator=torch.Generator().manual_seed(seed * 1000 + step))
+    return x.to(device()), torch.tanh(x @ teacher).to(device())
+
+
+def engine_train_step(engine, step, global_batch):
+    """One optimizer step of `engine` on the global batch of `step`; returns the loss averaged over the global
+    batch. Data-parallel rank r, micro-step k takes samples [(r * accumulation + k) * micro, ... + micro)."""
+    import torch.distributed as dist
+    ctx = engine.ctx
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    x, y = batch(step, global_batch)
+    total = torch.zeros(1, dtype=torch.float64, device=device())
+    for k in range(accumulation):
+        lo = (ctx.data_parallel_rank * accumulation + k) * micro
+        loss = engine(x[lo:lo + micro], y[lo:lo + micro])
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    if ctx.data_parallel_size > 1:
+        dist.all_reduce(total, group=ctx.data_parallel_group)
+    return float(total) / (ctx.data_parallel_size * accumulation)
+
+
+def param_groups(model, weight_decay=0.01):
+    """Megatron-style groups: weights decay, biases and norms do not."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reference_run(steps, global_batch, lr=1e-2, clip=0.0, make_model=TinyNet, grad_norms=None):
+    """Plain single-process torch AdamW on the whole global batch: (losses, final state_dict). `grad_norms`, a
+    list, receives clip_grad_norm_'s return value (the norm before clipping) at every step."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        if clip > 0 or grad_norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class ParallelTinyNet(nn.Module):
+    """ColumnParallel -> GELU -> RowParallel -> tanh -> LayerNorm -> Linear head (the last two are duplicated
+    across model-parallel ranks)."""
+
+    def __init__(self, seed=4321):
+        import mpu
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = mpu.ColumnParallelLinear(IN, HIDDEN, gather_output=False)
+        self.fc2 = mpu.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.to(device())
+
+    def forward(self, x, y):
+        h = self.norm(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
+        return F.mse_loss(self.head(h), y)
+
+
+def ds_config(stage, micro, accumulation=1, **zero):
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+              "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, **zero}}
+    return copy.deepcopy(config)
+
+
+def max_relative_difference(a, b):
+    """max over tensors of max|a - b| / max|b| (a and b: dicts or lists of tensors/floats)."""
+    pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+    worst = 0.0
+    for x, y in pairs:
+        x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)
+        worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+# ---- the data-pipeline tests: a small corpus and a BPE trained on it, built in a temp dir --------------------------
+
+UNICODE_STRESS = (
+    "Hello world! It's we're they've I'm you'll he'd. 東京は日本の首都です。 中文测试，标点。 한국어 텍스트 "
+    "emoji 😀🚀👩‍👩‍👧‍👦 flags 🇯🇵 combining e\u0301 a\u0308 o\u0323\u0302 Zalgo Z\u0364\u0351a\u0336 "
+    "odd spaces:\u00a0nbsp\u2009thin\u3000ideographic\ttab\r\nCRLF  double   triple\u200bzwsp "
+    "literal <|endoftext|> inside text, and <|endoftext|><|endoftext|> twice. "
+    "Numbers 1234567 3.14159 -42 1e-9 ١٢٣ Ⅻ; code: def f(x): return x**2  # comment\n\n\n"
+    "RTL: שלום עולם مرحبا بالعالم; Cyrillic: Привет мир; Greek: Γειά σου Κόσμε; "
+    "math ∑∫√∞≠≤ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ; lone surrogate-free edge: \U0010ffff end.  ")
+
+HAND_DOCS = [
+    "The quick brown fox jumps over the lazy dog. It barked.",
+    "",
+    "   ",
+    "Dr. Smith went home. He was tired.\nThen he slept.",
+    "A literal <|endoftext|> is ordinary text here.",
+    UNICODE_STRESS,
+]
+
+
+def write_jsonl(path, texts, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({key: text}, ensure_ascii=False) + "\n")
+    return path
+
+
+def build_small_corpus(directory, max_mb=0.3, vocab_size=1000):
+    """Docstring corpus (stdlib only, ~max_mb MB) + the hand-written docs, and a BPE trained on it.
+
+    Returns dict(corpus, vocab, merges, texts)."""
+    import make_sample_corpus
+    import train_tokenizer
+    corpus = os.path.join(directory, "corpus.json")
+    make_sample_corpus.write_corpus(corpus, max_mb=max_mb, stdlib_only=True, workers=1)
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f] + HAND_DOCS
+    write_jsonl(corpus, texts)
+    vocab, merges, _ = train_tokenizer.train([corpus], directory, vocab_size=vocab_size)
+    return {"corpus": corpus, "vocab": vocab, "merges": merges, "texts": texts}
+
+
+# ---- launch scripts: run one in a subprocess, read the losses it logs -----------------------------------------------
+
+
+def script_env(env_overrides):
+    """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
+    env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
+    return dict(env, **env_overrides)
+
+
+def run_script(script, env_overrides, timeout=600):
+    env = script_env(env_overrides)
+    result = subprocess.run(["bash", os.path.join(REPO, "scripts", script)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+def logged_losses(stdout):
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+)", stdout)]
+
+
+def validation_losses(stdout):
+    return [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", stdout)]

@@ -1,0 +1,137 @@
+"""Batched generation of prompts of different lengths (left-padded, one KV cache per call): each row's tokens are
+those it gets alone and those of Hugging Face GPT2LMHeadModel.generate on the same weights; the cache is written
+in place; the end of the position table caps a row; generation stops once every row has produced end-of-text.
+One process runs every case (the module fixture); each test asserts one quantity."""
+import pytest
+import torch
+
+from megatron.spawn import run_distributed
+from tests.inference.test_generation import _hf_greedy, build_model
+
+PROMPTS = [[5, 9, 3], [11, 60, 61, 7, 33, 2, 8], [40, 2, 17, 9, 13]]     # lengths 3, 7, 5
+NEW = 12                                                                # 7 + 12 <= 24 positions
+LONG, SHORT = list(range(1, 21)), [7, 8, 9]                             # 20 tokens: room for 4 of 24
+
+
+def _hf_batched_left_padded(model, prompts, new):
+    """HF generate on the whole batch, left-padded with its attention mask (its own padding scheme)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tests.model.test_gpt2_model import copy_into_hf
+    config = model.config
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=config.vocab_size, n_positions=config.max_sequence_length,
+                                    n_embd=config.hidden_size, n_layer=config.num_layers,
+                                    n_head=config.num_attention_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=None, pad_token_id=0)).eval()
+    copy_into_hf(model, hf)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                      eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def _padded_prefill_error(model):
+    """Max |logit difference| between every real position of the left-padded batch and the prompt alone; whether
+    every logit (padding positions included) is finite; whether every query of the mask sees some key."""
+    from megatron.text_generation.generation import _left_padded_layout
+    lengths = [len(p) for p in PROMPTS]
+    width = max(lengths)
+    tokens = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    position_ids, mask = _left_padded_layout(lengths, width, model.config.max_sequence_length, tokens.device)
+    with torch.no_grad():
+        logits = model(tokens, position_ids=position_ids, attention_mask=mask)                # [3, 7, V]
+        error = max((logits[row, width - len(p):] - model(torch.tensor([p]))[0]).abs().max().item()
+                    for row, p in enumerate(PROMPTS))
+    return error, bool(torch.isfinite(logits).all()), bool((~mask).any(-1).all())
+
+
+def _cache_writes(model):
+    """(key buffer address, value buffer address, cached length, buffer shape) after every forward of one layer's
+    attention during a batched generate call."""
+    from megatron.text_generation import generate
+    seen = []
+
+    def record(module, args, output):
+        past = args[2]
+        seen.append((past.key_buffer.data_ptr(), past.value_buffer.data_ptr(), past.length,
+                     tuple(past.key_buffer.shape)))
+    handle = model.transformer.layers[1].attention.register_forward_hook(record)
+    try:
+        generate(model, PROMPTS, NEW, greedy=True)
+    finally:
+        handle.remove()
+    return seen
+
+
+def _early_stop():
+    """One prompt whose first greedy token is end-of-text, 40 new tokens allowed: (output, model forwards)."""
+    from megatron.text_generation import generate
+    model = build_model(max_sequence_length=64)
+    eod = generate(model, [PROMPTS[0]], 1, greedy=True)[0][0]
+    calls = []
+    handle = model.register_forward_hook(lambda *args: calls.append(1))
+    out = generate(model, [PROMPTS[0]], 40, greedy=True, eod_id=eod)
+    handle.remove()
+    return out, len(calls), eod
+
+
+def _all_cases():
+    from megatron.text_generation import generate
+    model = build_model()
+    result = {"batched": generate(model, PROMPTS, NEW, greedy=True),
+              "recompute": generate(model, PROMPTS, NEW, greedy=True, use_cache=False),
+              "alone": [generate(model, [p], NEW, greedy=True)[0] for p in PROMPTS],
+              "hf_alone": _hf_greedy(model, PROMPTS, NEW),
+              "hf_batched": _hf_batched_left_padded(model, PROMPTS, NEW),
+              "capped": generate(model, [LONG, SHORT], NEW, greedy=True),
+              "capped_recompute": generate(model, [LONG, SHORT], NEW, greedy=True, use_cache=False),
+              "capped_hf": [_hf_greedy(model, [LONG], 4)[0], _hf_greedy(model, [SHORT], NEW)[0]],
+              "prefill": _padded_prefill_error(model),
+              "writes": _cache_writes(model),
+              "early_stop": _early_stop()}
+    return result
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return run_distributed(_all_cases, 1, model_parallel_size=1)[0]
+
+
+def test_batched_prompts_of_lengths_3_7_5_give_each_prompt_alone_and_huggingface(cases):
+    assert all(len(row) == NEW for row in cases["hf_alone"])
+    assert cases["batched"] == cases["alone"] == cases["hf_alone"] == cases["hf_batched"]
+
+
+def test_kv_cache_equals_recompute_on_padded_batches(cases):
+    assert cases["batched"] == cases["recompute"] == cases["hf_alone"]
+    assert cases["capped"] == cases["capped_recompute"]
+
+
+def test_left_padded_prefill_has_each_prompt_alone_logits(cases):
+    error, finite, no_empty_row = cases["prefill"]
+    # A padding query sees itself: an all-masked row is NaN in some SDPA kernels (0 in torch 2.13's CPU one).
+    assert finite and no_empty_row
+    assert error <= 1e-5
+
+
+def test_the_position_table_caps_each_row_on_its_own(cases):
+    # 24 positions: the 20-token prompt gets 4 new tokens, the 3-token one all 12, each as alone (HF).
+    assert [len(row) for row in cases["capped"]] == [4, NEW]
+    assert cases["capped"] == cases["capped_hf"]
+
+
+def test_the_cache_is_allocated_once_and_written_in_place(cases):
+    writes = cases["writes"]
+    width = max(map(len, PROMPTS))
+    assert len(writes) == NEW                                  # one prefill, then NEW - 1 one-token steps
+    assert len({(key, value) for key, value, _, _ in writes}) == 1
+    assert [length for _, _, length, _ in writes] == list(range(width, width + NEW))
+    assert {shape for _, _, _, shape in writes} == {(len(PROMPTS), 4, width + NEW, 8)}   # [b, heads, cols, d]
+
+
+def test_generation_stops_at_the_first_done_check_after_every_row_ended(cases):
+    from megatron.text_generation.generation import DONE_CHECK_INTERVAL
+    out, forwards, eod = cases["early_stop"]
+    assert out == [[eod]]
+    assert forwards == DONE_CHECK_INTERVAL < 40

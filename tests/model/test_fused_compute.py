@@ -1,0 +1,116 @@
+"""The fused compute path (--torch-compile, mpu/fused.py): the same training as eager, on both paths, under model
+and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager loss and
+its gradient."""
+import json
+
+import pytest
+import torch
+
+from megatron.spawn import run_distributed
+from tests.helpers import NO_DROPOUT, TINY, train
+
+ITERS_20 = ["--train-iters", "20"]
+
+
+def _losses(world_size, extra):
+    return run_distributed(train, world_size, args=(TINY + extra,))[0]["lm loss"]
+
+
+def _max_abs_difference(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def eager_single_process():
+    """One process, eager, no dropout: the reference of the parallel runs."""
+    return _losses(1, NO_DROPOUT + ["--batch-size", "4"])
+
+
+def test_fused_equals_eager_over_20_steps_with_dropout():
+    """Dropout on (0.1): the compiled pieces draw aten's masks from the same generator states as eager."""
+    eager = _losses(1, ITERS_20 + ["--batch-size", "4"])
+    fused = _losses(1, ITERS_20 + ["--batch-size", "4", "--torch-compile"])
+    assert len(fused) == 20 and fused[-1] < fused[0]
+    assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
+
+
+def test_fused_model_parallel_equals_eager_model_parallel_with_dropout():
+    """mp2 with dropout on: the attention dropout stays under the model-parallel RNG fork and each row-parallel
+    bias is added once, after the all-reduce."""
+    common = ["--batch-size", "4", "--model-parallel-size", "2"]
+    eager = _losses(2, common)
+    fused = _losses(2, common + ["--torch-compile"])
+    assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
+
+
+@pytest.mark.parametrize("world_size,extra", [
+    (2, ["--batch-size", "4", "--model-parallel-size", "2"]),
+    (2, ["--batch-size", "2", "--deepspeed", "--zero-stage", "3"]),
+], ids=["mp2-megatron", "dp2-zero3"])
+def test_fused_parallel_equals_eager_single_process(eager_single_process, world_size, extra, tmp_path):
+    """The Megatron path at mp2, and the ZeRO path at stage 3 (every layer's weights gathered around its compiled
+    pieces and released after; no persistent parameters)."""
+    if "--deepspeed" in extra:
+        config = tmp_path / "ds_config.json"
+        config.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                      "gradient_clipping": 1.0}))
+        extra = extra + ["--deepspeed_config", str(config)]
+    fused = _losses(world_size, NO_DROPOUT + extra + ["--torch-compile"])
+    assert _max_abs_difference(fused, eager_single_process) <= 1e-5, (fused, eager_single_process)
+
+
+def test_activation_checkpointing_stays_bitwise_with_the_fused_path():
+    """mp2, dropout 0.2 on attention and hidden states: recomputing the compiled pieces replays the default and
+    the model-parallel RNG streams, so the losses are bitwise those without checkpointing."""
+    common = ["--batch-size", "2", "--model-parallel-size", "2", "--attention-dropout", "0.2", "--hidden-dropout",
+              "0.2", "--torch-compile"]
+    plain = _losses(2, common)
+    checkpointed = _losses(2, common + ["--checkpoint-activations"])
+    assert plain[0] != plain[-1]
+    assert checkpointed == plain
+
+
+def _fused_and_eager_losses(dtypes):
+    """{dtype: ({fused: (loss, logits grad)}, torch's loss, torch's logits grad)} on this rank (mp2)."""
+    import mpu
+    mpu.initialize_model_parallel(2)
+    rank, world = mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+    out = {}
+    for dtype in dtypes:
+        generator = torch.Generator().manual_seed(3)
+        full = (torch.randn(3, 5, 24, generator=generator) * 4).to(dtype)   # [b, s, V], V split over the ranks
+        target = torch.randint(0, 24, (3, 5), generator=generator)
+        grad_output = torch.rand(3, 5, generator=generator)
+        mine = full.chunk(world, dim=-1)[rank]
+        results = {}
+        for fused in (False, True):
+            leaf = mine.clone().requires_grad_()
+            logits = leaf * 1     # a non-leaf: the fused backward overwrites the logits it saved
+            loss = mpu.vocab_parallel_cross_entropy(logits, target, fused=fused)
+            assert torch.equal(leaf.detach(), mine), "the forward must not modify the logits"
+            loss.backward(grad_output)
+            results[fused] = loss.detach(), leaf.grad
+        # An independent reference: torch's cross entropy over the whole vocabulary, in fp32.
+        whole = full.float().requires_grad_()
+        expected = torch.nn.functional.cross_entropy(whole.view(-1, 24), target.view(-1), reduction="none")
+        expected.view(3, 5).backward(grad_output)
+        out[dtype] = results, expected.detach().view(3, 5), whole.grad.chunk(world, dim=-1)[rank]
+    return out
+
+
+def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch():
+    """At mp2 (targets on both ranks' vocabulary slices), fp32 and bf16: loss and gradient equal the eager
+    function's and torch.nn.functional.cross_entropy's."""
+    dtypes = (torch.float32, torch.bfloat16)
+    by_dtype = run_distributed(_fused_and_eager_losses, 2, args=(dtypes,))[0]
+    for dtype in dtypes:
+        results, expected, expected_grad = by_dtype[dtype]
+        (eager_loss, eager_grad), (fused_loss, fused_grad) = results[False], results[True]
+        assert fused_grad.dtype == dtype
+        torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused_grad, eager_grad)          # dtype-aware defaults (bf16: 1.6e-2 relative)
+        tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(fused_loss, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(fused_grad.float(), expected_grad, rtol=tolerance, atol=tolerance)

@@ -1,0 +1,121 @@
+"""The embedded default for fine-tuning: tools/prepare_sft_data.py builds data/sft/ from the chatterbot-corpus YAML
+(deterministic, split by question), and scripts/finetune_gpt.sh (make finetune) LoRA-fine-tunes a pretrained
+checkpoint under ZeRO-2, printing the validation perplexity and three held-out answers before and after."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, run_script
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import prepare_sft_data  # noqa: E402
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("chatterbot_corpus")
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory, webtext_data):
+    out = tmp_path_factory.mktemp("sft")
+    manifest = prepare_sft_data.prepare(str(out), vocab_dir=webtext_data)
+    assert manifest["built"]
+    return out
+
+
+def _jsonl(path):
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_pairs_come_from_the_yaml_files():
+    """Hand-checked against chatterbot_corpus/data/english/ai.yml and conversations.yml (1.3.3): the first pair of
+    the first file; a multi-turn conversation gives one pair per consecutive turns; repeats are kept once."""
+    pairs, skipped = prepare_sft_data.read_pairs(prepare_sft_data.corpus_dir())
+    assert pairs[0] == ("ai.yml", "What is AI?", "Artificial Intelligence is the branch of engineering and science "
+                        "devoted to constructing machines that think.")
+    assert pairs[1][1:] == ("What is AI?", "AI is the field of science which concerns itself with building hardware "
+                            "and software that replicates the functions of the human mind.")
+    turns = ["Good morning, how are you?", "I am doing well, how about you?", "I'm also good.",
+             "That's good to hear.", "Yes it is."]
+    chained = [(p, r) for name, p, r in pairs if name == "conversations.yml"][:4]
+    assert chained == list(zip(turns, turns[1:]))
+    assert len(set((p, r) for _, p, r in pairs)) == len(pairs)
+    overheating = [r for _, p, r in pairs if p == "My system is overheating."]
+    assert overheating == ["Ensure air vents aren't blocked and clean any dust."]   # 4 times in tech_support.yml
+    assert skipped == 1    # trivia.yml's one conversation written as a string
+    assert len(pairs) == 1176
+
+
+def test_split_is_deterministic_and_by_question(sft_dir, tmp_path, webtext_data):
+    manifest = json.loads((sft_dir / "chatterbot.json").read_text())
+    assert manifest["counts"] == {"train": 1058, "valid": 59, "test": 59} and manifest["split"] == "1058,59,59"
+    splits = {name: _jsonl(sft_dir / f"{name}.jsonl") for name in prepare_sft_data.SPLITS}
+    assert {name: len(rows) for name, rows in splits.items()} == manifest["counts"]
+    questions = {name: {prepare_sft_data.question_key(row["prompt"]) for row in rows} for name, rows in splits.items()}
+    assert not questions["train"] & questions["valid"] and not questions["train"] & questions["test"]
+    assert not questions["valid"] & questions["test"]
+    pairs, _ = prepare_sft_data.read_pairs(prepare_sft_data.corpus_dir())
+    every = sorted((row["prompt"], row["response"]) for rows in splits.values() for row in rows)
+    assert every == sorted((p, r) for _, p, r in pairs)
+    assert min(len(splits["valid"]), len(splits["test"])) >= 0.05 * len(pairs)
+    # The tokenized dataset holds train, then valid, then test, in the JSONL order: finetune_gpt.py's --split cuts
+    # exactly there. Document 1058 is the first validation example, laid out by the deepspeed-chat template.
+    from megatron.posttrain import open_sft_files
+    from megatron.tokenizer import GPT2BPETokenizer
+    ids, mask = open_sft_files(str(sft_dir / manifest["data_prefix"]))
+    assert len(ids) == 1176
+    tokenizer = GPT2BPETokenizer(os.path.join(webtext_data, "vocab.json"), os.path.join(webtext_data, "merges.txt"))
+    first_valid = splits["valid"][0]
+    text = tokenizer.detokenize([int(t) for t in ids[1058]])
+    assert text == f" Human: {first_valid['prompt']} Assistant: {first_valid['response']}<|endoftext|>"
+    answer = tokenizer.detokenize([int(t) for t, m in zip(ids[1058], mask[1058]) if m])
+    assert answer == f" {first_valid['response']}<|endoftext|>"
+    # Built again elsewhere: the same bytes; and a second call on a built directory is skipped.
+    again = tmp_path / "again"
+    assert prepare_sft_data.prepare(str(again), vocab_dir=webtext_data)["built"]
+    for name in os.listdir(sft_dir):
+        assert (again / name).read_bytes() == (sft_dir / name).read_bytes(), name
+    assert not prepare_sft_data.prepare(str(again), vocab_dir=webtext_data)["built"]
+
+
+def test_another_seed_deals_other_questions():
+    pairs, _ = prepare_sft_data.read_pairs(prepare_sft_data.corpus_dir())
+    one, other = (prepare_sft_data.split_pairs(pairs, seed, 5.0, 5.0) for seed in (1234, 1235))
+    assert one["test"] != other["test"]
+    assert one == prepare_sft_data.split_pairs(pairs, 1234, 5.0, 5.0)
+
+
+def test_missing_corpus_is_one_line(tmp_path):
+    script = ("import sys; sys.modules['chatterbot_corpus'] = None; sys.argv = ['x', '--output-dir', sys.argv[1]]; "
+              "sys.path.insert(0, 'tools'); import prepare_sft_data; prepare_sft_data.main()")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "sft")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: the chatterbot-corpus package is not installed: pip install "
+                                     "chatterbot-corpus==1.3.3 PyYAML (make install does)")
+
+
+def test_finetune_gpt_sh(tmp_path, sft_dir, webtext_data):
+    """A 40-iteration pretraining, then 40 LoRA steps: the validation perplexity drops (3421 -> 3231 here; LoRA cannot
+    sharpen the frozen, barely trained embeddings much further), both sets of answers print."""
+    shape = {"SEQ_LENGTH": "64", "LOG_JSONL": "", "LOG_INTERVAL": "10"}
+    run_script("ds_pretrain_gpt.sh", dict(shape, TRAIN_ITERS="40", EVAL_ITERS="1", CHECKPOINT_PATH=str(tmp_path / "base")))
+    stdout = run_script("finetune_gpt.sh", dict(shape, TRAIN_ITERS="40", SFT_DATA_DIR=str(sft_dir),
+                                                BASE_CHECKPOINT=str(tmp_path / "base"),
+                                                CHECKPOINT_PATH=str(tmp_path / "lora")))
+    before = float(re.search(r"^validation perplexity before fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
+    after = float(re.search(r"^validation perplexity after fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
+    assert after < 0.97 * before, (before, after)
+    test_rows = _jsonl(sft_dir / "test.jsonl")[:3]
+    for number, row in enumerate(test_rows, 1):
+        block = re.search(rf"^question {number}: (.*)\n  reference: (.*)\n  before: (.*)\n  after:  (.*)$", stdout,
+                          re.M)
+        assert block.group(1, 2) == (row["prompt"], row["response"])
+    assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    lora = tmp_path / "lora"
+    assert f"plot: {lora}/run.png and {lora}/run.html (from {lora}/log.jsonl)" in stdout
+    assert (lora / "run.png").stat().st_size > 10_000 and "<svg" in (lora / "run.html").read_text()

@@ -1,0 +1,133 @@
+"""Bad input to every entry point is one line and a non-zero exit, never a traceback (issue 23, item 4).
+
+Flags are checked in-process through the same parsers the entry points use (megatron.arguments for pretrain_gpt.py,
+generation and tasks/main.py; each tool's own parser), and generation's sampling options through the function the
+tool calls; one subprocess per entry point then shows the command line itself prints the one line and exits
+non-zero (bad input found after start-up goes through megatron.initialize.run_main)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.text_generation.generation import check_sampling_options
+from tests.helpers import REPO, TINY_SHAPE
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+TINY = TINY_SHAPE + ["--mock-data"]
+
+
+def _parser_error(parse, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag,value,wanted", [
+    ("--seq-length", "0", "a positive number"), ("--seq-length", "-5", "a positive number"),
+    ("--num-layers", "0", "a positive number"), ("--hidden-size", "0", "a positive number"),
+    ("--num-attention-heads", "-4", "a positive number"), ("--batch-size", "0", "a positive number"),
+    ("--global-batch-size", "-8", "a positive number"), ("--max-position-embeddings", "0", "a positive number"),
+    ("--log-interval", "0", "a positive number"), ("--save-interval", "0", "a positive number"),
+    ("--eval-interval", "-1", "a positive number"), ("--vocab-size", "0", "a positive number"),
+    ("--make-vocab-size-divisible-by", "0", "a positive number"), ("--lr-decay-iters", "0", "a positive number"),
+    ("--train-iters", "-1", "zero or a positive number"), ("--eval-iters", "-2", "zero or a positive number"),
+    ("--lr", "-0.1", "zero or a positive number"), ("--clip-grad", "-1.0", "zero or a positive number"),
+])
+def test_megatron_flags_out_of_range_are_one_line(flag, value, wanted, capsys):
+    from megatron.arguments import parse_args
+    line = _parser_error(lambda argv: parse_args(args_list=argv), TINY + [flag, value], capsys)
+    assert line.split(": error: ", 1)[1] == f"{flag} is {value}: it must be {wanted} (see --help)"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_new_tokens=-4), "--out-seq-length (max_new_tokens) is -4: give the number of new tokens, at least 1"),
+    (dict(max_new_tokens=0), "--out-seq-length (max_new_tokens) is 0: give the number of new tokens, at least 1"),
+    (dict(top_p=1.5), "--top_p is 1.5: give a probability mass in (0, 1], e.g. 0.9 (0 turns it off)"),
+    (dict(top_p=-0.5), "--top_p is -0.5: give a probability mass in (0, 1], e.g. 0.9 (0 turns it off)"),
+    (dict(top_k=-3), "--top_k is -3: give 0 (off) or the number of most likely tokens to sample from"),
+    (dict(temperature=0.0), "--temperature is 0.0: it must be positive (or pass --greedy for argmax)"),
+    (dict(temperature=-1.0), "--temperature is -1.0: it must be positive (or pass --greedy for argmax)"),
+])
+def test_bad_sampling_options_are_refused(kwargs, message):
+    options = dict(dict(max_new_tokens=8, greedy=False, temperature=1.0, top_k=0, top_p=0.0), **kwargs)
+    with pytest.raises(ValueError) as info:
+        check_sampling_options(**options)
+    assert str(info.value) == message
+
+
+def test_the_edges_of_the_sampling_ranges_are_accepted():
+    for options in (dict(top_p=1.0), dict(top_p=0.0), dict(top_k=0), dict(greedy=True, temperature=0.0),
+                    dict(max_new_tokens=1)):
+        check_sampling_options(**dict(dict(max_new_tokens=8), **options))
+
+
+def test_tool_flags_and_missing_files_are_one_line(tmp_path, capsys, webtext_data):
+    import estimate_memory
+    import preprocess_data
+    import train_tokenizer
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text('{"text": "hello"}\n')
+    vocab = os.path.join(REPO, "data", "webtext", "vocab.json")
+    merges = os.path.join(REPO, "data", "webtext", "merges.txt")
+    preprocess = ["--output-prefix", str(tmp_path / "out"), "--vocab-file", vocab, "--merge-file", merges,
+                  "--tokenizer-type", "GPT2BPETokenizer"]
+    cases = [
+        (preprocess_data.main, ["--input", str(tmp_path / "missing.json")] + preprocess,
+         f"preprocess_data.py: error: --input {tmp_path / 'missing.json'}: file not found (see --help)"),
+        (preprocess_data.main, ["--input", str(corpus), "--workers", "0"] + preprocess,
+         "preprocess_data.py: error: --workers is 0: it must be a positive number (see --help)"),
+        (train_tokenizer.main, ["--input", str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "tok")],
+         f"train_tokenizer.py: error: --input {tmp_path / 'missing.json'}: file not found (see --help)"),
+        (train_tokenizer.main, ["--input", str(corpus), "--output-dir", str(tmp_path / "tok"), "--vocab-size", "0"],
+         "train_tokenizer.py: error: --vocab-size is 0: it must be a positive number (see --help)"),
+        (estimate_memory.main, ["--num-layers", "-2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                "--seq-length", "16", "--vocab-size", "100"],
+         "estimate_memory.py: error: --num-layers is -2: it must be a positive number (see --help)"),
+    ]
+    for main, argv, expected in cases:
+        prog = sys.argv[0]
+        sys.argv[0] = main.__module__ + ".py"      # argparse names the program after sys.argv[0]
+        try:
+            assert _parser_error(main, argv, capsys) == expected
+        finally:
+            sys.argv[0] = prog
+    assert not (tmp_path / "tok").exists() and not list(tmp_path.glob("out*"))
+
+
+def test_entry_points_print_one_line_and_exit_non_zero(tmp_path, webtext_data):
+    """The command lines themselves, started together (about 4 s of imports each)."""
+    (tmp_path / "wiki.txt").write_text("some text\n")
+    webtext = os.path.join(REPO, "data", "webtext")
+    vocab = ["--vocab-file", os.path.join(webtext, "vocab.json"), "--merge-file", os.path.join(webtext, "merges.txt")]
+    commands = {
+        "pretrain: missing data": (["pretrain_gpt.py", *TINY[:-1], "--data-path", str(tmp_path / "nope"), *vocab],
+                                   f"error: --data-path {tmp_path / 'nope'}: missing {tmp_path / 'nope'}.idx, "
+                                   f"{tmp_path / 'nope'}.bin (run tools/preprocess_data.py; it writes "
+                                   "PREFIX_text_document.{bin,idx}, and --data-path takes PREFIX_text_document)"),
+        "pretrain: missing vocab": (["pretrain_gpt.py", *TINY[:-1], "--data-path",
+                                     os.path.join(webtext, "webtext_text_document"), "--vocab-file",
+                                     str(tmp_path / "v.json"), "--merge-file", vocab[3]],
+                                    f"error: tokenizer file not found: '{tmp_path / 'v.json'}'"),
+        "pretrain: zero length": (["pretrain_gpt.py", *TINY, "--seq-length", "0"],
+                                  "pretrain_gpt.py: error: --seq-length is 0: it must be a positive number (see --help)"),
+        "generate: top_k": (["tools/generate_samples_gpt.py", *TINY, "--load", str(tmp_path), "--top_k", "-3"],
+                            "error: --top_k is -3: give 0 (off) or the number of most likely tokens to sample from"),
+        "tasks: stride": (["tasks/main.py", "--task", "WIKITEXT103", *TINY, "--load", str(tmp_path), "--valid-data",
+                           str(tmp_path / "wiki.txt"), "--overlapping-eval", "0"],
+                          "error: --overlapping-eval is 0: give the window stride, from 1 to --seq-length (16)"),
+    }
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    running = {}
+    for name, (argv, _) in commands.items():
+        from megatron.spawn import free_port
+        running[name] = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True,
+                                         env=dict(env, MASTER_PORT=str(free_port())))
+    for name, process in running.items():
+        _, stderr = process.communicate(timeout=300)
+        lines = [line for line in stderr.strip().splitlines() if not line.startswith("W1")]
+        assert process.returncode in (1, 2) and lines == [commands[name][1]], (name, process.returncode, stderr[-2000:])

@@ -1,0 +1,53 @@
+"""The Megatron-path launch scripts run as-is on CPU (embedded default data) and the loss falls; the launch port."""
+import contextlib
+import socket
+import subprocess
+
+from tests.helpers import logged_losses, REPO, run_script, script_env
+
+SHORT = {"TRAIN_ITERS": "30", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "15", "EVAL_ITERS": "2", "SEQ_LENGTH": "64"}
+
+
+@contextlib.contextmanager
+def listening_on(port):
+    """Another job's server on `port` (when nothing else already holds it, which is just as taken)."""
+    with socket.socket() as server:
+        with contextlib.suppress(OSError):
+            server.bind(("", port))
+            server.listen()
+        yield
+
+
+def test_pretrain_gpt_sh(tmp_path, webtext_data):
+    """MASTER_PORT unset on one node while Megatron's habitual port 6000 is taken: torchrun --standalone picks a free
+    one."""
+    with listening_on(6000):
+        stdout = run_script("pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
+    losses = logged_losses(stdout)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+
+
+def test_pretrain_gpt_distributed_with_mp_sh(tmp_path, webtext_data):
+    stdout = run_script("pretrain_gpt_distributed_with_mp.sh",
+                        dict(SHORT, GPUS_PER_NODE="2", MP_SIZE="2", CHECKPOINT_PATH=str(tmp_path / "ckpt")))
+    assert "model-parallel 2 x data-parallel 1" in stdout
+    losses = logged_losses(stdout)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_a_taken_master_port_is_named_in_one_line(tmp_path):
+    with socket.socket() as server:
+        server.bind(("", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        for script, extra in (("pretrain_gpt.sh", {}), ("ds_zero2_pretrain_gpt_model_parallel.sh",
+                                                         {"NNODES": "2", "NODE_RANK": "0", "GPUS_PER_NODE": "2"})):
+            result = subprocess.run(["bash", f"scripts/{script}"], cwd=REPO, capture_output=True, text=True,
+                                    timeout=120, env=script_env(dict(extra, MASTER_PORT=str(port),
+                                                                     CHECKPOINT_PATH=str(tmp_path / "ckpt"))))
+            assert result.returncode == 1, (script, result.stderr[-2000:])
+            assert result.stderr.strip().splitlines() == [
+                f"error: MASTER_PORT {port} is already in use on this machine (another job?): choose another "
+                "MASTER_PORT, or on one node leave it unset to pick a free port"], script
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,242 @@
+"""The --deepspeed path (ZeRO engine inside Megatron's loop): equals the Megatron path; config agreement;
+both ds_* scripts on CPU, including two torchrun "nodes" on this machine."""
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+
+from megatron.spawn import free_port, run_distributed
+from tests.helpers import logged_losses, NO_DROPOUT, REPO, run_script, set_tracker, TINY, train, write_config
+from tests.checkpoint.test_checkpoint import train_killed_in_save
+
+
+def test_zero2_path_equals_megatron_path_at_mp2_dp2(tmp_path):
+    config = write_config(str(tmp_path))
+    common = TINY + NO_DROPOUT + ["--model-parallel-size", "2"]
+    megatron = run_distributed(train, 4, args=(common + ["--batch-size", "2"],))[0]["lm loss"]
+    zero2 = run_distributed(train, 4, args=(common + ["--deepspeed", "--deepspeed_config", config],))[0]["lm loss"]
+    assert len(zero2) == 10
+    assert max(abs(a - b) for a, b in zip(megatron, zero2)) <= 1e-5, (megatron, zero2)
+
+
+def _run_cli(flags, env=None):
+    return subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
+
+
+def test_config_that_disagrees_with_command_line_stops(tmp_path):
+    config = write_config(str(tmp_path))
+    result = _run_cli(["--deepspeed", "--deepspeed_config", config, "--batch-size", "8"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--batch-size (8) disagrees with train_micro_batch_size_per_gpu (2)" in result.stderr
+    result = _run_cli(["--deepspeed", "--deepspeed_config", config, "--fp16"])
+    assert result.returncode == 2 and "--fp16 (True) disagrees with fp16.enabled (False)" in result.stderr
+
+
+def test_missing_or_broken_config_stops(tmp_path):
+    result = _run_cli(["--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json")])
+    assert result.returncode == 2 and "nope.json" in result.stderr and "does not exist" in result.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {"stage": 2}}')
+    result = _run_cli(["--deepspeed", "--deepspeed_config", str(broken)])
+    assert result.returncode == 2 and "zero_optimization" in result.stderr and "Traceback" not in result.stderr
+    result = _run_cli(["--deepspeed"])
+    assert result.returncode == 2 and "--deepspeed_config" in result.stderr
+
+
+SHORT = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SEQ_LENGTH": "64"}
+
+
+def test_ds_pretrain_gpt_sh(tmp_path, webtext_data):
+    """`make pretrain`'s two steps: train through ZeRO-2 (validation and test-split perplexity at the end), then a
+    greedy continuation of a fixed prompt from the checkpoint."""
+    stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
+    losses = logged_losses(stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+    assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL", stdout)
+    stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUT_SEQ_LENGTH="4"))
+    assert "Context: Return the number of" in stdout and "Megatron-LM:" in stdout, stdout
+
+
+def test_ds_zero2_model_parallel_sh_one_node(tmp_path, webtext_data):
+    """One node, 2 processes (mp 2); the two-node test below runs mp 2 x dp 2."""
+    stdout = run_script("ds_zero2_pretrain_gpt_model_parallel.sh",
+                        dict(SHORT, GPUS_PER_NODE="2", MP_SIZE="2", CHECKPOINT_PATH=str(tmp_path / "ckpt")))
+    assert "model-parallel 2 x data-parallel 1" in stdout
+    losses = logged_losses(stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+
+
+def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):
+    """Two torchrun invocations (--nnodes 2) against 127.0.0.1, 2 processes each: mp 2 x dp 2."""
+    port = str(free_port())
+    env = dict(SHORT, GPUS_PER_NODE="2", MP_SIZE="2", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+               CHECKPOINT_PATH=str(tmp_path / "ckpt"))
+    outputs = {}
+
+    def node(rank):
+        full_env = dict(os.environ, NODE_RANK=str(rank), **env)
+        outputs[rank] = subprocess.run(["bash", "scripts/ds_zero2_pretrain_gpt_model_parallel.sh"], cwd=REPO,
+                                       env=full_env, capture_output=True, text=True, timeout=600)
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rank in (0, 1):
+        errors = [line for line in outputs[rank].stderr.splitlines() if not line.startswith("W1")]
+        assert outputs[rank].returncode == 0, (f"node {rank} failed; stdout:\n{outputs[rank].stdout[-2000:]}\n"
+                                               "stderr:\n" + "\n".join(errors[-60:]))
+    assert "world size 4: model-parallel 2 x data-parallel 2" in outputs[0].stdout
+    losses = logged_losses(outputs[0].stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+
+
+# Where `args.deepspeed` may branch: the functions the DeepSpeed-Megatron tutorial changes.
+DEEPSPEED_BRANCHES_ALLOWED = {
+    "megatron/training.py": {"get_model", "get_optimizer", "setup_model_and_optimizer", "backward_step",
+                             "train_step", "train"},
+    "megatron/arguments.py": {"validate_args"},
+    "pretrain_gpt.py": {"set_deepspeed_activation_checkpointing"}}
+NOT_SCANNED = {"tests", "data"}      # top-level folders without library code (hidden folders are skipped too)
+DEEPSPEED_BRANCH = re.compile(r"args(\(\))?\.deepspeed\b|getattr\(\s*\w*args(\(\))?\s*,\s*[\"']deepspeed[\"']")
+
+
+def deepspeed_branches(repo):
+    """{path relative to `repo`: top-level functions with a line reading `args.deepspeed`, `get_args().deepspeed`
+    or `getattr(args, "deepspeed")`} over the .py files outside NOT_SCANNED. Folders are compared as path
+    components relative to `repo`, so where the checkout lives (/data/..., .../tests/...) does not matter."""
+    found = {}
+    for root, dirs, files in os.walk(repo):
+        top = os.path.relpath(root, repo) == "."
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not (top and d in NOT_SCANNED)]
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.relpath(os.path.join(root, name), repo).replace(os.sep, "/")
+            function = None
+            for line in open(os.path.join(root, name)):
+                match = re.match(r"def (\w+)", line)
+                if match:
+                    function = match.group(1)
+                if DEEPSPEED_BRANCH.search(line):
+                    found.setdefault(path, set()).add(function)
+    return found
+
+
+def misplaced_branches(found):
+    """[(path, [functions])] of `found` outside DEEPSPEED_BRANCHES_ALLOWED, by path."""
+    misplaced = []
+    for path, functions in sorted(found.items()):
+        outside = functions - DEEPSPEED_BRANCHES_ALLOWED.get(path, set())
+        if outside:
+            misplaced.append((path, sorted(outside)))
+    return misplaced
+
+
+def test_deepspeed_branches_only_at_the_tutorials_places():
+    """`args.deepspeed` appears only in the functions the DeepSpeed-Megatron tutorial changes."""
+    found = deepspeed_branches(REPO)
+    assert "megatron/training.py" in found          # the scan sees the real branches (it is not vacuous)
+    assert misplaced_branches(found) == []
+
+
+def _plant(repo, path, text):
+    path = repo / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_deepspeed_branch_scan_does_not_depend_on_where_the_checkout_lives(tmp_path):
+    """A checkout under .../data/tests/...: the planted branches in library folders (megatron/data among them)
+    are found in every spelling; the top-level tests/ and data/ and hidden folders are not scanned; a
+    `--deepspeed_config` read is not a branch."""
+    repo = tmp_path / "data" / "tests" / "checkout"
+    _plant(repo, "megatron/model/planted.py", "import os\n\n\ndef build(args):\n    if args.deepspeed:\n        pass\n")
+    _plant(repo, "megatron/data/planted.py", "def load():\n    return get_args().deepspeed\n")
+    _plant(repo, "tools/planted.py", "def f(args):\n    return getattr(args, 'deepspeed', False)\n")
+    _plant(repo, "megatron/training.py", "def train_step():\n    if get_args().deepspeed:\n        pass\n")
+    _plant(repo, "megatron/quiet.py", "def g(args):\n    return args.deepspeed_config\n")
+    for ignored in ("tests/test_x.py", "data/tool.py", ".venv/lib/site.py"):
+        _plant(repo, ignored, "def h(args):\n    return args.deepspeed\n")
+    found = deepspeed_branches(str(repo))
+    assert found == {"megatron/model/planted.py": {"build"}, "megatron/data/planted.py": {"load"},
+                     "tools/planted.py": {"f"}, "megatron/training.py": {"train_step"}}
+    assert misplaced_branches(found) == [("megatron/data/planted.py", ["load"]),
+                                         ("megatron/model/planted.py", ["build"]), ("tools/planted.py", ["f"])]
+
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+RESUME = TINY[:TINY.index("--train-iters")] + ["--train-iters", "6", "--log-interval", "100", "--eval-iters", "0",
+                                                  "--lr", "1e-3", "--warmup", "0", "--seed", "7"]
+
+
+def test_zero_checkpoint_resume_is_exact(tmp_path):
+    """6 straight steps == 3 + save_ds_checkpoint + fresh processes + load + 3, bitwise, dropout on (mp1 x dp2)."""
+    zero_args = ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
+    save_dir = str(tmp_path / "ckpt")
+    straight = run_distributed(train, 2, args=(RESUME + DROPOUT + zero_args + ["--save", save_dir,
+                                                                              "--save-interval", "3"],))
+    assert sorted(os.listdir(os.path.join(save_dir, "iter_0000003"))) == [
+        "manifest.json", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert open(os.path.join(save_dir, "latest")).read() == "iter_0000006"
+    set_tracker(save_dir, 3)
+    resumed = run_distributed(train, 2, args=(RESUME + DROPOUT + zero_args + ["--load", save_dir],))
+    for s, r in zip(straight, resumed):
+        assert r["iteration"] == [4, 5, 6]
+        assert r["lm loss"] == s["lm loss"][3:] and r["lr"] == s["lr"][3:]
+
+    # Killed in the middle of saving iteration 4 (files written, not yet renamed): iteration 3 stays the
+    # checkpoint that `latest` and the tracker name, and the run resumes from it exactly; keep-last prunes.
+    run_dir = str(tmp_path / "killed")
+    args = RESUME + DROPOUT + zero_args + ["--save", run_dir, "--save-interval", "1", "--save-keep-last", "2"]
+    with pytest.raises(RuntimeError, match="exited with code -9|failed"):
+        run_distributed(train_killed_in_save, 2, args=(args, 4))
+    assert open(os.path.join(run_dir, "latest")).read() == "iter_0000003"
+    assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert sorted(os.listdir(run_dir)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp", "latest",
+                                           "latest_checkpointed_iteration.txt"]
+    resumed = run_distributed(train, 2, args=(args + ["--load", run_dir],))
+    assert resumed[0]["iteration"] == [4, 5, 6] and resumed[0]["lm loss"] == straight[0]["lm loss"][3:]
+    assert sorted(os.listdir(run_dir)) == ["iter_0000005", "iter_0000006", "latest",
+                                           "latest_checkpointed_iteration.txt"]
+
+
+def test_zero_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    """Saved at mp2 x dp2 (4 processes), resumed at mp2 x dp1 (2 processes, accumulation 2): same global batch,
+    losses within 1e-5 of the uninterrupted 4-process run (dropout off: the dropout streams depend on the layout)."""
+    config = write_config(str(tmp_path), train_batch_size=4)
+    del_accumulation = json.load(open(config))
+    del del_accumulation["gradient_accumulation_steps"]
+    json.dump(del_accumulation, open(config, "w"))
+    zero_args = ["--deepspeed", "--deepspeed_config", config, "--model-parallel-size", "2"]
+    save_dir = str(tmp_path / "ckpt")
+    straight = run_distributed(train, 4, args=(RESUME + NO_DROPOUT + zero_args + ["--save", save_dir,
+                                                                                 "--save-interval", "3"],))[0]
+    set_tracker(save_dir, 3)
+    resumed = run_distributed(train, 2, args=(RESUME + NO_DROPOUT + zero_args + ["--load", save_dir],))[0]
+    assert resumed["iteration"] == [4, 5, 6]
+    assert max(abs(a - b) for a, b in zip(resumed["lm loss"], straight["lm loss"][3:])) <= 1e-5
+
+
+def test_checkpoint_of_the_other_path_loads(tmp_path):
+    """A Megatron-path checkpoint loads with --deepspeed and a ZeRO checkpoint without it (resharded, one line)."""
+    tiny = TINY[:TINY.index("--train-iters")] + ["--train-iters", "1", "--eval-iters", "0", "--batch-size", "2"]
+    zero_args = ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
+    env = {"MASTER_PORT": str(free_port())}
+    megatron_dir, zero_dir = str(tmp_path / "megatron"), str(tmp_path / "zero")
+    run_distributed(train, 1, args=(tiny + ["--save", megatron_dir],))     # the saves: in-process workers
+    run_distributed(train, 1, args=(tiny + zero_args + ["--save", zero_dir],))
+    more = ["--train-iters", "2", "--override-lr-scheduler"]
+    result = _run_cli(tiny[1:] + zero_args + more + ["--load", megatron_dir], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resharding checkpoint saved at mp1 (megatron) for mp1 x dp1 (zero-2)" in result.stdout
+    result = _run_cli(tiny[1:] + more + ["--load", zero_dir], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resharding checkpoint saved at mp1 x dp1 (zero-2) for mp1 x dp1 (megatron)" in result.stdout

@@ -1,0 +1,253 @@
+"""megatron/guards/memory.py: the model-state estimate equals the engine's real tensors to the byte (stages 0-2, mp 1
+and 2, dp 2); GPT-2 parameter counts match a real GPT2Model; tools/estimate_memory.py prints the same numbers
+as the training script's start-up line."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.guards import memory
+from megatron.spawn import run_distributed
+from tests.helpers import ds_config, engine_train_step, NO_DROPOUT, ParallelTinyNet, param_groups, REPO, TINY, TINY_SHAPE, TinyNet
+
+BUCKET = 300
+
+
+# (dtype, stage, offload_optimizer): stages 0-2 in fp32 and bf16, and stage 2 with the optimizer offloaded
+VARIANTS = [(dtype, stage, False) for dtype in ("float32", "bfloat16") for stage in (0, 1, 2)] + \
+    [(dtype, 2, True) for dtype in ("float32", "bfloat16")]
+
+
+def _engine_memory(model_parallel):
+    import mpu
+    from megatron import zero
+    out = []
+    for dtype, stage, offload in VARIANTS:
+        model = ParallelTinyNet() if model_parallel else TinyNet()
+        groups = param_groups(model)
+        counts = [sum(p.numel() for p in g["params"]) for g in groups]
+        config = ds_config(stage, 2, reduce_bucket_size=BUCKET, overlap_comm=stage == 2, contiguous_gradients=True)
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if dtype == "bfloat16":
+            config["bf16"] = {"enabled": True}
+        engine, optimizer, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                                  config=config, mpu=mpu, dist_init_required=False)
+        dp = mpu.get_data_parallel_world_size()
+        estimate = memory.model_state_bytes(counts, dtype, zero.load_config(config, dp), dp)
+        engine_train_step(engine, 0, 2 * dp)
+        out.append(((dtype, stage, offload), counts, estimate, memory.measured_model_state_bytes(optimizer)))
+    return out
+
+
+_RESULTS = {}
+
+
+def _engine_memory_results(mp):
+    """Every rank's [(variant, group counts, estimate, measured)] at model-parallel size mp, dp 2 (one run each)."""
+    if mp not in _RESULTS:
+        _RESULTS[mp] = run_distributed(_engine_memory, 2 * mp, args=(mp > 1,), model_parallel_size=mp)
+    return _RESULTS[mp]
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_estimate_equals_engine_tensors_to_the_byte(mp):
+    for rank_results in _engine_memory_results(mp):
+        for variant, counts, estimate, measured in rank_results:
+            where = (mp, variant)
+            for kind in memory.KINDS + ("total", "host"):
+                assert estimate[kind] == measured[kind], (where, kind, estimate, measured)
+            assert 0 <= measured["buckets"] <= estimate["buckets"], (where, estimate, measured)
+            P = sum(counts)
+            if variant == ("bfloat16", 2, False):     # the ZeRO paper's 2P + (2 + 12)P/dp, plus padding
+                assert 2 * P + 14 * P / 2 <= estimate["total"] <= 2 * P + 14 * P / 2 + 16 * 2 * 32 * len(counts)
+
+
+def test_stage2_offload_estimate_and_measurement_equal_hand_computed_bytes():
+    """Stage 2, dp 2, offload_optimizer cpu, TinyNet's groups [1792, 136] elements, each padded to a multiple of
+    dp x 32 = 64: [1792, 192], so each rank owns 896 + 96 = 992. Device: the whole 16-bit (or fp32) parameter
+    buffer only; host: the fp32 master partition (a copy even in fp32), the two fp32 Adam moments and the
+    gradient partition in the parameters' dtype."""
+    padded, own = 1792 + 192, 896 + 96
+    expected = {"float32": ({"parameters": 4 * padded, "gradients": 0, "master": 0, "moments": 0},
+                            4 * own + 8 * own + 4 * own),
+                "bfloat16": ({"parameters": 2 * padded, "gradients": 0, "master": 0, "moments": 0},
+                             4 * own + 8 * own + 2 * own)}
+    checked = []
+    for rank_results in _engine_memory_results(1):
+        for (dtype, stage, offload), counts, estimate, measured in rank_results:
+            if not offload:
+                continue
+            assert counts == [1792, 136]
+            device, host = expected[dtype]
+            for figures in (estimate, measured):
+                assert {kind: figures[kind] for kind in memory.KINDS} == device, (dtype, figures)
+                assert figures["total"] == device["parameters"] and figures["host"] == host, (dtype, figures)
+            checked.append(dtype)
+    assert sorted(checked) == ["bfloat16", "bfloat16", "float32", "float32"]     # two ranks
+
+
+def _gpt2_counts(num_layers, hidden, heads, vocab, seq):
+    import mpu
+    from megatron.model import GPT2Model
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    from megatron.training import param_groups_for_weight_decay
+    model = GPT2Model(GPT2ModelConfig(num_layers=num_layers, vocab_size=vocab, hidden_size=hidden,
+                                      num_attention_heads=heads, max_sequence_length=seq))
+    return ([sum(p.numel() for p in g["params"]) for g in param_groups_for_weight_decay(model)],
+            mpu.get_model_parallel_world_size(), sorted(p.numel() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_gpt2_parameter_count_matches_real_model(mp):
+    shape = dict(num_layers=3, hidden=48, heads=4, vocab=256, seq=40)
+    for counts, size, sizes in run_distributed(_gpt2_counts, mp, args=tuple(shape.values()), model_parallel_size=mp):
+        assert list(memory.gpt2_param_groups(3, 48, 256, 40, size)) == counts
+        assert sorted(n for n, _ in memory.gpt2_parameter_sizes(3, 48, 256, 40, size)) == sizes
+
+
+def _printed(text, what):
+    match = re.search(rf"model-state memory {what}[^(]*\(bytes, [^)]*\): (.*)", text)
+    assert match, text
+    return dict(kv.split("=") for kv in match.group(1).split(" (")[0].split())
+
+
+def _train_capturing(args_list):
+    from tests.training.test_metrics import _train_capturing as capture
+    return capture(args_list)
+
+
+ZERO3_OFFLOAD = ({"stage3_param_persistence_threshold": 64, "offload_optimizer": {"device": "cpu"},
+                  "offload_param": {"device": "cpu"}},
+                 ["--param-persistence-threshold", "64", "--offload-optimizer", "--offload-param"])
+
+
+@pytest.mark.parametrize("stage,precision,zero_extra,tool_extra",
+                         [(1, "bf16", {}, []), (2, "fp32", {}, []),
+                          (3, "fp32", {"stage3_param_persistence_threshold": 64},
+                           ["--param-persistence-threshold", "64"]), (3, "bf16", *ZERO3_OFFLOAD)])
+def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stage, precision, zero_extra,
+                                                                    tool_extra):
+    from tests.helpers import write_config
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    config = write_config(str(tmp_path), zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET,
+                                                            "contiguous_gradients": True, **zero_extra}, **extra)
+    history, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + [
+        "--train-iters", "2", "--deepspeed", "--deepspeed_config", config],))[0]
+    estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
+    for kind in memory.KINDS + ("total", "host"):
+        assert estimate[kind] == measured[kind], (kind, estimate, measured)
+    assert history["model_state_estimate"]["total"] == history["model_state_measured"]["total"]
+    # TINY: 2 layers, h 32, 4 heads, s 16, vocab 64 padded to a multiple of 8
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2",
+                           "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET), *tool_extra,
+                           *([f"--{precision}"] if precision != "fp32" else [])],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0, tool.stderr
+    assert _printed(tool.stdout, "estimate") == estimate
+    assert "activations per rank" in tool.stdout
+
+
+def test_activation_formula():
+    # Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer, tensor-parallel parts divided by mp
+    s, b, h, a = 1024, 4, 1024, 16
+    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2) == s * b * h * (10 + (24 + 5 * a * s / h) / 2)
+    assert memory.activation_bytes_per_layer(s, b, h, a, checkpoint_activations=True) == 2 * s * b * h
+    from megatron import zero
+    config = zero.load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+                               "zero_optimization": {"stage": 2}}, 2)
+    # buckets: DeepSpeed's defaults, contiguous_gradients off: one reduce_bucket_size (5e8) buffer of 2 bytes each
+    assert memory.model_state_bytes(64, "fp16", config, 2) == {
+        "parameters": 128, "gradients": 64, "master": 128, "moments": 256, "total": 576, "host": 0,
+        "buckets": 10 ** 9}
+
+
+def test_megatron_path_estimate_equals_measurement_and_tool():
+    history, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + [
+        "--train-iters", "2", "--batch-size", "2", "--bf16"],))[0]
+    estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
+    for kind in memory.KINDS + ("master_gradients", "total"):
+        assert estimate[kind] == measured[kind], (kind, estimate, measured)
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2", "--bf16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert _printed(tool.stdout, "estimate") == estimate
+
+
+def _training_path_estimates(paths_and_dtypes, dp):
+    """operations.model_state_estimate as training calls it (the JSON file parsed by zero.load_config, TINY's real
+    GPT2Model and its weight-decay groups), for each (config path, params dtype)."""
+    import argparse
+    from megatron import zero
+    from megatron.guards import operations
+    from megatron.model import GPT2Model
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    from megatron.training import param_groups_for_weight_decay
+    model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                      max_sequence_length=16))
+    counts = [sum(p.numel() for p in group["params"]) for group in param_groups_for_weight_decay(model)]
+    return [operations.model_state_estimate(counts, argparse.Namespace(
+        zero_config=zero.load_config(path, dp), params_dtype=dtype, data_parallel_size=dp), model)
+        for path, dtype in paths_and_dtypes]
+
+
+# (JSON config, params dtype, the tool's flags for it): every flag the tool maps to a key, off its default somewhere
+TOOL_CASES = [
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 300, "overlap_comm": True,
+                                                       "offload_optimizer": {"device": "cpu"}}}, "bfloat16",
+     ["--bf16", "--zero-stage", "2", "--reduce-bucket-size", "300", "--overlap-comm", "--no-contiguous-gradients",
+      "--offload-optimizer"]),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 100_000,
+                                                       "contiguous_gradients": True,
+                                                       "stage3_param_persistence_threshold": 96,
+                                                       "offload_param": {"device": "cpu"}}}, "float16",
+     ["--fp16", "--zero-stage", "3", "--reduce-bucket-size", "100000", "--param-persistence-threshold", "96",
+      "--offload-param"]),
+    ({"zero_optimization": {"stage": 1}}, "float32", ["--zero-stage", "1"]),
+]
+
+
+def test_tool_estimate_for_a_json_config_equals_training_path(tmp_path):
+    """tools/estimate_memory.py's flags for a JSON config give the training path's estimate for that file, every
+    kind (buckets and host included); anchored by hand: stage 2 + overlap_comm without contiguous gradients holds
+    (2 groups + MAX_IN_FLIGHT 2) x 300 elements x 2 bytes of buckets; stage 3 + offload_param keeps on the device only
+    the parameters of at most 96 elements (per layer 4 LayerNorm vectors of 32, the QKV bias of 96 and two biases
+    of 32, plus the final LayerNorm's 2 x 32: 2 x 288 + 64 = 640 elements, 2 bytes each), and with contiguous
+    gradients its 2 bucket buffers hold the largest group (the decayed one: embeddings 64 x 32 + 16 x 32, per layer
+    3 x 32 x 32 + 32 x 32 + 2 x 4 x 32 x 32: 2560 + 2 x 12288 = 27136 elements), not reduce_bucket_size."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import estimate_memory
+    paths = []
+    for i, (config, dtype, _) in enumerate(TOOL_CASES):
+        path = tmp_path / f"ds_{i}.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, **config}))
+        paths.append((str(path), dtype))
+    training = run_distributed(_training_path_estimates, 1, args=(paths, 2), model_parallel_size=1)[0]
+    shape = TINY_SHAPE + ["--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2"]
+    for (config, _, flags), expected in zip(TOOL_CASES, training):
+        assert estimate_memory.main(shape + flags) == expected, (flags, expected)
+    assert training[0]["buckets"] == 4 * 300 * 2
+    assert training[0]["moments"] == 0 and training[0]["host"] > 0
+    assert training[1]["parameters"] == 640 * 2 and training[1]["buckets"] == 2 * 27136 * 2
+
+
+def test_planning_table_against_the_zero_paper_formula():
+    """Hand-worked from 2P + 2P + 12P (stage 0), 4P + 12P/dp (1), 2P + 14P/dp (2), 16P/dp (3) against 80 GB:
+    the largest of the GPT-3 shapes that fits."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import estimate_memory
+    table = estimate_memory.plan(80e9)
+    assert table["stage 0", 512] == "2.7B"         # 16 x 2.7e9 = 43 GB; 6.7B needs 107 GB
+    assert table["stage 1", 8] == "13B"            # 5.5 x 13e9 = 72 GB; 30B needs 165 GB
+    assert table["stage 2", 64] == "30B"           # 2.22 x 30e9 = 67 GB; 66B needs 146 GB
+    assert table["stage 3", 8] == "30B"            # 2 x 30e9 = 60 GB; 66B needs 132 GB
+    assert table["stage 3", 64] == "175B"          # 0.25 x 175e9 = 44 GB
+    assert table["stage 2 + offload_optimizer", 1] == "30B"   # only the 2P parameters stay: 60 GB; 66B: 132 GB

@@ -1,0 +1,264 @@
+"""DeepSpeed-documentation configs load unchanged; every kind of bad config names its key and value."""
+import argparse
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from megatron import zero
+from megatron.zero.config import ConfigError, load_config, resolve_batch_triangle
+from megatron.zero.lr_schedules import WarmupDecayLR, WarmupLR
+from tests.helpers import REPO, TinyNet, ZERO_CONFIGS
+
+CONFIG_DIR = ZERO_CONFIGS
+EXAMPLES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
+
+
+SCRIPT_CONFIGS = sorted(glob.glob(os.path.join(REPO,
+                                                "scripts", "*.json")))
+# DeepSpeed's documented defaults for what a config leaves out.
+ZERO_DEFAULTS = {"stage": 0, "allgather_partitions": True, "allgather_bucket_size": 500_000_000,
+                 "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 500_000_000,
+                 "contiguous_gradients": False, "sub_group_size": 1_000_000_000,
+                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+                 "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                 "stage3_gather_16bit_weights_on_model_save": False}   # DeepSpeed's defaults
+FP16_DEFAULTS = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                 "hysteresis": 2, "min_loss_scale": 1}
+CHECKPOINTING_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False,
+                          "number_checkpoints": None, "cpu_checkpointing": False,
+                          "synchronize_checkpoint_boundary": False, "profile": False}
+
+
+def _expected_batch(raw, dp):
+    """(train_batch_size, micro batch per gpu, accumulation steps): global = micro x accumulation x dp."""
+    train, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    accumulation = raw.get("gradient_accumulation_steps")
+    if train is not None and micro is not None:
+        assert train % (micro * dp) == 0
+        accumulation = train // (micro * dp)
+    elif train is not None:
+        accumulation = accumulation or 1
+        assert train % (accumulation * dp) == 0
+        micro = train // (accumulation * dp)
+    else:
+        accumulation = accumulation or 1
+        train = micro * accumulation * dp
+    return train, micro, accumulation
+
+
+@pytest.mark.parametrize("path", SCRIPT_CONFIGS + EXAMPLES, ids=os.path.basename)
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_example_configs_give_the_values_they_write(path, dp):
+    """Every value the file writes (json.load'ed here), DeepSpeed's default for each one it leaves out, and the
+    batch triangle worked out for `dp`; the loss scaler starts at the scale the fp16 block asks for."""
+    with open(path) as f:
+        raw = json.load(f)
+    config = load_config(path, data_parallel_size=dp)
+    train, micro, accumulation = _expected_batch(raw, dp)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) \
+        == (train, micro, accumulation)
+    assert train == micro * accumulation * dp
+
+    zero_raw = raw.get("zero_optimization", {})
+    if isinstance(zero_raw, bool):                    # old DeepSpeed: "zero_optimization": true means stage 1
+        zero_raw = {"stage": int(zero_raw)}
+    for key, default in ZERO_DEFAULTS.items():
+        value = getattr(config.zero_optimization, key)
+        assert value == zero_raw.get(key, default), key
+        assert type(value) is type(default) or value == "auto", key     # 5e8 in the file is the int 500000000
+    for key in ("offload_optimizer", "offload_param"):     # device "none" unless the file says otherwise
+        assert getattr(config.zero_optimization, key).device == zero_raw.get(key, {}).get("device", "none"), key
+
+    fp16_raw = raw.get("fp16", {})
+    for key, default in FP16_DEFAULTS.items():
+        assert getattr(config.fp16, key) == fp16_raw.get(key, default), key
+    assert config.bf16.enabled == raw.get("bf16", {}).get("enabled", False)
+    assert not (config.fp16.enabled and config.bf16.enabled)
+    scaler_config = config.fp16.loss_scaler_config()
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        assert getattr(scaler_config, key) == fp16_raw.get(key, FP16_DEFAULTS[key]), key
+    loss_scale = fp16_raw.get("loss_scale", 0)
+    initial = 2.0 ** fp16_raw.get("initial_scale_power", 16) if loss_scale == 0 else float(loss_scale)
+    assert zero.LossScaler(scaler_config).cur_scale == initial
+
+    assert config.gradient_clipping == raw.get("gradient_clipping", 0.0)
+    assert config.steps_per_print == raw.get("steps_per_print", 10)
+    assert config.wall_clock_breakdown == raw.get("wall_clock_breakdown", False)
+    checkpointing_raw = raw.get("activation_checkpointing", {})
+    for key, default in CHECKPOINTING_DEFAULTS.items():
+        assert getattr(config.activation_checkpointing, key) == checkpointing_raw.get(key, default), key
+    if "optimizer" in raw:
+        assert config.optimizer.type.lower() == raw["optimizer"]["type"].lower()
+        assert config.optimizer.params == raw["optimizer"].get("params", {})
+    else:
+        assert config.optimizer is None
+    if "scheduler" in raw:
+        assert (config.scheduler.type, config.scheduler.params) == (raw["scheduler"]["type"],
+                                                                    raw["scheduler"].get("params", {}))
+    else:
+        assert config.scheduler is None
+
+
+def test_example_configs_are_all_found():
+    names = [os.path.basename(p) for p in SCRIPT_CONFIGS + EXAMPLES]
+    assert {"ds_zero2_config.json", "ds_zero2_config_bf16.json", "getting_started.json",
+            "megatron_ds_zero2_config.json", "zero_tutorial_stage2.json", "bf16_zero2_warmup_decay.json"} <= set(names)
+
+
+def test_example_values_are_read():
+    mega = load_config(os.path.join(CONFIG_DIR, "megatron_ds_zero2_config.json"), data_parallel_size=2)
+    assert (mega.train_micro_batch_size_per_gpu, mega.zero_optimization.stage) == (8, 2)
+    assert mega.zero_optimization.overlap_comm and mega.fp16.enabled and mega.gradient_clipping == 1.0
+    assert mega.optimizer.type == "Adam" and mega.optimizer.params["betas"] == [0.9, 0.95]
+    tutorial = load_config(os.path.join(CONFIG_DIR, "zero_tutorial_stage2.json"), data_parallel_size=2)
+    assert tutorial.zero_optimization.reduce_bucket_size == 500_000_000          # written as 5e8
+    assert tutorial.gradient_accumulation_steps == 2
+    assert load_config(os.path.join(CONFIG_DIR, "getting_started.json")).zero_optimization.stage == 1
+    bf16 = load_config(os.path.join(CONFIG_DIR, "bf16_zero2_warmup_decay.json"), data_parallel_size=4)
+    assert bf16.train_batch_size == 32 and bf16.bf16.enabled
+    assert bf16.activation_checkpointing.partition_activations and bf16.scheduler.type == "WarmupDecayLR"
+
+
+def test_engine_from_example_config_with_json_optimizer_and_scheduler():
+    engine, optimizer, _, scheduler = zero.initialize(
+        model=TinyNet(), config=os.path.join(CONFIG_DIR, "bf16_zero2_warmup_decay.json"))
+    assert isinstance(optimizer.optimizer, torch.optim.AdamW) and isinstance(scheduler, WarmupDecayLR)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1 and engine.get_lr() == [0.0]
+    assert next(engine.module.parameters()).dtype == torch.bfloat16 and engine.zero_optimization_stage() == 2
+
+
+def test_config_from_args_and_cli_flags(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}}))
+    parser = zero.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path), "--deepspeed_activation_checkpointing"])
+    assert args.deepspeed and args.deepspeed_activation_checkpointing
+    engine, optimizer, _, _ = zero.initialize(args=args, model=TinyNet())
+    assert isinstance(optimizer.optimizer, torch.optim.AdamW)      # DeepSpeed's "Adam" is AdamW by default
+    assert engine.train_batch_size() == 4 and engine.get_lr() == [0.1]
+    with pytest.raises(ConfigError, match="both args.deepspeed_config"):
+        zero.initialize(args=args, model=TinyNet(), config={"train_batch_size": 4})
+
+
+BAD_CONFIGS = [
+    ({"train_batch_size": 8, "zero_optimisation": {"stage": 2}},
+     "unknown key 'zero_optimisation' in the config; did you mean 'zero_optimization'?"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": True}},
+     "unknown key 'overlap_com' in 'zero_optimization'; did you mean 'overlap_comm'?"),
+    ({"train_batch_size": 8, "fp16": {"enabeld": True}}, "did you mean 'enabled'"),
+    ({"train_batch_size": "8"}, "train_batch_size: expected int, got str '8'"),
+    ({"train_batch_size": 8.5}, "train_batch_size: expected int, got float 8.5"),
+    ({"train_batch_size": 8, "fp16": {"enabled": 1}}, "fp16.enabled: expected bool, got int 1"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": True}}, "zero_optimization.stage: expected int"),
+    ({"train_batch_size": 8, "fp16": []}, "fp16: expected an object, got list"),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+     r"train_batch_size \(16\) != train_micro_batch_size_per_gpu \(4\) x gradient_accumulation_steps \(1\) "
+     r"x data-parallel size \(2\) = 8"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+     r"train_batch_size \(10\) is not divisible by train_micro_batch_size_per_gpu \(4\) x data-parallel size "
+     r"\(2\) = 8"),
+    ({"train_batch_size": 9}, r"train_batch_size \(9\) is not divisible by gradient_accumulation_steps \(1\) x "
+                              r"data-parallel size \(2\) = 2"),
+    ({"gradient_accumulation_steps": 2}, "must set train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"train_batch_size": 0}, "train_batch_size must be positive, got 0"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, r"stage: 4 is not supported \(0, 1, 2 or 3\)"),
+    ({"train_batch_size": 8, "zero_optimization": {"cpu_offload": True}}, "offload_optimizer needs stage 1, 2 or 3"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     r"offload_param needs stage 3 \(stage is 2\)"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     r"offload_optimizer.device: 'nvme' is not supported: use \"cpu\""),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"devise": "cpu"}}},
+     "unknown key 'devise' in 'zero_optimization.offload_param'; did you mean 'device'"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "automatic"}},
+     "stage3_prefetch_bucket_size: expected int, got str 'automatic'"),
+    ({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": 0}}, "reduce_bucket_size must be positive"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Lamb"}}, r"optimizer.type: 'Lamb' is not supported"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"learning_rate": 1}}},
+     "unknown key 'learning_rate' in 'optimizer.params'"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+     "betas: expected two numbers"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLr"}}, "did you mean 'WarmupLR'"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps is required"),
+    ({"train_batch_size": 8, "gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1.0"),
+    ({"train_batch_size": 8, "fp16": {"hysteresis": 0}}, r"hysteresis \(0\)"),
+    ([1, 2], "must be a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD_CONFIGS, ids=[m[:40] for _, m in BAD_CONFIGS])
+def test_bad_config_messages(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw, data_parallel_size=2)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.json"))
+    (tmp_path / "broken.json").write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ConfigError, match="broken.json' is not valid JSON"):
+        load_config(str(tmp_path / "broken.json"))
+
+
+def test_batch_triangle_any_two_determine_the_third():
+    assert resolve_batch_triangle(32, 4, None, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(32, None, 4, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(None, 4, 4, 2) == (32, 4, 4)
+    assert resolve_batch_triangle(None, 4, None, 2) == (8, 4, 1)
+    assert resolve_batch_triangle(32, None, None, 4) == (32, 8, 1)
+
+
+def test_warmup_schedules_follow_deepspeed_formulas():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    linear = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear")
+    lrs = []
+    for _ in range(6):
+        linear.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    decay = WarmupDecayLR(opt, total_num_steps=8, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear")
+    for _ in range(7):
+        decay.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2 / 4)        # (8 - 6) / (8 - 4)
+
+
+def test_auto_values_resolve_from_the_hidden_size_and_cpu_offload_is_offload_optimizer():
+    from megatron.zero.config import resolve_auto_values
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9}}, data_parallel_size=2)
+    assert resolve_auto_values(config, 64) == {"reduce_bucket_size": 64 * 64, "stage3_prefetch_bucket_size": 3686,
+                                               "stage3_param_persistence_threshold": 640}
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 3686          # int(0.9 * 64^2)
+    # A model without config.hidden_size: DeepSpeed 0.19.8 drops the "auto" keys, so its defaults apply.
+    no_hidden = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"}}, 2)
+    assert resolve_auto_values(no_hidden, None) == {"reduce_bucket_size": 500_000_000,
+                                                    "stage3_prefetch_bucket_size": 50_000_000,
+                                                    "stage3_param_persistence_threshold": 100_000}
+    assert no_hidden.zero_optimization.reduce_bucket_size == 500_000_000
+    old = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 2)
+    assert old.zero_optimization.offload_optimizer.device == "cpu" and old.zero_optimization.offload_optimizer.enabled
+
+
+def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
+    config = load_config({"train_batch_size": 8, "zero_force_ds_cpu_optimizer": False,
+                          "communication_data_type": "fp32", "tensorboard": {"enabled": True, "output_path": "tb"},
+                          "hybrid_engine": {"enabled": False},
+                          "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}, 2)
+    assert config.no_effect == {
+        "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
+        "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
+        "tensorboard": "use --tensorboard-dir",
+        "zero_optimization.stage3_max_reuse_distance": "stage 3 releases every unit after its use"}
+    assert load_config({"train_batch_size": 8}, 2).no_effect == {}
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 8, "elasticity": {"enabled": True}}, 2)
+    assert str(info.value) == ("elasticity is enabled in the config, but megatron.zero has no elasticity (launch "
+                               "with a fixed world size): remove the block or set \"enabled\": false")
+    fp16 = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "min_loss_scale": 1e-5}}, 2).fp16
+    assert fp16.min_loss_scale == 1e-5      # DeepSpeed's pydantic wants an int here; a float is what users mean
