@@ -46,7 +46,7 @@ class ZeroOptimizer:
         # order, flat order) whose own-partition gradient was non-finite, or None.
         self.skip_nonfinite = False
         self.last_nonfinite_param = None
-        num_partitions = ctx.data_parallel_size if stage >= 1 else 1
+        num_partitions = ctx.data_parallel_size if self.stage >= 1 else 1
         self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
                                                           for g in optimizer.param_groups]
         offload = zero_config.offload_optimizer
@@ -60,12 +60,12 @@ class ZeroOptimizer:
             group["params"] = tiles
             if self.host is not None and not group.get("fused") and group.get("foreach") is None:
                 group["foreach"] = True          # torch's multi-tensor AdamW on the host
-        if stage >= 2:
+        if self.stage >= 2:
             self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order, gradient_device=self.host)
         else:
-            self.reducer = BoundaryReducer(self.groups, ctx, stage, zero_config)
+            self.reducer = BoundaryReducer(self.groups, ctx, self.stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
-        self.param_gather = ParameterGather(self.groups if stage in (1, 2) else [], ctx.data_parallel_group,
+        self.param_gather = ParameterGather(self.groups if self.stage in (1, 2) else [], ctx.data_parallel_group,
                                             zero_config.allgather_bucket_size, param_order)
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)

@@ -26,6 +26,7 @@ Gathering one contiguous run [lo, hi) of a group's flat order is one broadcast f
 it, into the buffer's slice. Every rank must run the same forwards: a rank that runs a forward alone waits for
 gathers nobody else joins; it raises (naming the unit) after `gather_timeout`, instead of hanging.
 """
+import contextlib
 import datetime
 
 import torch
@@ -248,6 +249,7 @@ class Stage3Parameters:
         self.order, self.order_recorded = [], False
         self.live_elements = 0
         self.handles = []
+        self.hooks_bypassed = False      # gathered_for_inference: the per-unit hooks do nothing
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     def install_hooks(self):
@@ -264,6 +266,8 @@ class Stage3Parameters:
                         lambda param, buffer=buffer: self._gradient_arrived(buffer, param)))
 
     def _pre_forward(self, unit, args):
+        if self.hooks_bypassed:
+            return None
         in_backward = _in_backward()
         if not self.order_recorded and not in_backward:
             self.order.append(unit)
@@ -289,6 +293,8 @@ class Stage3Parameters:
                 self._gradient_arrived(buffer, None)
 
     def _post_forward(self, unit, output):
+        if self.hooks_bypassed:
+            return output
         if not _in_backward():
             for buffer in unit.buffers:
                 buffer.holders -= 1
@@ -330,6 +336,8 @@ class Stage3Parameters:
             try:
                 buffer.finish_gather(self.gather_timeout, name)
             except RuntimeError as e:
+                if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                    raise           # a local failure (a shape error, ...), not ranks that did not join
                 raise RuntimeError(
                     f"ZeRO-3: rank {dist.get_rank()} waited {self.gather_timeout} for the parameters of "
                     f"{name!r} and the other data-parallel ranks did not join: every data-parallel rank must run "
@@ -385,6 +393,20 @@ class Stage3Parameters:
             self._finish(buffer, buffer.name)
             buffer.holders += 1
         return buffers
+
+    @contextlib.contextmanager
+    def gathered_for_inference(self):
+        """Every parameter whole for the body (each buffer gathered once, a collective of the data-parallel group:
+        every rank enters), with the per-unit hooks bypassed: no gather, prefetch or forward-order recording per
+        forward, so the ranks may run different numbers of no-grad forwards inside (generation of other prompts).
+        Everything but the persistent parameters is released on exit, exceptions included."""
+        held = self.gather([p for buffer in self.buffers for p in buffer.params])
+        self.hooks_bypassed = True
+        try:
+            yield
+        finally:
+            self.hooks_bypassed = False
+            self.release(held)
 
     def release(self, buffers):
         for buffer in buffers:
