@@ -74,7 +74,48 @@ def add_finetune_args(parser):
                             "reference policy being the starting weights (with --lora-rank: the base model)")
     group.add_argument("--dpo-beta", type=float, default=0.1,
                        help="DPO's beta: the sigmoid loss -log sigmoid(beta * (chosen - rejected log-ratio)); > 0")
+    group.add_argument("--sample-every", type=int, default=0,
+                       help="every N iterations of this run, print the greedy continuations of --sample-prompts by "
+                            "the model being trained (0: off)")
+    group.add_argument("--sample-prompts", default=None, help="a text file: one prompt per non-empty line")
+    group.add_argument("--sample-length", type=int, default=32, help="new tokens per --sample-every continuation")
     return parser
+
+
+def read_sample_prompts(path):
+    """The non-empty lines of --sample-prompts."""
+    with open(path, encoding="utf-8") as handle:
+        return [line.rstrip("\n") for line in handle if line.strip()]
+
+
+class TrainingSamples:
+    """--sample-every N: before the first micro-batch of every N-th iteration's successor (after N, 2N, ...
+    iterations of this run), the greedy continuations of --sample-prompts by the model being trained, printed by
+    rank 0 (generate_from_training_model on the ZeRO engine at any stage or the Megatron path's model: modes and
+    RNG restored, so the training is the one without samples). Every rank generates (ZeRO-3 gathers)."""
+
+    def __init__(self, step):
+        self.step, self.training_micro_batches = step, 0
+
+    def __call__(self, data_iterator, model):
+        args = get_args()
+        if args.sample_every > 0 and model.training:     # validation forwards are not counted
+            done, per_sample = self.training_micro_batches, args.num_micro_batches * args.sample_every
+            if done and done % per_sample == 0:
+                print_samples(model, done // args.num_micro_batches, args)
+            self.training_micro_batches += 1
+        return self.step(data_iterator, model)
+
+
+def print_samples(model, iterations, args):
+    from megatron.text_generation import generate_from_training_model
+    tokenizer = get_tokenizer()
+    texts = read_sample_prompts(args.sample_prompts)
+    keep = args.max_position_embeddings - 1                       # room for at least one new token
+    prompts = [tokenizer.tokenize(text)[-keep:] or [tokenizer.eod] for text in texts]
+    new = generate_from_training_model(model, prompts, args.sample_length, greedy=True, eod_id=tokenizer.eod)
+    for text, tokens in zip(texts, new):
+        print_rank_0(f"[sample] after {iterations} iterations: {text!r} -> {tokenizer.detokenize(tokens)!r}")
 
 
 model_provider = pretrain_gpt.model_provider   # the same GPT2Model (zero.Init at ZeRO-3) as pretraining
@@ -162,6 +203,9 @@ def starting_point(args_list):
                          f"{refused[0]}")
         if not args.dpo_beta > 0:
             parser.error(f"--dpo-beta ({args.dpo_beta}) must be > 0")
+    sampling_error = _sampling_flags_error(args)
+    if sampling_error:
+        parser.error(sampling_error)
     if args.vocab_file is None or args.merge_file is None:
         parser.error("fine-tuning needs the tokenizer the data was made with: --vocab-file and --merge-file")
     resume = args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME))
@@ -177,10 +221,27 @@ def starting_point(args_list):
     return list(args_list)
 
 
+def _sampling_flags_error(args):
+    """What is wrong with --sample-every/--sample-prompts/--sample-length (None when nothing)."""
+    if args.sample_every < 0 or args.sample_length < 1:
+        return f"--sample-every ({args.sample_every}) must be >= 0 and --sample-length ({args.sample_length}) >= 1"
+    if not args.sample_every:
+        return None
+    if args.sample_prompts is None:
+        return "--sample-every needs --sample-prompts FILE (one prompt per line)"
+    if not os.path.isfile(args.sample_prompts):
+        return f"--sample-prompts {args.sample_prompts}: no such file"
+    if not read_sample_prompts(args.sample_prompts):
+        return f"--sample-prompts {args.sample_prompts} holds no prompt (one per non-empty line)"
+    if args.pipeline_model_parallel_size > 1:
+        return "--sample-every needs the whole model on one stage: drop it or use --pipeline-model-parallel-size 1"
+    return None
+
+
 def main(args_list=None):
     args_list = starting_point(sys.argv[1:] if args_list is None else args_list)
     # this run's micro-batch buffer (sft) and reference policy (dpo)
-    step = functools.partial(objective_step, posttrain.StepBatches(), posttrain.dpo.Reference())
+    step = TrainingSamples(functools.partial(objective_step, posttrain.StepBatches(), posttrain.dpo.Reference()))
     return pretrain(train_valid_test_datasets_provider, model_provider, step, extra_args_provider=add_finetune_args,
                     args_list=args_list)
 

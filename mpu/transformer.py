@@ -185,6 +185,24 @@ class ParallelTransformerLayer(nn.Module):
                                              hidden_states, mlp.dropout.p, self.training)
 
 
+def layer_init_shapes(hidden_size):
+    """The full-size master shapes one ParallelTransformerLayer draws from the default generator, in build order
+    (its LayerNorms and biases draw nothing): q/k/v, attention output, MLP in, MLP out."""
+    return [(3 * hidden_size, hidden_size), (hidden_size, hidden_size), (4 * hidden_size, hidden_size),
+            (hidden_size, 4 * hidden_size)]
+
+
+def skip_init_draws(shapes, device):
+    """Advance `device`'s default generator exactly as normal_ into fresh fp32 tensors of `shapes` (in order) would,
+    keeping none of them: the draws go into one scratch buffer of the largest shape (how much of the stream a draw
+    consumes depends on its element count, dtype and device, not on its storage or its mean and std)."""
+    if not shapes:
+        return
+    scratch = torch.empty(max(math.prod(shape) for shape in shapes), dtype=torch.float32, device=device)
+    for shape in shapes:
+        scratch[:math.prod(shape)].view(shape).normal_()
+
+
 class _StageLayers(nn.ModuleList):
     """A pipeline stage's layers, registered under their global numbers (`layers.6...` on the stage holding
     layers 6-11), so that state-dict and parameter names are those of the whole model. Indexed locally."""
@@ -203,9 +221,11 @@ class ParallelTransformer(nn.Module):
     form one checkpointed chunk whose only saved activation is its input.
 
     A pipeline stage passes `layer_range=(start, end)` (global layer numbers; None = all L) and
-    `final_layernorm=False` unless it is the last stage. Every layer is still built in order and the others are
-    dropped at once, so the default generator is consumed as for the whole model: each stage's weights equal
-    the single-stage model's (one extra layer alive at a time while building).
+    `final_layernorm=False` unless it is the last stage. Only the stage's layers are built; the other layers'
+    draws are made into a scratch buffer and dropped (skip_init_draws), so the default generator runs exactly as
+    for the whole model: each stage's weights equal the single-stage model's bitwise, and the generator ends
+    where the whole model leaves it (LoRA's masters and dropout come after). Memory: the stage's layers and one
+    layer-sized scratch; time: the whole model's draws.
 
     `fused=True`: every layer's forward runs mpu/fused.py's compiled pieces (--torch-compile).
 
@@ -225,15 +245,14 @@ class ParallelTransformer(nn.Module):
         output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
         start, end = layer_range if layer_range is not None else (0, num_layers)
         self.num_layers, self.first_layer = num_layers, start
-        kept = []
-        for index in range(num_layers):
-            layer = ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
-                                             output_dropout_prob, layernorm_epsilon, init_method,
-                                             output_layer_init_method, rng_tracker, fused)
-            if start <= index < end:
-                kept.append(layer)
+        device = get_device()
+        skip_init_draws(layer_init_shapes(hidden_size) * start, device)               # the layers before
+        kept = [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
+                                         layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused)
+                for _ in range(start, end)]
+        skip_init_draws(layer_init_shapes(hidden_size) * (num_layers - end), device)  # the layers after
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
-        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=get_device()) \
+        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device) \
             if final_layernorm else None
 
     def numbered_layers(self):

@@ -29,8 +29,8 @@ def test_dry_run_prints_the_test_and_bench_commands():
     plan, tests, bench = done.stdout.strip().splitlines()
     assert plan.startswith("plan: 2 GPUs: ")
     assert tests.startswith("timeout 240 ") and "-m pytest -q -rs --device cuda" in tests   # -rs: skips named
-    for name in ("test_mpu.py", "test_gpt2_model.py", "test_zero_engine.py", "test_activation_checkpointing.py",
-                 "test_zero_checkpoint.py"):
+    for name in ("model/test_mpu.py", "model/test_gpt2_model.py", "zero/test_zero_engine.py",
+                 "zero/test_activation_checkpointing.py", "checkpoint/test_zero_checkpoint.py"):
         assert f"tests/{name}" in tests
     assert bench.startswith("timeout 330 ") and bench.endswith("--models 124m --stages 2,3")
     only = _gpu_check("--dry-run", "--bench-only").stdout.strip().splitlines()

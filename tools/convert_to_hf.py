@@ -16,6 +16,10 @@ A LoRA checkpoint (trained with --lora-rank): --output gets the merged model (W 
     model = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained("hf/adapter/base"), "hf/adapter")
     # or peft.AutoPeftModelForCausalLM.from_pretrained("hf/adapter") (adapter_config.json names the base's path)
 
+A reward-model checkpoint (train_reward_model.py: it holds score.weight) becomes a GPT2ForSequenceClassification
+(num_labels 1, pad_token_id = <|endoftext|>, so HF scores each row's last token that is not end-of-text, as
+training did): GPT2ForSequenceClassification.from_pretrained("hf/reward")(input_ids=ids).logits[:, 0].
+
 Writes config.json (GPT2Config: the real, unpadded vocabulary, activation_function "gelu_new" = our tanh GELU,
 tied LM head, bos/eos = our <|endoftext|> id), generation_config.json, model.safetensors (fp32: the fp32 master
 weights when the checkpoint has them), and the tokenizer (vocab.json, merges.txt, tokenizer.json,
@@ -34,8 +38,8 @@ import sys
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
-from megatron.model.hf_interchange import (InterchangeError, lora_layout, merge_lora, peft_adapter_config,  # noqa: E402
-                                           to_hf_config_dict, to_hf_state_dict, to_peft_state_dict)
+from megatron.model.hf_interchange import (REWARD_HEAD, InterchangeError, lora_layout, merge_lora,  # noqa: E402
+                                           peft_adapter_config, to_hf_config_dict, to_hf_state_dict, to_peft_state_dict)
 from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
@@ -103,13 +107,16 @@ def load_tokenizer(vocab_file, merge_file, vocab_size):
 
 def write_model(output_dir, weights, model_config, eod_id):
     """config.json, generation_config.json and model.safetensors (fp32, tied head) of our full `weights` (without
-    LoRA adapters: merged or left out) into output_dir."""
+    LoRA adapters: merged or left out) into output_dir; a reward model's (with score.weight): config.json and
+    model.safetensors of a GPT2ForSequenceClassification."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, GPT2Config
     os.makedirs(output_dir, exist_ok=True)
-    config = GPT2Config(**to_hf_config_dict(model_config, eod_id))
+    reward = REWARD_HEAD in weights
+    config = GPT2Config(**to_hf_config_dict(model_config, eod_id, reward))
     config.save_pretrained(output_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    if not reward:
+        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     state = to_hf_state_dict(weights, model_config)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     return config, state
@@ -236,7 +243,9 @@ def main(argv=None):
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
     merged = "" if lora is None else f", LoRA rank {lora[0]} alpha {lora[1]:g} on {','.join(lora[2])} merged"
-    print(f"wrote {args.output}: GPT2LMHeadModel ({model_config['num_layers']} layers, hidden "
+    with open(os.path.join(args.output, "config.json"), encoding="utf-8") as handle:
+        architecture = json.load(handle)["architectures"][0]
+    print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
           f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged}) and "
           "its tokenizer", flush=True)

@@ -33,7 +33,7 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     print_rank_0(f"resharding checkpoint saved at {saved.describe()} for {target}")
 
     params = dict(module.named_parameters())
-    fresh_adapters = mpu.fresh_adapters(params, saved.weights_of[0])   # a base checkpoint into a LoRA model
+    fresh_adapters = module.fresh_parameters(saved.weights_of[0])   # a base (LM) checkpoint into a LoRA (reward) model
     params = {name: param for name, param in params.items() if name not in fresh_adapters}
 
     def shard(name, kind):

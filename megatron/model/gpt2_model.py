@@ -17,7 +17,9 @@ Pipeline parallelism (P stages, mpu.initialize_model_parallel(mp, P)): each stag
 global numbers; the first stage also the embeddings, the last the final LayerNorm, the loss and its own copy of
 the word embedding as the LM head, initialized identically and kept identical by summing the two copies'
 gradients over mpu.get_embedding_group() after backward (parameters marked `pipeline_tied`; the last stage's
-copy is also marked `shared`, so the global gradient norm counts it once). Names stay the single-stage model's:
+copy is also marked `shared`, so the global gradient norm counts it once). A stage builds nothing else; the
+weights it does not hold are drawn into a scratch buffer and dropped (mpu.transformer.skip_init_draws), so its
+weights are bitwise the single-stage model's of the same seed. Names stay the single-stage model's:
 
     P = 2, L = 4:  stage 0: word_embeddings, position_embeddings, transformer.layers.{0,1}
                    stage 1: transformer.layers.{2,3}, transformer.final_layernorm, word_embeddings (LM head)
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 
 import mpu
+from mpu.transformer import skip_init_draws
+from megatron.model.hf_interchange import REWARD_HEAD
 from megatron.zero import GatheredParameters, register_external_parameter
 
 
@@ -68,6 +72,10 @@ class GPT2ModelConfig:
     """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
     lora: Optional[mpu.LoRAConfig] = None
     """--lora-*: LoRA adapters on the layers' linears, every other parameter frozen (mpu/lora.py); None: no LoRA."""
+    reward_head: bool = False
+    """A reward model (train_reward_model.py): a scalar head `score` (Linear(h, 1) without bias, HF
+    GPT2ForSequenceClassification's) on the final LayerNorm's output instead of the LM head; forward returns one
+    reward per token [b, s]. Trainable with LoRA too; a checkpoint without it (an LM's) leaves it at its init."""
 
     @classmethod
     def from_args(cls, args):
@@ -107,12 +115,22 @@ class TiedLMHead(nn.Module):
         return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
 
 
+def fresh_parameters(param_names, saved_names):
+    """The parameters among `param_names` that loading a checkpoint holding `saved_names` leaves at their
+    initialization: LoRA adapters into a base model (mpu.fresh_adapters), the reward head from an LM checkpoint."""
+    fresh = set(mpu.fresh_adapters(param_names, saved_names))
+    if REWARD_HEAD in param_names and REWARD_HEAD not in saved_names:
+        fresh.add(REWARD_HEAD)
+    return fresh
+
+
 def _keep_fresh_adapters(module, state_dict, prefix, *args):
-    """load_state_dict of a checkpoint without LoRA adapters (a base model's) keeps the model's fresh adapters."""
+    """load_state_dict of a checkpoint without LoRA adapters (a base model's) keeps the model's fresh adapters,
+    and of one without a reward head (an LM's) the fresh head."""
     names = [name for name, _ in module.named_parameters()]
     saved = [key[len(prefix):] for key in state_dict if key.startswith(prefix)]
     params = dict(module.named_parameters())
-    for name in mpu.fresh_adapters(names, saved):
+    for name in fresh_parameters(names, saved):
         state_dict[prefix + name] = params[name].detach()
 
 
@@ -126,26 +144,30 @@ class GPT2Model(nn.Module):
             config = GPT2ModelConfig.from_args(get_args())
         self.config = config
         self.parallel_output = parallel_output
-        init_method = mpu.init_method_normal(config.init_method_std)
-        self.word_embeddings = mpu.VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                          init_method=init_method)
-        self.position_embeddings = nn.Embedding(config.max_sequence_length, config.hidden_size,
-                                                device=mpu.get_device())
-        with GatheredParameters(self.position_embeddings.weight, modifier_rank=0):   # whole under zero.Init
-            init_method(self.position_embeddings.weight)
-        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
         if config.num_layers % stages:
             raise ValueError(f"num_layers ({config.num_layers}) is not divisible by the pipeline size ({stages})")
         self.pre_process, self.post_process = stage == 0, stage == stages - 1
         self.input_tensor = None
-        if not self.pre_process:    # built above so the generator advances as for the whole model; not ours
-            del self.position_embeddings
-            self.position_embeddings = None
-        if not (self.pre_process or self.post_process):
-            del self.word_embeddings
-            self.word_embeddings = None
-        elif stages > 1:
+        # A stage builds only what it holds; what it does not hold it still draws, into a scratch buffer, in the
+        # whole model's order (word, position, layers), so that its weights are the whole model's.
+        init_method = mpu.init_method_normal(config.init_method_std)
+        self.word_embeddings = None
+        if self.pre_process or self.post_process:
+            self.word_embeddings = mpu.VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                              init_method=init_method)
+        else:
+            skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
+        self.position_embeddings = None
+        if self.pre_process:
+            self.position_embeddings = nn.Embedding(config.max_sequence_length, config.hidden_size,
+                                                    device=mpu.get_device())
+            with GatheredParameters(self.position_embeddings.weight, modifier_rank=0):   # whole under zero.Init
+                init_method(self.position_embeddings.weight)
+        else:   # nn.Embedding's own normal_ init, then init_method's
+            skip_init_draws([(config.max_sequence_length, config.hidden_size)] * 2, mpu.get_device())
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        if self.word_embeddings is not None and stages > 1:
             self.word_embeddings.weight.pipeline_tied = True
             self.word_embeddings.weight.shared = not self.pre_process   # the LM-head copy: not counted twice
         per_stage = config.num_layers // stages
@@ -158,7 +180,7 @@ class GPT2Model(nn.Module):
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
             final_layernorm=self.post_process, fused=config.fused_compute)
 
-        self.lm_head = TiedLMHead() if self.post_process else None
+        self.lm_head = TiedLMHead() if self.post_process and not config.reward_head else None
         if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
             register_external_parameter(self.lm_head, self.word_embeddings.weight)
         if config.lora is not None:
@@ -167,6 +189,18 @@ class GPT2Model(nn.Module):
             mpu.add_lora(self.transformer, config.lora)   # drawn after every base weight: those are unchanged
             mpu.mark_only_lora_as_trainable(self)
             self.register_load_state_dict_pre_hook(_keep_fresh_adapters)   # a base checkpoint loads into it
+        self.score = None
+        if config.reward_head and self.post_process:   # drawn last: every other weight is the LM's of this seed
+            self.score = nn.Linear(config.hidden_size, 1, bias=False, device=mpu.get_device())  # replicated
+            with GatheredParameters(self.score.weight, modifier_rank=0):
+                init_method(self.score.weight)
+            self.score.weight.requires_grad_(True)   # trained with LoRA too
+            if config.lora is None:
+                self.register_load_state_dict_pre_hook(_keep_fresh_adapters)   # an LM checkpoint loads into it
+
+    def fresh_parameters(self, saved_names):
+        """Our parameter names that a checkpoint holding `saved_names` leaves at their initialization."""
+        return fresh_parameters([name for name, _ in self.named_parameters()], saved_names)
 
     def set_input_tensor(self, input_tensor):
         """The hidden states [b, s, h] the previous pipeline stage sent (the next forward's input)."""
@@ -205,6 +239,10 @@ class GPT2Model(nn.Module):
         hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
+        if self.score is not None:
+            if labels is not None or inference_cache is not None:
+                raise RuntimeError("a reward model (reward_head) returns rewards: no labels, no generation")
+            return self.score(hidden).squeeze(-1)                            # [b, s]
         if last_logits_only:
             hidden = hidden[:, -1:]                                           # [b, 1, h]
         logits_parallel = self.lm_head(hidden, self.word_embeddings.weight)  # [b, s, V/p]

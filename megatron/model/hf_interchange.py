@@ -54,6 +54,7 @@ MODEL_CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "max_se
 # The tanh-approximated GELU under transformers' names (our MLP's activation).
 TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 HF_PREFIX = "transformer."
+REWARD_HEAD = "score.weight"   # GPT2Model's reward head (reward_head) = GPT2ForSequenceClassification's, [1, h]
 
 
 class InterchangeError(ValueError):
@@ -84,20 +85,27 @@ def to_hf_state_dict(weights, model_config):
     for ours, theirs, transposed in name_pairs(model_config["num_layers"]):
         tensor = weights[ours]
         state[theirs] = (tensor.t() if transposed else tensor).contiguous().clone()
+    if REWARD_HEAD in weights:   # a reward model: GPT2ForSequenceClassification's score [1, h], the same layout
+        state[REWARD_HEAD] = weights[REWARD_HEAD].contiguous().clone()
     rows = state["transformer.wte.weight"].size(0)
     if rows != model_config["vocab_size"]:
         raise InterchangeError(f"word embedding has {rows} rows but the vocabulary is {model_config['vocab_size']}")
     return state
 
 
-def to_hf_config_dict(model_config, eod_id):
-    """Keyword arguments of transformers.GPT2Config for our model (the real vocabulary; tied head; tanh GELU)."""
-    return {"n_layer": model_config["num_layers"], "n_embd": model_config["hidden_size"],
-            "n_head": model_config["num_attention_heads"], "n_positions": model_config["max_sequence_length"],
-            "vocab_size": model_config["vocab_size"], "layer_norm_epsilon": model_config["layernorm_epsilon"],
-            "activation_function": "gelu_new", "n_inner": None, "tie_word_embeddings": True,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "bos_token_id": eod_id, "eos_token_id": eod_id, "architectures": ["GPT2LMHeadModel"]}
+def to_hf_config_dict(model_config, eod_id, reward=False):
+    """Keyword arguments of transformers.GPT2Config for our model (the real vocabulary; tied head; tanh GELU).
+    reward: GPT2ForSequenceClassification with one label, scoring each row's last token that is not
+    pad_token_id = eod (the rule of megatron/posttrain/reward.py)."""
+    config = {"n_layer": model_config["num_layers"], "n_embd": model_config["hidden_size"],
+              "n_head": model_config["num_attention_heads"], "n_positions": model_config["max_sequence_length"],
+              "vocab_size": model_config["vocab_size"], "layer_norm_epsilon": model_config["layernorm_epsilon"],
+              "activation_function": "gelu_new", "n_inner": None, "tie_word_embeddings": True,
+              "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+              "bos_token_id": eod_id, "eos_token_id": eod_id, "architectures": ["GPT2LMHeadModel"]}
+    if reward:
+        config.update(num_labels=1, pad_token_id=eod_id, architectures=["GPT2ForSequenceClassification"])
+    return config
 
 
 def check_hf_config(hf_config):

@@ -9,6 +9,7 @@
 
 Checkpoint layout and atomicity: checkpoint.py. The engine never reads global args.
 """
+import contextlib
 import os
 
 import torch
@@ -110,6 +111,20 @@ class ZeroEngine(torch.nn.Module):
             if self.stage3 is not None:
                 self.stage3.release_all()
         return loss
+
+    @contextlib.contextmanager
+    def gathered_for_inference(self):
+        """The module's parameters whole for the body (DeepSpeed's Hybrid Engine: generation between training
+        steps): stage 3 gathers every one once, bypasses the per-unit hooks (nothing per forward, so the
+        data-parallel ranks may run different numbers of no-grad forwards inside) and releases them after; every
+        data-parallel rank enters. megatron.text_generation.generate_from_training_model(engine, ...) decodes in
+        it (this package cannot call generation itself: megatron.model imports megatron.zero)."""
+        self.wait_for_parameters()
+        if self.stage3 is None:
+            yield
+            return
+        with self.stage3.gathered_for_inference():
+            yield
 
     def step(self):
         """At the accumulation boundary: optimizer step (skipped on fp16 overflow), lr scheduler step."""
@@ -228,7 +243,8 @@ class ZeroEngine(torch.nn.Module):
             self.module.load_state_dict(state_dict, strict=strict)
             return
         params = dict(self.module.named_parameters())
-        fresh = mpu_lora.fresh_adapters(params, state_dict)        # a base checkpoint into a LoRA model
+        fresh = (self.module.fresh_parameters(state_dict) if hasattr(self.module, "fresh_parameters")   # GPT2Model
+                 else mpu_lora.fresh_adapters(params, state_dict))   # a base (LM) checkpoint into a LoRA (reward) model
         params = {name: param for name, param in params.items() if name not in fresh}
         missing = sorted(set(params) - set(state_dict))
         if strict and missing:

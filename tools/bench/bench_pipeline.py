@@ -1,7 +1,15 @@
-"""Pipeline parallelism: measured 1F1B bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage.
+"""Pipeline parallelism: each stage's start-up (model build time and peak memory) at P = 1, 2, 4; measured 1F1B
+bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage.
 
-    python tools/bench/bench_pipeline.py                       # P = 2, M = 2, 4, 8; markdown table
+    python tools/bench/bench_pipeline.py                       # start-up table; P = 2, M = 2, 4, 8 table
     python tools/bench/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
+    python tools/bench/bench_pipeline.py --startup-only --layers 8 --hidden 512
+
+Start-up: the stages of a P-process pipeline build their GPT2Model one after another (no two build at once, so
+the times do not share the cores); build s is GPT2Model(config) alone, peak MB the rise of the process's peak
+resident set over its resident set before the build (/proc/self/status VmHWM, reset through clear_refs), held MB
+the stage's parameters. A stage builds only its own layers but still draws the whole model's initial weights
+(the others' into a scratch buffer), so its time falls less than its memory.
 
 Each cell runs megatron.pipeline.schedules on gloo processes with a GPT2Model split into P stages (fp32, dropout off).
 Bubble = 1 - (time inside forward/backward) / (step time), averaged over the stages: the share of a step a stage
@@ -65,6 +73,60 @@ def _cell(stages, micro_batches, steps, layers, hidden, seq, micro):
     return statistics.median(step_times), statistics.median(compute_times)
 
 
+def _rss_kb(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _startup(stages, layers, hidden, seq, vocab, repeats):
+    """On every rank of a P-stage pipeline: (stage, build s (the fastest of `repeats` builds), peak MB (the
+    largest), held MB), the stages built in turn."""
+    import gc
+    import torch
+    import mpu
+    from megatron.model import GPT2Model, GPT2ModelConfig
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, stages)
+    config = GPT2ModelConfig(num_layers=layers, vocab_size=vocab, hidden_size=hidden, num_attention_heads=4,
+                             max_sequence_length=seq)
+    stage = mpu.get_pipeline_model_parallel_rank()
+    times, peaks = [], []
+    for turn in range(stages):
+        torch.distributed.barrier()
+        for _ in range(repeats if turn == stage else 0):
+            mpu.model_parallel_cuda_manual_seed(1)
+            model = None
+            gc.collect()
+            with open("/proc/self/clear_refs", "w") as clear:   # peak resident set := resident set now
+                clear.write("5")
+            before = _rss_kb("VmRSS")
+            start = time.perf_counter()
+            model = GPT2Model(config)
+            times.append(time.perf_counter() - start)
+            peaks.append((_rss_kb("VmHWM") - before) / 1024)
+    torch.distributed.barrier()
+    held_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    return stage, min(times), max(peaks), held_mb
+
+
+def startup_table(layers, hidden, seq, vocab, repeats=3, stage_counts=(1, 2, 4)):
+    """Print one markdown table: build time and memory of every stage at each P."""
+    from megatron.spawn import run_distributed
+    print(f"# start-up: GPT-2 L{layers} h{hidden} s{seq} V{vocab}, fp32, each stage built alone, "
+          f"fastest of {repeats} builds")
+    print("| P | stage | layers | build s | peak MB | held MB |")
+    print("|---|---|---|---|---|---|")
+    for stages in stage_counts:
+        if layers % stages:
+            print(f"| {stages} | - | {layers} layers do not split into {stages} stages | | | |")
+            continue
+        per_stage = layers // stages
+        for stage, elapsed, peak_mb, held_mb in run_distributed(_startup, stages, args=(stages, layers, hidden,
+                                                                                         seq, vocab, repeats)):
+            print(f"| {stages} | {stage} | {stage * per_stage}-{(stage + 1) * per_stage - 1} | {elapsed:.3f} | "
+                  f"{peak_mb:.1f} | {held_mb:.1f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
@@ -74,8 +136,13 @@ def main():
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary of the start-up table's model")
+    parser.add_argument("--startup-only", action="store_true", help="print the start-up table only")
     args = parser.parse_args()
     from megatron.spawn import run_distributed
+    startup_table(args.layers, args.hidden, args.seq, args.vocab)
+    if args.startup_only:
+        return
     print(f"# GPT-2 L{args.layers} h{args.hidden} s{args.seq}, micro batch {args.micro}, fp32, gloo, "
           f"{os.cpu_count()} CPUs; median of {args.steps} steps")
     print(f"| P | M | bubble measured | (P-1)/(M+P-1) | pp1 tokens/s | pp{args.stages} tokens/s | speed-up |")
