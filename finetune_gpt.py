@@ -208,16 +208,22 @@ def starting_point(args_list):
         parser.error(sampling_error)
     if args.vocab_file is None or args.merge_file is None:
         parser.error("fine-tuning needs the tokenizer the data was made with: --vocab-file and --merge-file")
-    resume = args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME))
-    if resume:
+    return resume_or_start(parser, args, args_list, "fine-tuning", "fine-tuning",
+                           "pretrain_gpt.py's --save, or tools/convert_from_hf.py's")
+
+
+def resume_or_start(parser, args, args_list, run, subject, sources):
+    """A checkpoint in --save wins over --load (the `run` run resumes exactly: counters, optimizer, RNG); otherwise
+    it starts from --load's weights (finetune semantics), which must hold a checkpoint: else "`subject` starts from
+    a checkpoint" and `sources` (whose --save to pass), exit status 2."""
+    if args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME)):
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"> resuming the fine-tuning run in --save {args.save} (its checkpoint wins over --load "
+            print(f"> resuming the {run} run in --save {args.save} (its checkpoint wins over --load "
                   f"{args.load})", flush=True)
         return list(args_list) + ["--load", args.save, "--no-finetune"]
     if args.load is None or not os.path.isfile(os.path.join(args.load, TRACKER_FILENAME)):
         where = "" if args.load is None else f": {args.load} holds no {TRACKER_FILENAME}"
-        parser.error(f"fine-tuning starts from a checkpoint: pass --load DIR (pretrain_gpt.py's --save, or "
-                     f"tools/convert_from_hf.py's){where}")
+        parser.error(f"{subject} starts from a checkpoint: pass --load DIR ({sources}){where}")
     return list(args_list)
 
 

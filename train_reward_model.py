@@ -24,12 +24,11 @@ average), mean over the global batch's pairs, logged as 'lm loss' with accuracy 
 chosen > rejected), chosen score and rejected score; validation prints the same over --eval-iters batches.
 """
 import dataclasses
-import os
 import sys
 
 import mpu
 import pretrain_gpt
-from finetune_gpt import PRETRAINING_ONLY
+from finetune_gpt import PRETRAINING_ONLY, resume_or_start
 from megatron import posttrain, zero
 from megatron.data.corpora import DataPathError
 from megatron.data.indexed_dataset import IndexedDatasetError
@@ -43,7 +42,7 @@ from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 from megatron.training import pretrain
 from megatron.utils import print_rank_0
 from megatron.zero import ConfigError
-from megatron.checkpoint.layout import TRACKER_FILENAME, CheckpointError
+from megatron.checkpoint.layout import CheckpointError
 
 
 def add_reward_args(parser):
@@ -103,16 +102,8 @@ def starting_point(args_list):
                      "--pipeline-model-parallel-size (a pipelined checkpoint loads at 1)")
     if args.vocab_file is None or args.merge_file is None:
         parser.error("reward training needs the tokenizer the data was made with: --vocab-file and --merge-file")
-    if args.save is not None and os.path.isfile(os.path.join(args.save, TRACKER_FILENAME)):
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"> resuming the reward-model run in --save {args.save} (its checkpoint wins over --load "
-                  f"{args.load})", flush=True)
-        return list(args_list) + ["--load", args.save, "--no-finetune"]
-    if args.load is None or not os.path.isfile(os.path.join(args.load, TRACKER_FILENAME)):
-        where = "" if args.load is None else f": {args.load} holds no {TRACKER_FILENAME}"
-        parser.error(f"a reward model starts from a checkpoint: pass --load DIR (finetune_gpt.py's or "
-                     f"pretrain_gpt.py's --save, or tools/convert_from_hf.py's){where}")
-    return list(args_list)
+    return resume_or_start(parser, args, args_list, "reward-model", "a reward model",
+                           "finetune_gpt.py's or pretrain_gpt.py's --save, or tools/convert_from_hf.py's")
 
 
 def main(args_list=None):
