@@ -158,17 +158,23 @@ def objective_step(step_batches, reference, data_iterator, model):
     return posttrain.dpo.dpo_forward_step(reference, args.dpo_beta, data_iterator, model)
 
 
+def preference_datasets(train_val_test_num_samples):
+    """The train/validation/test preference datasets of --data-path (DPO here, and the reward model's)."""
+    args = get_args()
+    print_rank_0("> building train, validation, and test preference datasets ...")
+    datasets = posttrain.build_preference_datasets(args.data_path[0], args.split, train_val_test_num_samples,
+                                                   args.seq_length, args.seed, get_tokenizer().eod,
+                                                   args.global_batch_size)
+    for dataset in datasets:
+        if dataset is not None:
+            print_rank_0(f"    {dataset.describe()}")
+    return datasets
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     args = get_args()
     if args.objective == "dpo":
-        print_rank_0("> building train, validation, and test preference datasets ...")
-        datasets = posttrain.build_preference_datasets(args.data_path[0], args.split, train_val_test_num_samples,
-                                                       args.seq_length, args.seed, get_tokenizer().eod,
-                                                       args.global_batch_size)
-        for dataset in datasets:
-            if dataset is not None:
-                print_rank_0(f"    {dataset.describe()}")
-        return datasets
+        return preference_datasets(train_val_test_num_samples)
     print_rank_0("> building train, validation, and test SFT datasets ...")
     datasets = posttrain.build_sft_datasets(args.data_path[0], args.split, train_val_test_num_samples,
                                             args.seq_length, args.seed, get_tokenizer().eod, args.pack_sequences,

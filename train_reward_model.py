@@ -28,7 +28,7 @@ import sys
 
 import mpu
 import pretrain_gpt
-from finetune_gpt import PRETRAINING_ONLY, resume_or_start
+from finetune_gpt import PRETRAINING_ONLY, preference_datasets, resume_or_start
 from megatron import posttrain, zero
 from megatron.data.corpora import DataPathError
 from megatron.data.indexed_dataset import IndexedDatasetError
@@ -73,15 +73,7 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    args = get_args()
-    print_rank_0("> building train, validation, and test preference datasets ...")
-    datasets = posttrain.build_preference_datasets(args.data_path[0], args.split, train_val_test_num_samples,
-                                                   args.seq_length, args.seed, get_tokenizer().eod,
-                                                   args.global_batch_size)
-    for dataset in datasets:
-        if dataset is not None:
-            print_rank_0(f"    {dataset.describe()}")
-    return datasets
+    return preference_datasets(train_val_test_num_samples)
 
 
 def starting_point(args_list):
