@@ -10,7 +10,13 @@ cd "$REPO_ROOT"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO_ROOT/.venv/bin/python" ]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
-NUM_GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+# CUDA hidden (CUDA_VISIBLE_DEVICES empty or -1) or no GPU driver device: 0 GPUs without a ~2 s torch import.
+if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ] || [ "${CUDA_VISIBLE_DEVICES-unset}" = "-1" ] \
+   || { [ ! -e /dev/nvidiactl ] && [ ! -e /dev/kfd ]; }; then
+  NUM_GPUS=0
+else
+  NUM_GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+fi
 
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}

@@ -53,3 +53,26 @@ def webtext_data():
             subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_data.py")], cwd=REPO,
                            check=True, timeout=600)
     return WEBTEXT
+
+
+def _session_dir(tmp_path_factory):
+    """A directory every pytest-xdist worker of this run shares (the run's own base temp without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def ds_pretrained(tmp_path_factory, webtext_data):
+    """`make pretrain`'s training step (scripts/ds_pretrain_gpt.sh, ZeRO-2) run once per test run at SHORT_PRETRAIN:
+    (checkpoint directory, the script's stdout). Read-only for its users (the script's own test and the fine-tuning
+    test start from it); under pytest-xdist the first worker runs it, the other waits on the lock."""
+    import fcntl
+    from tests.helpers import run_script, SHORT_PRETRAIN
+    root = _session_dir(tmp_path_factory)
+    checkpoint, stdout_file = root / "ds_pretrained", root / "ds_pretrained.stdout"
+    with open(root / "ds_pretrained.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stdout_file.exists():
+            stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT_PRETRAIN, CHECKPOINT_PATH=str(checkpoint)))
+            stdout_file.write_text(stdout)
+    return checkpoint, stdout_file.read_text()

@@ -213,6 +213,11 @@ def build_small_corpus(directory, max_mb=0.3, vocab_size=1000):
 # ---- launch scripts: run one in a subprocess, read the losses it logs -----------------------------------------------
 
 
+# scripts/ds_pretrain_gpt.sh at a test size (conftest's ds_pretrained): 20 iterations of the CPU default model
+SHORT_PRETRAIN = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_ITERS": "2",
+                  "SEQ_LENGTH": "64"}
+
+
 def script_env(env_overrides):
     """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}

@@ -11,7 +11,8 @@ import pytest
 
 
 from megatron.spawn import free_port, run_distributed
-from tests.helpers import logged_losses, NO_DROPOUT, REPO, run_script, set_tracker, TINY, train, write_config
+from tests.helpers import (logged_losses, NO_DROPOUT, REPO, run_script, set_tracker, SHORT_PRETRAIN, TINY, train,
+                           write_config)
 from tests.checkpoint.test_checkpoint import train_killed_in_save
 
 
@@ -49,17 +50,18 @@ def test_missing_or_broken_config_stops(tmp_path):
     assert result.returncode == 2 and "--deepspeed_config" in result.stderr
 
 
-SHORT = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_ITERS": "2", "SEQ_LENGTH": "64"}
+SHORT = SHORT_PRETRAIN
 
 
-def test_ds_pretrain_gpt_sh(tmp_path, webtext_data):
-    """`make pretrain`'s two steps: train through ZeRO-2 (validation and test-split perplexity at the end), then a
-    greedy continuation of a fixed prompt from the checkpoint."""
-    stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
+def test_ds_pretrain_gpt_sh(ds_pretrained):
+    """`make pretrain`'s two steps: train through ZeRO-2 (validation and test-split perplexity at the end; the
+    session's ds_pretrained run), then a greedy continuation of a fixed prompt from the checkpoint."""
+    checkpoint, stdout = ds_pretrained
     losses = logged_losses(stdout)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
     assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL", stdout)
-    stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUT_SEQ_LENGTH="4"))
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(checkpoint), OUT_SEQ_LENGTH="4"))
     assert "Context: Return the number of" in stdout and "Megatron-LM:" in stdout, stdout
 
 
