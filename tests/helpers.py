@@ -34,6 +34,17 @@ def train(args_list):
     return pretrain_gpt.main(args_list)
 
 
+def train_each(argv_lists):
+    """pretrain_gpt.main on each argument list in turn in this process (one launch for several runs: the process
+    start, imports, and compiled graphs are shared); model-parallel groups are rebuilt for each. The histories."""
+    import mpu
+    histories = []
+    for argv in argv_lists:
+        histories.append(train(argv))
+        mpu.destroy_model_parallel()
+    return histories
+
+
 def set_tracker(save_dir, iteration):
     """Point Megatron's tracker file at `iteration` (written plainly, as a user or another tool would)."""
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as handle:

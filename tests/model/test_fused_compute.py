@@ -7,13 +7,38 @@ import pytest
 import torch
 
 from megatron.spawn import run_distributed
-from tests.helpers import NO_DROPOUT, TINY, train
+from tests.helpers import NO_DROPOUT, TINY, train_each
 
 ITERS_20 = ["--train-iters", "20"]
+MP2 = ["--batch-size", "4", "--model-parallel-size", "2"]
+CHECKPOINTING = ["--batch-size", "2", "--model-parallel-size", "2", "--attention-dropout", "0.2",
+                 "--hidden-dropout", "0.2", "--torch-compile"]
+ZERO3 = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def _losses(world_size, extra):
-    return run_distributed(train, world_size, args=(TINY + extra,))[0]["lm loss"]
+def _launch(world_size, runs):
+    """{name: lm losses} of the named runs (extra flags over TINY), one after the other in one launch of
+    `world_size` processes: the compiled graphs are built once and reused, as a long run reuses them."""
+    names = list(runs)
+    histories = run_distributed(train_each, world_size, args=([TINY + runs[name] for name in names],))[0]
+    return {name: history["lm loss"] for name, history in zip(names, histories)}
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory):
+    config = tmp_path_factory.mktemp("zero3") / "ds_config.json"
+    config.write_text(json.dumps(ZERO3))
+    single = _launch(1, {"eager": NO_DROPOUT + ["--batch-size", "4"],     # the reference of the parallel runs
+                         "eager_20": ITERS_20 + ["--batch-size", "4"],
+                         "fused_20": ITERS_20 + ["--batch-size", "4", "--torch-compile"]})
+    parallel = _launch(2, {"mp2_dropout_eager": MP2, "mp2_dropout_fused": MP2 + ["--torch-compile"],
+                           "mp2_fused": NO_DROPOUT + MP2 + ["--torch-compile"],
+                           "dp2_zero3_fused": NO_DROPOUT + ["--batch-size", "2", "--deepspeed", "--deepspeed_config",
+                                                            str(config), "--torch-compile"],
+                           "mp2_plain": CHECKPOINTING,
+                           "mp2_checkpointed": CHECKPOINTING + ["--checkpoint-activations"]})
+    return {**single, **parallel}
 
 
 def _max_abs_difference(a, b):
@@ -21,53 +46,32 @@ def _max_abs_difference(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def eager_single_process():
-    """One process, eager, no dropout: the reference of the parallel runs."""
-    return _losses(1, NO_DROPOUT + ["--batch-size", "4"])
-
-
-def test_fused_equals_eager_over_20_steps_with_dropout():
+def test_fused_equals_eager_over_20_steps_with_dropout(losses):
     """Dropout on (0.1): the compiled pieces draw aten's masks from the same generator states as eager."""
-    eager = _losses(1, ITERS_20 + ["--batch-size", "4"])
-    fused = _losses(1, ITERS_20 + ["--batch-size", "4", "--torch-compile"])
+    eager, fused = losses["eager_20"], losses["fused_20"]
     assert len(fused) == 20 and fused[-1] < fused[0]
     assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
 
 
-def test_fused_model_parallel_equals_eager_model_parallel_with_dropout():
+def test_fused_model_parallel_equals_eager_model_parallel_with_dropout(losses):
     """mp2 with dropout on: the attention dropout stays under the model-parallel RNG fork and each row-parallel
     bias is added once, after the all-reduce."""
-    common = ["--batch-size", "4", "--model-parallel-size", "2"]
-    eager = _losses(2, common)
-    fused = _losses(2, common + ["--torch-compile"])
+    eager, fused = losses["mp2_dropout_eager"], losses["mp2_dropout_fused"]
     assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
 
 
-@pytest.mark.parametrize("world_size,extra", [
-    (2, ["--batch-size", "4", "--model-parallel-size", "2"]),
-    (2, ["--batch-size", "2", "--deepspeed", "--zero-stage", "3"]),
-], ids=["mp2-megatron", "dp2-zero3"])
-def test_fused_parallel_equals_eager_single_process(eager_single_process, world_size, extra, tmp_path):
+@pytest.mark.parametrize("name", ["mp2_fused", "dp2_zero3_fused"], ids=["mp2-megatron", "dp2-zero3"])
+def test_fused_parallel_equals_eager_single_process(losses, name):
     """The Megatron path at mp2, and the ZeRO path at stage 3 (every layer's weights gathered around its compiled
     pieces and released after; no persistent parameters)."""
-    if "--deepspeed" in extra:
-        config = tmp_path / "ds_config.json"
-        config.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
-                                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                      "gradient_clipping": 1.0}))
-        extra = extra + ["--deepspeed_config", str(config)]
-    fused = _losses(world_size, NO_DROPOUT + extra + ["--torch-compile"])
-    assert _max_abs_difference(fused, eager_single_process) <= 1e-5, (fused, eager_single_process)
+    fused = losses[name]
+    assert _max_abs_difference(fused, losses["eager"]) <= 1e-5, (fused, losses["eager"])
 
 
-def test_activation_checkpointing_stays_bitwise_with_the_fused_path():
+def test_activation_checkpointing_stays_bitwise_with_the_fused_path(losses):
     """mp2, dropout 0.2 on attention and hidden states: recomputing the compiled pieces replays the default and
     the model-parallel RNG streams, so the losses are bitwise those without checkpointing."""
-    common = ["--batch-size", "2", "--model-parallel-size", "2", "--attention-dropout", "0.2", "--hidden-dropout",
-              "0.2", "--torch-compile"]
-    plain = _losses(2, common)
-    checkpointed = _losses(2, common + ["--checkpoint-activations"])
+    plain, checkpointed = losses["mp2_plain"], losses["mp2_checkpointed"]
     assert plain[0] != plain[-1]
     assert checkpointed == plain
 
