@@ -51,8 +51,10 @@ def _worker(fn, rank, world_size, port, args, model_parallel_size, queue):
 
 
 # Workers fork from one server process that imported these once (a fresh interpreter importing torch costs ~1 s
-# per worker); nothing in them starts threads or touches torch.distributed at import.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "mpu", "megatron.training", "megatron.zero"]
+# per worker, and torch._dynamo, which torch.optim imports on a process's first optimizer, another ~1.7 s);
+# nothing in them starts threads or touches torch.distributed at import.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "mpu", "megatron.training", "megatron.zero",
+            "pretrain_gpt"]
 
 
 def _context():

@@ -3,9 +3,7 @@ import contextlib
 import socket
 import subprocess
 
-from tests.helpers import logged_losses, REPO, run_script, script_env
-
-SHORT = {"TRAIN_ITERS": "30", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "15", "EVAL_ITERS": "2", "SEQ_LENGTH": "64"}
+from tests.helpers import logged_losses, REPO, run_script, script_env, SHORT_PRETRAIN as SHORT
 
 
 @contextlib.contextmanager
@@ -24,8 +22,8 @@ def test_pretrain_gpt_sh(tmp_path, webtext_data):
     with listening_on(6000):
         stdout = run_script("pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     losses = logged_losses(stdout)
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
 
 
 def test_pretrain_gpt_distributed_with_mp_sh(tmp_path, webtext_data):
@@ -33,7 +31,7 @@ def test_pretrain_gpt_distributed_with_mp_sh(tmp_path, webtext_data):
                         dict(SHORT, GPUS_PER_NODE="2", MP_SIZE="2", CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     assert "model-parallel 2 x data-parallel 1" in stdout
     losses = logged_losses(stdout)
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
 
 
 def test_a_taken_master_port_is_named_in_one_line(tmp_path):
