@@ -302,7 +302,10 @@ def validate_args(args, parser):
     if args.global_batch_size % per_step != 0:
         parser.error(f"--global-batch-size ({args.global_batch_size}) is not a multiple of --batch-size "
                      f"({args.batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}")
-    args.num_micro_batches = args.global_batch_size // per_step
+    # One owner: under --deepspeed the engine's gradient_accumulation_steps (its JSON's batch triangle), otherwise
+    # the Megatron flags; the two agree by construction (the JSON's batch sizes replaced the flags above).
+    args.num_micro_batches = (args.zero_config.gradient_accumulation_steps if args.zero_config is not None
+                              else args.global_batch_size // per_step)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:

@@ -30,24 +30,47 @@ def _run_cli(flags, env=None):
                           env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
 
 
-def test_config_that_disagrees_with_command_line_stops(tmp_path):
+def _parse_error(argv, capsys):
+    """pretrain_gpt.py's parser on `argv` (in-process): the one line it prints, after checking it exits with 2."""
+    from megatron.arguments import parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args_list=["--mock-data"] + argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_config_that_disagrees_with_command_line_stops(tmp_path, capsys):
     config = write_config(str(tmp_path))
-    result = _run_cli(["--deepspeed", "--deepspeed_config", config, "--batch-size", "8"])
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--batch-size (8) disagrees with train_micro_batch_size_per_gpu (2)" in result.stderr
-    result = _run_cli(["--deepspeed", "--deepspeed_config", config, "--fp16"])
-    assert result.returncode == 2 and "--fp16 (True) disagrees with fp16.enabled (False)" in result.stderr
+    line = _parse_error(["--deepspeed", "--deepspeed_config", config, "--batch-size", "8"], capsys)
+    assert "--batch-size (8) disagrees with train_micro_batch_size_per_gpu (2)" in line
+    line = _parse_error(["--deepspeed", "--deepspeed_config", config, "--fp16"], capsys)
+    assert "--fp16 (True) disagrees with fp16.enabled (False)" in line
 
 
-def test_missing_or_broken_config_stops(tmp_path):
-    result = _run_cli(["--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json")])
-    assert result.returncode == 2 and "nope.json" in result.stderr and "does not exist" in result.stderr
+def test_missing_or_broken_config_stops(tmp_path, capsys):
+    line = _parse_error(["--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json")], capsys)
+    assert "nope.json" in line and "does not exist" in line
     broken = tmp_path / "broken.json"
     broken.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {"stage": 2}}')
-    result = _run_cli(["--deepspeed", "--deepspeed_config", str(broken)])
-    assert result.returncode == 2 and "zero_optimization" in result.stderr and "Traceback" not in result.stderr
-    result = _run_cli(["--deepspeed"])
-    assert result.returncode == 2 and "--deepspeed_config" in result.stderr
+    assert "zero_optimization" in _parse_error(["--deepspeed", "--deepspeed_config", str(broken)], capsys)
+    assert "--deepspeed_config" in _parse_error(["--deepspeed"], capsys)
+
+
+def test_micro_batch_count_is_the_engines_accumulation(tmp_path):
+    """Under --deepspeed the number of micro-batches per step is the JSON's gradient_accumulation_steps (derived
+    here from train_batch_size 12 / micro 2 at dp 1 = 6), whatever the flags' defaults would give; without it,
+    --global-batch-size / (--batch-size x dp)."""
+    from megatron.arguments import parse_args
+    config = write_config(str(tmp_path), train_batch_size=12)
+    raw = json.load(open(config))
+    del raw["gradient_accumulation_steps"]
+    json.dump(raw, open(config, "w"))
+    args = parse_args(args_list=["--mock-data", "--deepspeed", "--deepspeed_config", config])
+    assert args.zero_config.gradient_accumulation_steps == 6 and args.num_micro_batches == 6
+    assert (args.batch_size, args.global_batch_size) == (2, 12)
+    args = parse_args(args_list=["--mock-data", "--batch-size", "3", "--global-batch-size", "15"])
+    assert args.num_micro_batches == 5 and args.zero_config is None
 
 
 SHORT = SHORT_PRETRAIN
