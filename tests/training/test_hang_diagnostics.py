@@ -11,11 +11,10 @@ import time
 
 from megatron.spawn import free_port, run_distributed
 
-from tests.helpers import REPO
+from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE
 
 
-TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--train-iters", "2", "--eval-iters", "0"]
+TINY = MOCK_VOCAB + TINY_SHAPE + ["--train-iters", "2", "--eval-iters", "0"]
 
 
 def _torchrun(script, tmp_path, extra=()):

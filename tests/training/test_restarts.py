@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from megatron.spawn import free_port, run_distributed
-from tests.helpers import REPO, train
+from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE, train
 
 ITERS = 8
-MODEL = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
-         "4", "--seq-length", "16", "--batch-size", "2", "--train-iters", str(ITERS), "--log-interval", "1",
+MODEL = MOCK_VOCAB + TINY_SHAPE + ["--batch-size", "2", "--train-iters", str(ITERS), "--log-interval", "1",
          "--eval-iters", "0", "--save-interval", "3", "--lr", "1e-3", "--warmup", "0", "--seed", "7"]
 PATHS = {"megatron": [], "zero2": ["zero2"], "zero3": ["zero3"]}
 

@@ -12,7 +12,8 @@ import torch
 
 from megatron.guards import memory
 from megatron.spawn import run_distributed
-from tests.helpers import ds_config, engine_train_step, NO_DROPOUT, ParallelTinyNet, param_groups, REPO, TINY, TINY_SHAPE, TinyNet
+from tests.helpers import (ds_config, engine_train_step, MOCK_VOCAB, NO_DROPOUT, ParallelTinyNet, param_groups, REPO,
+                           TINY, TINY_SHAPE, TinyNet)
 
 BUCKET = 300
 
@@ -143,10 +144,8 @@ def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stag
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
     assert history["model_state_estimate"]["total"] == history["model_state_measured"]["total"]
     # TINY: 2 layers, h 32, 4 heads, s 16, vocab 64 padded to a multiple of 8
-    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
-                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
-                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2",
-                           "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET), *tool_extra,
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
+                           "--data-parallel-size", "2", "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET), *tool_extra,
                            *([f"--{precision}"] if precision != "fp32" else [])],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert tool.returncode == 0, tool.stderr
@@ -175,9 +174,8 @@ def test_megatron_path_estimate_equals_measurement_and_tool():
     estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
     for kind in memory.KINDS + ("master_gradients", "total"):
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
-    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", "--num-layers", "2", "--hidden-size", "32",
-                           "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
-                           "--make-vocab-size-divisible-by", "8", "--data-parallel-size", "2", "--bf16"],
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
+                           "--data-parallel-size", "2", "--bf16"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert _printed(tool.stdout, "estimate") == estimate
 
