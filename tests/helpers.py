@@ -163,8 +163,9 @@ class ParallelTinyNet(nn.Module):
 
 
 def ds_config(stage, micro, accumulation=1, **zero):
+    """A ds_config of the engine tests: no gradient clipping (DeepSpeed's default is 1.0), unless a test sets it."""
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
-              "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, **zero}}
+              "gradient_clipping": 0.0, "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, **zero}}
     return copy.deepcopy(config)
 
 

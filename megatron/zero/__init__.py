@@ -14,6 +14,8 @@ and of the parameters (stage 3) to host memory; fp32, fp16, bf16.
 Code outside this package imports only what this file exports (tests/test_layout.py pins it); the loss scaler it
 shares with the Megatron fp16 path lives in megatron.fp16, whole parameter sizes in mpu (full_numel/full_shape).
 """
+import sys
+
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
 
 from .bucketing import MAX_IN_FLIGHT
@@ -27,6 +29,10 @@ from .zero_init import GatheredParameters, Init
 
 from . import checkpointing
 
+# DeepSpeed spells these deepspeed.zero.Init / .GatheredParameters / .register_external_parameter: with this package
+# imported as `deepspeed`, `deepspeed.zero` is the package itself.
+zero = sys.modules[__name__]
+
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
-           "GatheredParameters", "register_external_parameter", "adam_kernel_options", "ALIGNMENT", "MAX_IN_FLIGHT"]
+           "GatheredParameters", "register_external_parameter", "adam_kernel_options", "ALIGNMENT", "MAX_IN_FLIGHT", "zero"]

@@ -138,7 +138,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
-    gradient_clipping: float = 0.0     # 0 = no clipping
+    gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     source: Optional[str] = field(default=None, compare=False)   # the file it was read from, if any

@@ -84,7 +84,7 @@ def test_example_configs_give_the_values_they_write(path, dp):
     initial = 2.0 ** fp16_raw.get("initial_scale_power", 16) if loss_scale == 0 else float(loss_scale)
     assert zero.LossScaler(scaler_config).cur_scale == initial
 
-    assert config.gradient_clipping == raw.get("gradient_clipping", 0.0)
+    assert config.gradient_clipping == raw.get("gradient_clipping", 1.0)   # DeepSpeed 0.19.8's default
     assert config.steps_per_print == raw.get("steps_per_print", 10)
     assert config.wall_clock_breakdown == raw.get("wall_clock_breakdown", False)
     checkpointing_raw = raw.get("activation_checkpointing", {})
