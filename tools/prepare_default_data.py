@@ -3,7 +3,7 @@
     python tools/prepare_default_data.py            # ~20 s on 2 cores; prints the paths to pass to training
 
 Steps (each skipped when its outputs exist, so rerunning is instant; delete data/webtext/ to rebuild):
-  1. data/webtext/webtext.json        tools/make_sample_corpus.py (~24 MB of Python docstrings)
+  1. data/webtext/webtext.json        tools/make_sample_corpus.py (~19 MB of Python docstrings)
   2. data/webtext/{vocab,merges}      tools/train_tokenizer.py (byte-level BPE, vocab 8192)
   3. data/webtext/webtext_text_document.{bin,idx}   tools/preprocess_data.py --append-eod
 Then train with:

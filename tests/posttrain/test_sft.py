@@ -178,8 +178,8 @@ def setup(tmp_path_factory, webtext_data):
     assert convert_from_hf.main(["--hf", hf_dir, "--save", start]) == 0
     zero3 = str(root / "zero3.json")
     with open(zero3, "w") as handle:
-        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                   "zero_optimization": {"stage": 3}}, handle)
+        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                   "zero_optimization": {"stage": 3}}, handle)     # clipping as SGD_LIKE's --clip-grad 0
     return {"root": root, "jsonl": jsonl, "prefix": prefix, "hf_dir": hf_dir, "start": start, "zero3": zero3,
             "webtext": webtext_data}
 
