@@ -13,13 +13,11 @@ VPY := $(VENV)/bin/python
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
-# --no-compile: Python compiles each module on its first import instead of pip compiling every file it installs
-# (torch, transformers, ...: about half of the install time on 2 cores)
 install: $(VPY)
-	$(VPY) -m pip install -q --no-compile -r requirements.txt
+	$(VPY) -m pip install -q -r requirements.txt
 
 install-test: $(VPY)   # DS_BUILD_OPS=0: DeepSpeed (a test oracle) installs without compiling its CUDA/C++ ops
-	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-compile -r requirements-test.txt
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q -r requirements-test.txt
 
 data: install
 	$(VPY) tools/prepare_default_data.py
