@@ -34,6 +34,7 @@ class ZeroEngine(torch.nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self._step_applied = False      # what was_step_applied() reports for the latest step()
         dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
         zero_config = config.zero_optimization
         param_order = list(module.parameters())
@@ -128,9 +129,11 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self):
         """At the accumulation boundary: optimizer step (skipped on fp16 overflow), lr scheduler step."""
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             with self.timers("step"):
                 applied = self.optimizer.step()
+            self._step_applied = applied
             if applied and self.stage3 is not None:
                 self.stage3.after_step()
             if applied and self.lr_scheduler is not None:
@@ -140,6 +143,11 @@ class ZeroEngine(torch.nn.Module):
             if self.global_steps % self.config.steps_per_print == 0:
                 self._print_progress()
         self.micro_steps += 1
+
+    def was_step_applied(self):
+        """Whether the latest step() updated the parameters (DeepSpeed's name): False between accumulation
+        boundaries and on a step skipped for an fp16 overflow."""
+        return self._step_applied
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0

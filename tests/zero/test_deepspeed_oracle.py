@@ -102,7 +102,7 @@ def _train(library, config, steps, model_name):
     rank, world = dist.get_rank(), dist.get_world_size()
     accumulation = config.get("gradient_accumulation_steps", 1)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") and model_name == "tiny" else None
-    losses = []
+    losses, api = [], _api_record(engine, per_step=False)
     for step in range(steps):
         x, y = make_batch(step, MICRO * accumulation * world)
         for k in range(accumulation):
@@ -110,9 +110,22 @@ def _train(library, config, steps, model_name):
             inputs = x[lo:lo + MICRO]
             loss = engine(inputs.to(dtype) if dtype else inputs, y[lo:lo + MICRO])
             engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
+            api["micro_steps"].append((boundary, engine.was_step_applied()))
+        api["steps"].append(_api_record(engine, per_step=True))
         losses.append(loss.item())
-    return losses, _gathered_parameters(library, engine)
+    return losses, _gathered_parameters(library, engine), api
+
+
+def _api_record(engine, per_step):
+    """What a DeepSpeed client reads from the engine: the batch sizes and stage once; the lr and the global
+    gradient norm after each step."""
+    if per_step:
+        return {"lr": engine.get_lr(), "grad_norm": float(engine.get_global_grad_norm())}
+    return {"train_batch_size": engine.train_batch_size(), "micro": engine.train_micro_batch_size_per_gpu(),
+            "accumulation": engine.gradient_accumulation_steps(), "stage": engine.zero_optimization_stage(),
+            "module": type(engine.module).__name__, "micro_steps": [], "steps": []}
 
 
 def _both_libraries(runs, steps):
@@ -148,7 +161,7 @@ def _assert_parameters_equal(ours, deepspeed, where):
 
 @pytest.mark.parametrize("name", [name for name in TINY_CONFIGS if "bf16" not in name])
 def test_tiny_model_parameters_equal_deepspeeds(runs, name):
-    (ds_losses, ds_params), (our_losses, our_params) = runs["tiny", name]["deepspeed"], runs["tiny", name]["ours"]
+    (ds_losses, ds_params, _), (our_losses, our_params, _) = runs["tiny", name]["deepspeed"], runs["tiny", name]["ours"]
     assert ds_losses[-1] < ds_losses[0]              # DeepSpeed trained the model (the comparison is not vacuous)
     _assert_parameters_equal(our_params, ds_params, name)
     assert max_relative_difference(our_losses, ds_losses) <= TOLERANCE, (name, our_losses, ds_losses)
@@ -156,7 +169,7 @@ def test_tiny_model_parameters_equal_deepspeeds(runs, name):
 
 @pytest.mark.parametrize("name", GPT_CONFIGS)
 def test_gpt2_model_parameters_equal_deepspeeds(runs, name):
-    (ds_losses, ds_params), (our_losses, our_params) = runs["gpt", name]["deepspeed"], runs["gpt", name]["ours"]
+    (ds_losses, ds_params, _), (our_losses, our_params, _) = runs["gpt", name]["deepspeed"], runs["gpt", name]["ours"]
     assert ds_losses[-1] < ds_losses[0]
     _assert_parameters_equal(our_params, ds_params, name)
     assert max_relative_difference(our_losses, ds_losses) <= TOLERANCE, (name, our_losses, ds_losses)
@@ -167,6 +180,26 @@ def test_bf16_losses_follow_deepspeeds(runs):
     to 1e-5: DeepSpeed all-reduces bf16 gradients in bf16, we in fp32, so an element whose two ranks' gradients
     nearly cancel can get the other sign, and Adam's first steps (about lr x sign) turn that into a 2 x lr
     difference of that element; the fp32 rows above hold 1e-5."""
-    (ds_losses, _), (our_losses, _) = runs["tiny", "stage2_bf16"]["deepspeed"], runs["tiny", "stage2_bf16"]["ours"]
+    (ds_losses, _, _), (our_losses, _, _) = runs["tiny", "stage2_bf16"]["deepspeed"], runs["tiny", "stage2_bf16"]["ours"]
     assert ds_losses[-1] < ds_losses[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(our_losses, ds_losses)) <= 5e-3, (our_losses, ds_losses)
+
+
+@pytest.mark.parametrize("name", ["stage2_accumulation_clipping", "stage3_offload_both"])
+def test_the_engine_api_a_client_reads_equals_deepspeeds(runs, name):
+    """The same client loop against both engines reads the same values: train_batch_size,
+    train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization_stage, module (the client's
+    model); per micro-step is_gradient_accumulation_boundary and was_step_applied; per step get_lr and
+    get_global_grad_norm (within 1e-5)."""
+    ds_api, our_api = runs["tiny", name]["deepspeed"][2], runs["tiny", name]["ours"][2]
+    accumulation = TINY_CONFIGS[name].get("gradient_accumulation_steps", 1)
+    assert {key: our_api[key] for key in ("train_batch_size", "micro", "accumulation", "stage", "module")} == \
+        {"train_batch_size": MICRO * accumulation * 2, "micro": MICRO, "accumulation": accumulation,
+         "stage": TINY_CONFIGS[name]["zero_optimization"]["stage"], "module": "TinyNet"}
+    for key in ("train_batch_size", "micro", "accumulation", "stage", "module", "micro_steps"):
+        assert our_api[key] == ds_api[key], key
+    assert [applied for _, applied in our_api["micro_steps"]] == [k == accumulation - 1 for _ in range(STEPS)
+                                                                 for k in range(accumulation)]
+    for ours, theirs in zip(our_api["steps"], ds_api["steps"]):
+        assert ours["lr"] == theirs["lr"]
+        assert abs(ours["grad_norm"] - theirs["grad_norm"]) <= TOLERANCE * theirs["grad_norm"], (ours, theirs)
