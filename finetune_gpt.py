@@ -54,6 +54,15 @@ PRETRAINING_ONLY = {"mock_data": "--mock-data", "train_data": "--train-data",
                     "eod_mask_loss": "--eod-mask-loss"}
 
 
+def add_no_finetune_flag(parser, group, run):
+    """--no-finetune (Megatron's --finetune inverted: by default --load gives the weights only, and a checkpoint in
+    --save resumes exactly instead), for this script and train_reward_model.py."""
+    group.add_argument("--no-finetune", dest="finetune", action="store_false",
+                       help=f"load the optimizer, lr schedule, counters and RNG from --load too (resume a {run} "
+                            "run from a directory other than --save)")
+    parser.set_defaults(finetune=True)
+
+
 def add_finetune_args(parser):
     group = parser.add_argument_group("fine-tuning")
     group.add_argument("--pack-sequences", action="store_true",
@@ -64,10 +73,7 @@ def add_finetune_args(parser):
     group.add_argument("--pad-to-seq-length", action="store_true",
                        help="pad every row to --seq-length (default: to the longest in the micro-batch; pipeline "
                             "parallelism always pads to --seq-length)")
-    group.add_argument("--no-finetune", dest="finetune", action="store_false",
-                       help="load the optimizer, lr schedule, counters and RNG from --load too (resume a fine-tuning "
-                            "run from a directory other than --save)")
-    parser.set_defaults(finetune=True)   # --load's weights only; a checkpoint in --save resumes exactly instead
+    add_no_finetune_flag(parser, group, "fine-tuning")
     group.add_argument("--objective", choices=("sft", "dpo"), default="sft",
                        help="sft: the masked LM loss on --data-path's examples; dpo: Direct Preference Optimization "
                             "on tools/preprocess_sft_data.py --preference's pairs (megatron/posttrain/dpo.py), the "

@@ -28,7 +28,7 @@ import sys
 
 import mpu
 import pretrain_gpt
-from finetune_gpt import PRETRAINING_ONLY, preference_datasets, resume_or_start
+from finetune_gpt import add_no_finetune_flag, PRETRAINING_ONLY, preference_datasets, resume_or_start
 from megatron import posttrain, zero
 from megatron.data.corpora import DataPathError
 from megatron.data.indexed_dataset import IndexedDatasetError
@@ -50,10 +50,7 @@ def add_reward_args(parser):
     group.add_argument("--reward-loss", choices=posttrain.reward.LOSSES, default="last-token",
                        help="last-token: -log sigmoid(chosen - rejected score) (HF/TRL); divergence: DeepSpeed-Chat's "
                             "mean of the per-token loss from the first differing token to the end of the longer answer")
-    group.add_argument("--no-finetune", dest="finetune", action="store_false",
-                       help="load the optimizer, lr schedule, counters and RNG from --load too (resume a reward "
-                            "run from a directory other than --save)")
-    parser.set_defaults(finetune=True)   # --load's weights only; a checkpoint in --save resumes exactly instead
+    add_no_finetune_flag(parser, group, "reward")
     return parser
 
 

@@ -45,14 +45,22 @@ def test_device(pytestconfig):
 def webtext_data():
     """The embedded default data (data/webtext/), built once if missing (~20-50 s); returns its directory. Under
     pytest-xdist every worker asks: the first builds it, the others wait on the lock and find it built."""
-    import fcntl
     os.makedirs(os.path.dirname(WEBTEXT), exist_ok=True)
-    with open(os.path.join(os.path.dirname(WEBTEXT), ".webtext.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(os.path.join(WEBTEXT, "webtext_text_document.idx")):
-            subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_data.py")], cwd=REPO,
-                           check=True, timeout=600)
+    _build_once(os.path.join(os.path.dirname(WEBTEXT), ".webtext.lock"),
+                os.path.join(WEBTEXT, "webtext_text_document.idx"),
+                lambda: subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_data.py")],
+                                       cwd=REPO, check=True, timeout=600))
     return WEBTEXT
+
+
+def _build_once(lock_path, built_path, build):
+    """Run `build` unless `built_path` exists, holding an exclusive lock on `lock_path`: under pytest-xdist the
+    first worker builds, the others wait on the lock and find it built."""
+    import fcntl
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(built_path):
+            build()
 
 
 def _session_dir(tmp_path_factory):
@@ -66,13 +74,9 @@ def ds_pretrained(tmp_path_factory, webtext_data):
     """`make pretrain`'s training step (scripts/ds_pretrain_gpt.sh, ZeRO-2) run once per test run at SHORT_PRETRAIN:
     (checkpoint directory, the script's stdout). Read-only for its users (the script's own test and the fine-tuning
     test start from it); under pytest-xdist the first worker runs it, the other waits on the lock."""
-    import fcntl
     from tests.helpers import run_script, SHORT_PRETRAIN
     root = _session_dir(tmp_path_factory)
     checkpoint, stdout_file = root / "ds_pretrained", root / "ds_pretrained.stdout"
-    with open(root / "ds_pretrained.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not stdout_file.exists():
-            stdout = run_script("ds_pretrain_gpt.sh", dict(SHORT_PRETRAIN, CHECKPOINT_PATH=str(checkpoint)))
-            stdout_file.write_text(stdout)
+    _build_once(root / "ds_pretrained.lock", stdout_file, lambda: stdout_file.write_text(
+        run_script("ds_pretrain_gpt.sh", dict(SHORT_PRETRAIN, CHECKPOINT_PATH=str(checkpoint)))))
     return checkpoint, stdout_file.read_text()

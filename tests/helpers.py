@@ -45,6 +45,16 @@ def train_each(argv_lists):
     return histories
 
 
+def parser_error(parse, argv, capsys):
+    """The one line `parse(argv)` prints on stderr, after checking it exits with argparse's code 2."""
+    import pytest
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
 def set_tracker(save_dir, iteration):
     """Point Megatron's tracker file at `iteration` (written plainly, as a user or another tool would)."""
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as handle:

@@ -11,19 +11,11 @@ import sys
 import pytest
 
 from megatron.text_generation.generation import check_sampling_options
-from tests.helpers import REPO, TINY_SHAPE
+from tests.helpers import parser_error, REPO, TINY_SHAPE
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 TINY = TINY_SHAPE + ["--mock-data"]
-
-
-def _parser_error(parse, argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        parse(argv)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.mark.parametrize("flag,value,wanted", [
@@ -39,7 +31,7 @@ def _parser_error(parse, argv, capsys):
 ])
 def test_megatron_flags_out_of_range_are_one_line(flag, value, wanted, capsys):
     from megatron.arguments import parse_args
-    line = _parser_error(lambda argv: parse_args(args_list=argv), TINY + [flag, value], capsys)
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + [flag, value], capsys)
     assert line.split(": error: ", 1)[1] == f"{flag} is {value}: it must be {wanted} (see --help)"
 
 
@@ -92,7 +84,7 @@ def test_tool_flags_and_missing_files_are_one_line(tmp_path, capsys, webtext_dat
         prog = sys.argv[0]
         sys.argv[0] = main.__module__ + ".py"      # argparse names the program after sys.argv[0]
         try:
-            assert _parser_error(main, argv, capsys) == expected
+            assert parser_error(main, argv, capsys) == expected
         finally:
             sys.argv[0] = prog
     assert not (tmp_path / "tok").exists() and not list(tmp_path.glob("out*"))

@@ -11,8 +11,8 @@ import pytest
 
 
 from megatron.spawn import free_port, run_distributed
-from tests.helpers import (logged_losses, NO_DROPOUT, REPO, run_script, set_tracker, SHORT_PRETRAIN, TINY, train,
-                           write_config)
+from tests.helpers import (logged_losses, NO_DROPOUT, parser_error, REPO, run_script, set_tracker, SHORT_PRETRAIN,
+                           TINY, train, write_config)
 from tests.checkpoint.test_checkpoint import train_killed_in_save
 
 
@@ -33,11 +33,7 @@ def _run_cli(flags, env=None):
 def _parse_error(argv, capsys):
     """pretrain_gpt.py's parser on `argv` (in-process): the one line it prints, after checking it exits with 2."""
     from megatron.arguments import parse_args
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(args_list=["--mock-data"] + argv)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
+    return parser_error(lambda flags: parse_args(args_list=["--mock-data"] + flags), argv, capsys)
 
 
 def test_config_that_disagrees_with_command_line_stops(tmp_path, capsys):
