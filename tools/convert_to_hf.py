@@ -194,6 +194,10 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
             raise ConversionError(f"{kind} file {path} does not exist (pass --{kind}-file)")
     require_hf_packages()
     full = read_checkpoint(load_dir)
+    try:
+        full.require_gpt2("a Hugging Face GPT2LMHeadModel")
+    except CheckpointError as error:
+        raise ConversionError(_one_line(error)) from None
     tokenizer = load_tokenizer(vocab_file, merge_file, full.model_config["vocab_size"])
     num_layers = full.model_config["num_layers"]
     try:

@@ -48,12 +48,13 @@ def atomic_path(path, checksum=None):
             os.remove(tmp)
 
 
-def atomic_torch_save(obj, path, checksum=False):
-    """torch.save(obj, path) through atomic_path; with `checksum`, returns the file's (size, crc32)."""
+def atomic_torch_save(obj, path, checksum=False, pickle_module=None):
+    """torch.save(obj, path) through atomic_path; with `checksum`, returns the file's (size, crc32).
+    `pickle_module`: torch.save's (default: pickle)."""
     import torch
     sums = [] if checksum else None
     with atomic_path(path, sums) as tmp:
-        torch.save(obj, tmp)
+        torch.save(obj, tmp, **({} if pickle_module is None else {"pickle_module": pickle_module}))
     return sums[0] if checksum else None
 
 

@@ -20,14 +20,25 @@ class FullCheckpoint:
         self.saved = saved
         weights = saved.weights_of[0]
         shape = saved.model_shape
-        padded = weights[VOCAB_PARAMETER].shape[0] * saved.model_parallel_size
-        self.model_config = {
-            "num_layers": shape.get("num_layers", _count_layers(weights)),
-            "hidden_size": weights[VOCAB_PARAMETER].shape[1],
-            "num_attention_heads": shape.get("num_attention_heads"),
-            "max_sequence_length": weights["position_embeddings.weight"].shape[0],
-            "vocab_size": saved.real_vocab_size or padded,
-            "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
+        self.model_config = None      # a ZeRO checkpoint of another model (any module the engine trains)
+        if VOCAB_PARAMETER in weights and "position_embeddings.weight" in weights:
+            padded = weights[VOCAB_PARAMETER].shape[0] * saved.model_parallel_size
+            self.model_config = {
+                "num_layers": shape.get("num_layers", _count_layers(weights)),
+                "hidden_size": weights[VOCAB_PARAMETER].shape[1],
+                "num_attention_heads": shape.get("num_attention_heads"),
+                "max_sequence_length": weights["position_embeddings.weight"].shape[0],
+                "vocab_size": saved.real_vocab_size or padded,
+                "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
+
+    def require_gpt2(self, what):
+        """CheckpointError unless the checkpoint is of our GPT2Model (what `what` needs)."""
+        if self.model_config is None:
+            names = ", ".join(self.names()[:3])
+            raise ckpt.CheckpointError(f"{self.saved.directory} is not a GPT2Model checkpoint (its parameters: "
+                                       f"{names}, ...): {what} needs word_embeddings.weight and "
+                                       "position_embeddings.weight")
+        return self.model_config
 
     def names(self):
         return list(self.saved.weights_of[0])
@@ -73,7 +84,7 @@ def resize_checkpoint(saved, save_dir, model_parallel_size, deepspeed, make_voca
     data-parallel-1 ZeRO checkpoint, which loads at any data-parallel size)."""
     full = FullCheckpoint(saved)
     optimizer = deepspeed and saved.has_optimizer_state()
-    return _write_checkpoint(save_dir, saved.tag, saved.full_tensor, full.names(), full.model_config,
+    return _write_checkpoint(save_dir, saved.tag, saved.full_tensor, full.names(), full.require_gpt2("resizing"),
                              model_parallel_size, deepspeed, make_vocab_size_divisible_by,
                              saved=saved, with_optimizer=optimizer, progress=progress)
 

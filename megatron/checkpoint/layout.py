@@ -140,9 +140,12 @@ def optim_states_ranks(directory, model_parallel_rank, pipeline_rank=None):
 
 def atomic_torch_save(obj, path):
     """torch.save(obj, path) so that `path` is either the old file or the complete new one. `obj` is checked
-    first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written."""
-    check_weights_only_safe(obj, os.path.basename(path))
-    return manifest.make_entry(path, *_atomic_torch_save(obj, path, checksum=True))
+    first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written. A file holding
+    stand-ins of DeepSpeed's classes is pickled with their DeepSpeed names (megatron.checkpoint.deepspeed_format)."""
+    from megatron.checkpoint import deepspeed_format
+    stand_ins = check_weights_only_safe(obj, os.path.basename(path))
+    pickle_module = deepspeed_format.pickle_module if stand_ins else None
+    return manifest.make_entry(path, *_atomic_torch_save(obj, path, checksum=True, pickle_module=pickle_module))
 
 
 def host_copy(obj, clone=False):
@@ -203,11 +206,13 @@ def _tensor_on_host(tensor, storages, clone):
     return result
 
 
-def safe_torch_load(path, map_location="cpu", mmap=False):
+def safe_torch_load(path, map_location="cpu", mmap=False, numpy_arrays=False):
     """torch.load(path, weights_only=True), with one-line errors for missing, empty, truncated, corrupt or
     unsafe files (a checkpoint can never run code). `mmap`: tensors stay in the file until touched, so slicing
     reads only the slice (how every loader reads the pieces it will own). First the file is checked against its
-    checkpoint directory's manifest (verify_checkpoint_file): a damaged file is refused, never loaded."""
+    checkpoint directory's manifest (verify_checkpoint_file): a damaged file is refused, never loaded.
+    Inert stand-ins of the classes DeepSpeed pickles are allowed (deepspeed_format.SAFE_GLOBALS); numpy arrays
+    only with `numpy_arrays` (Megatron-DeepSpeed's client state holds numpy's RNG state)."""
     verify_checkpoint_file(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
@@ -216,8 +221,10 @@ def safe_torch_load(path, map_location="cpu", mmap=False):
     with open(path, "rb") as handle:
         if handle.read(4) != b"PK\x03\x04":
             raise CheckpointError(f"checkpoint file {path} is corrupt: not a torch.save zip archive")
+    from megatron.checkpoint.deepspeed_format import NUMPY_GLOBALS, SAFE_GLOBALS   # (imports this module)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with torch.serialization.safe_globals(SAFE_GLOBALS + (NUMPY_GLOBALS if numpy_arrays else [])):   # inert stand-ins of DeepSpeed's pickled classes
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed| Please|\n|$)", str(e))
         found = reason.group(1).strip() if reason else "objects other than tensors and plain python values"
@@ -342,14 +349,18 @@ _SAFE_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, int, float,
 
 def check_weights_only_safe(obj, name="checkpoint"):
     """Raise CheckpointError naming the first value weights_only loading would refuse (e.g. a numpy array:
-    store it as a tensor or a list)."""
+    store it as a tensor or a list). Returns whether `obj` holds stand-ins of DeepSpeed's classes (which
+    safe_torch_load reads: megatron.checkpoint.deepspeed_format.SAFE_GLOBALS)."""
+    from megatron.checkpoint.deepspeed_format import STAND_INS
     if isinstance(obj, dict):
-        for key, value in obj.items():
-            check_weights_only_safe(key, f"{name} key")
-            check_weights_only_safe(value, f"{name}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            check_weights_only_safe(value, f"{name}[{i}]")
-    elif not isinstance(obj, _SAFE_LEAVES):
+        found = [check_weights_only_safe(key, f"{name} key") for key in obj]
+        found += [check_weights_only_safe(value, f"{name}[{key!r}]") for key, value in obj.items()]
+        return any(found)
+    if isinstance(obj, (list, tuple)):
+        return any([check_weights_only_safe(value, f"{name}[{i}]") for i, value in enumerate(obj)])
+    if isinstance(obj, STAND_INS):
+        return True
+    if not isinstance(obj, _SAFE_LEAVES):
         raise CheckpointError(f"{name} holds a {type(obj).__module__}.{type(obj).__qualname__}, which "
                               "torch.load(weights_only=True) refuses; store tensors, numbers, str, lists or dicts")
+    return False

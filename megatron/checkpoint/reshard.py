@@ -36,7 +36,7 @@ import re
 import torch
 
 import mpu
-from megatron.checkpoint import atomic_io, layout as ckpt
+from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.train_state import TrainState
 
 _ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
@@ -132,6 +132,8 @@ class SavedCheckpoint:
 
     def _load_model_file(self, mp_rank):
         """One tensor-parallel rank's file; its pipeline stages' files merged into one (memory-mapped)."""
+        if self.pipeline_model_parallel_size == 1 and self.path == "zero":   # ours or DeepSpeed's
+            return deepspeed_format.load_model_states(self.directory, mp_rank)
         if self.pipeline_model_parallel_size == 1:
             return ckpt.safe_torch_load(self._model_file(mp_rank), mmap=True)
         stages = []
@@ -140,7 +142,8 @@ class SavedCheckpoint:
             if not os.path.isfile(path):
                 raise ckpt.CheckpointError(f"{self.directory}: {os.path.relpath(path, self.directory)} (pipeline "
                                            f"stage {stage} of model-parallel rank {mp_rank}) is missing")
-            stages.append(ckpt.safe_torch_load(path, mmap=True))
+            stages.append(deepspeed_format.load_model_states(self.directory, mp_rank, stage) if self.path == "zero"
+                          else ckpt.safe_torch_load(path, mmap=True))
         if self.path == "zero":
             self._stage_files[mp_rank] = stages
             return _merge_zero_stages(stages, self.directory)
@@ -149,6 +152,10 @@ class SavedCheckpoint:
     def _stage_name(self, stage):
         """The stage as the ZeRO file names carry it: None at P = 1 (names without the stage)."""
         return None if self.pipeline_model_parallel_size == 1 else stage
+
+    def _stage_of_file(self, mp_rank, stage):
+        """The model-states dict of (mp rank, stage) as read (ours or DeepSpeed's translated)."""
+        return (self._stage_files.get(mp_rank) or [self.files[mp_rank]])[stage]
 
     def _stage_of(self, mp_rank, name):
         """(stage, its model-states file) holding parameter `name` (the first one: a tied copy is read from the
@@ -277,21 +284,14 @@ class SavedCheckpoint:
     def _zero_optim_files(self, rank, stage=0):
         """The optimizer-states files of model-parallel rank `rank` and pipeline stage `stage`, or None."""
         if (rank, stage) not in self._optim_files:
-            ranks = [0] if self.zero_stage == 0 else list(range(self.data_parallel_size))
             pp = self._stage_name(stage)
-            found = ckpt.optim_states_ranks(self.directory, rank, pp)
-            if not found:
-                if stage > 0 and ckpt.optim_states_ranks(self.directory, rank, self._stage_name(0)):
-                    raise ckpt.CheckpointError(f"{self.directory}: the optimizer-states files of pipeline stage "
-                                               f"{stage} (model-parallel rank {rank}) are missing")
+            states = deepspeed_format.load_optim_states(self.directory, rank, pp, self._stage_of_file(rank, stage))
+            if states is None and stage > 0 and ckpt.optim_states_ranks(self.directory, rank, self._stage_name(0)):
+                raise ckpt.CheckpointError(f"{self.directory}: the optimizer-states files of pipeline stage "
+                                           f"{stage} (model-parallel rank {rank}) are missing")
+            if states is None:
                 return None
-            missing = sorted(set(ranks) - set(found))
-            if missing:
-                where = f"model-parallel rank {rank}" + ("" if pp is None else f", pipeline stage {pp}")
-                raise ckpt.CheckpointError(f"{self.directory}: optimizer-states files of data-parallel ranks "
-                                           f"{missing} ({where}) are missing")
-            self._optim_files[(rank, stage)] = [ckpt.safe_torch_load(
-                os.path.join(self.directory, ckpt.optim_states_name(r, rank, pp)), mmap=True) for r in ranks]
+            self._optim_files[(rank, stage)] = states
         return self._optim_files[(rank, stage)]
 
     def _zero_shard(self, rank, name, kind, weights):
@@ -368,9 +368,15 @@ class SavedCheckpoint:
         return TrainState.from_state(self.run_state)
 
 
+_DEEPSPEED_STAGE3_MODEL_STATES = re.compile(r"zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$")
+
+
 def _layout_and_ranks(directory):
     """(path, sorted model-parallel ranks, pipeline stages)."""
     names = os.listdir(directory)
+    stage3 = sorted({int(m.group(1)) for m in map(_DEEPSPEED_STAGE3_MODEL_STATES.match, names) if m})
+    if stage3 and not any(map(ckpt.MODEL_STATES_PATTERN.match, names)):   # DeepSpeed's stage-3 files only
+        return "zero", stage3, 1
     for path, pattern in (("zero", ckpt.MODEL_STATES_PATTERN), ("megatron", ckpt.RANK_DIR_PATTERN)):
         found = [m for m in map(pattern.match, names) if m]
         staged = [m for m in found if m.group(2) is not None]

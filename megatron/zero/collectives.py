@@ -52,3 +52,41 @@ def launch_gather_equal_pieces(pieces, group, per_owner_broadcast=None):
 def gather_equal_pieces(pieces, group, per_owner_broadcast=None):
     """launch_gather_equal_pieces, waited."""
     launch_gather_equal_pieces(pieces, group, per_owner_broadcast).wait()
+
+
+def gather_intervals(local, owned, wanted_of, group):
+    """Redistribute a flat index space held in contiguous pieces: rank q holds elements [owned[q][0],
+    owned[q][1]) as `local` (this rank's piece); rank q wants the intervals wanted_of(q) = [(lo, hi), ...], each
+    inside the owned ranges. Returns this rank's wanted intervals' elements, concatenated in their order (one
+    all_to_all_single). Collective over `group`; `wanted_of` must give every rank the same answer.
+
+    Example: 10 elements, owned [(0, 6), (6, 10)], rank 0 wants [(0, 5)] and rank 1 [(5, 10)]: rank 0 sends
+    element 5 to rank 1, rank 1 sends nothing back; rank 0 returns local[0:5], rank 1 [local_0[5]] + its 4.
+    """
+    import torch
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    start, end = owned[rank]
+
+    def overlap(intervals, lo_hi):
+        return [(max(lo, lo_hi[0]), min(hi, lo_hi[1])) for lo, hi in intervals if max(lo, lo_hi[0]) < min(hi, lo_hi[1])]
+    sends = [overlap(wanted_of(q), (start, end)) for q in range(world)]
+    mine = wanted_of(rank)
+    receives = [overlap(mine, owned[q]) for q in range(world)]
+    send_sizes = [sum(hi - lo for lo, hi in pieces) for pieces in sends]
+    receive_sizes = [sum(hi - lo for lo, hi in pieces) for pieces in receives]
+    send = torch.cat([local[lo - start:hi - start] for pieces in sends for lo, hi in pieces] or [local[:0]])
+    received = local.new_empty(sum(receive_sizes))
+    dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=group)
+    # `received` is ordered by sending rank; place each piece at its position among this rank's intervals
+    offsets, position = [], 0
+    for lo, hi in mine:
+        offsets.append(position - lo)
+        position += hi - lo
+    result = local.new_zeros(position)
+    cursor = 0
+    for pieces in receives:
+        for lo, hi in pieces:
+            index = next(i for i, (a, b) in enumerate(mine) if a <= lo and hi <= b)
+            result[offsets[index] + lo:offsets[index] + hi] = received[cursor:cursor + hi - lo]
+            cursor += hi - lo
+    return result

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 import mpu.lora as mpu_lora
-from mpu.utils import full_shape
-from megatron.checkpoint import atomic_io, layout as ckpt
+from mpu.utils import full_numel, full_shape
+from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.timers import Timers
 
 from . import stage3
+from .collectives import gather_intervals
 from .optimizer import ZeroOptimizer
 
 
@@ -271,24 +272,99 @@ class ZeroEngine(torch.nn.Module):
     def _checkpoint_files(self, directory, client_state):
         """[(path, state)] of the files this rank writes: data-parallel rank 0 of every (tensor-parallel rank,
         stage) its model states; every rank its optimizer partition. Under pipelining each stage's module holds
-        its layers under their global names. Collective (stage 3 gathers the module)."""
+        its layers under their global names. The files also hold what DeepSpeed reads (_deepspeed_keys).
+        Collective (stage 3 gathers the module; the DeepSpeed layout exchanges partitions)."""
         mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
         module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
+        optimizer_state = self.optimizer.partitioned_state_dict()
+        model_keys, optimizer_keys = self._deepspeed_keys(module_state, optimizer_state)
         files = []
+        state = {ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 ckpt.GLOBAL_STEPS: self.global_steps, ckpt.SKIPPED_STEPS: self.skipped_steps,
+                 ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
+                 ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
+                 ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
+                 ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
+                 ckpt.ZERO_STAGE: self.zero_optimization_stage(), ckpt.PARAM_NAMES: self._param_names(), **model_keys}
         if self.ctx.data_parallel_rank == 0:
-            state = {ckpt.MODULE: module_state,
-                     ckpt.LR_SCHEDULER: self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                     ckpt.GLOBAL_STEPS: self.global_steps, ckpt.SKIPPED_STEPS: self.skipped_steps,
-                     ckpt.MICRO_STEPS: self.micro_steps, ckpt.CLIENT_STATE: dict(client_state or {}),
-                     ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
-                     ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
-                     ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
-                     ckpt.ZERO_STAGE: self.zero_optimization_stage(),
-                     ckpt.PARAM_NAMES: self._param_names()}
-            files.append((os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)), state))
+            files.append((os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)),
+                          {ckpt.MODULE: module_state, **state}))
+        if model_keys and self.stage3 is not None:   # DeepSpeed's own per-rank model states at stage 3
+            dtypes = {name: p.dtype for name, p in self.module.named_parameters()}
+            files.append((os.path.join(directory, deepspeed_format.stage3_model_states_name(
+                self.ctx.data_parallel_rank, mp_rank)), deepspeed_format.stage3_model_states(
+                    self.module, self._param_names(), state, dtypes)))
         files.append((os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)),
-                      self.optimizer.partitioned_state_dict()))
+                      {**optimizer_state, **optimizer_keys}))
         return files
+
+    def _deepspeed_keys(self, module_state, optimizer_state):
+        """(model-states keys, optimizer-states keys) DeepSpeed 0.19.8 reads, so that its zero_to_fp32 and
+        load_checkpoint read our checkpoint (megatron.checkpoint.deepspeed_format); ({}, {}) where it cannot:
+        stage 0 (DeepSpeed keeps no ZeRO files there), pipelining (its layer_* layout), frozen parameters at
+        stage 3. Collective: every data-parallel rank's partitions are re-cut into DeepSpeed's layout."""
+        stage = self.zero_optimization_stage()
+        params = dict(self.module.named_parameters())
+        frozen = [name for name, p in params.items() if not p.requires_grad]
+        if stage == 0 or self.ctx.pipeline_parallel_size > 1 or (stage == 3 and frozen):
+            return {}, {}
+        model_keys = deepspeed_format.model_states_keys(
+            self.module, self._param_names(), {name: full_shape(p) for name, p in params.items()},
+            self.ctx.data_parallel_size, self.ctx.model_parallel_size, self.ctx.pipeline_parallel_size,
+            self.global_steps, self.train_batch_size(),
+            frozen_weights={name: module_state[name] for name in frozen} if module_state else {})
+        # the moments' names, the same on every rank (one that owns no element of a group may have none)
+        kinds = sorted({key for saved in optimizer_state[ckpt.GROUPS] for key in saved[ckpt.SLICE_STATE]})
+        if dist.is_initialized() and self.ctx.data_parallel_size > 1:
+            every = [None] * self.ctx.data_parallel_size
+            dist.all_gather_object(every, kinds, group=self.ctx.data_parallel_group)
+            kinds = sorted(set().union(*every))
+        masters, moments, scalars, paddings = [], [], [], []
+        for group, saved in zip(self.optimizer.groups, optimizer_state[ckpt.GROUPS]):
+            master, group_moments, padding = self._deepspeed_partition(group, saved, kinds)
+            masters.append(master)
+            moments.append(group_moments)
+            paddings.append(padding)
+            scalars.append(saved[ckpt.SCALAR_STATE])
+        optimizer_keys = {deepspeed_format.OPTIMIZER_STATE_DICT: deepspeed_format.optimizer_state_dict(
+            stage, self.ctx.data_parallel_size, masters, moments, scalars, optimizer_state[ckpt.PARAM_GROUPS],
+            self.optimizer.loss_scaler, group_paddings=paddings,
+            param_counts=[len(group.params) for group in self.optimizer.groups],
+            clip_grad=self.config.gradient_clipping), deepspeed_format.DS_VERSION_KEY: deepspeed_format.DS_VERSION}
+        return model_keys, optimizer_keys
+
+    def _deepspeed_partition(self, group, saved, kinds):
+        """This rank's (fp32 master, {moment: tensor}, end padding) of one flat group in DeepSpeed's layout (stages
+        1-2: the master without the end padding, the moments with it; stage 3: every parameter's piece padded),
+        re-cut from every rank's own range of ours (saved: this rank's, partitioned_state_dict's)."""
+        dp, rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
+        owned = [tuple(min(x, group.numel) for x in group.partition_range(q)) for q in range(dp)]
+        if self.stage3 is not None:
+            layouts = [deepspeed_format.stage3_pieces([full_numel(p) for p in group.params], dp, q)
+                       for q in range(dp)]
+            sizes = [size for _, _, size in layouts[rank]]
+        else:
+            layouts = [[(*deepspeed_format.stage12_partition(group.numel, dp, q)[0],
+                         deepspeed_format.stage12_partition(group.numel, dp, q)[1])] for q in range(dp)]
+            sizes = [layouts[rank][0][2]]
+
+        def wanted_of(q):
+            return [(lo, hi) for lo, hi, _ in layouts[q] if lo < hi]
+
+        def recut(local):
+            values = gather_intervals(local.to(self.device), owned, wanted_of, self.ctx.data_parallel_group).cpu()
+            padded, cursor, position = values.new_zeros(sum(sizes)), 0, 0
+            for (lo, hi, size) in layouts[rank]:
+                padded[position:position + hi - lo] = values[cursor:cursor + hi - lo]
+                cursor, position = cursor + hi - lo, position + size
+            return padded
+        master = recut(saved[ckpt.MASTER])
+        own = saved[ckpt.SLICE_STATE]
+        moments = {key: recut(own[key] if key in own else torch.zeros_like(saved[ckpt.MASTER])) for key in kinds}
+        if self.stage3 is not None:
+            return master, moments, 0
+        lo, hi, size = layouts[rank][0]
+        return master[:hi - lo], moments, size - (hi - lo)
 
     def _param_names(self):
         """Per flat group, the module's names of its parameters in flat order (how other topologies find them)."""
@@ -309,13 +385,15 @@ class ZeroEngine(torch.nn.Module):
             return None, {}
         directory = atomic_io.readable_directory(os.path.join(load_dir, str(tag)))
         mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
-        path = os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank))
+        path = deepspeed_format.model_states_path(directory, mp_rank, pp_rank)
         if not os.path.isfile(path) and os.path.isdir(directory):
             found = sorted(n for n in os.listdir(directory) if n.endswith("_model_states.pt"))
             raise ckpt.CheckpointError(f"{path} does not exist: {directory} holds {found or 'no model-states files'} "
                                        f"(this rank: model-parallel rank {mp_rank}, pipeline stage "
                                        f"{self.ctx.pipeline_parallel_rank} of {self.ctx.pipeline_parallel_size})")
-        state = ckpt.safe_torch_load(path, mmap=True)   # stage 3 copies only its partition's pieces of the module
+        # memory-mapped: stage 3 copies only its partition's pieces of the module; a DeepSpeed-written checkpoint
+        # reads as ours (megatron.checkpoint.deepspeed_format)
+        state = deepspeed_format.load_model_states(directory, mp_rank, pp_rank)
         if state[ckpt.MODEL_PARALLEL_SIZE] != self.ctx.model_parallel_size:
             raise ckpt.CheckpointError(f"{path} was saved at model-parallel size {state[ckpt.MODEL_PARALLEL_SIZE]}, "
                                        f"this run uses {self.ctx.model_parallel_size}")
@@ -324,17 +402,16 @@ class ZeroEngine(torch.nn.Module):
             raise ckpt.CheckpointError(f"{path} was saved at pipeline-parallel size {saved_stages}, this run uses "
                                        f"{self.ctx.pipeline_parallel_size}")
         self._load_module_state_dict(state[ckpt.MODULE], load_module_strict)
+        optim_states = deepspeed_format.load_optim_states(directory, mp_rank, pp_rank, state) \
+            if load_optimizer_states else None
+        if load_optimizer_states and optim_states is None:
+            raise ckpt.CheckpointError(f"{directory} has no optimizer-states files: load it with "
+                                       "load_optimizer_states=False (--no-load-optim)")
         if load_optimizer_states:
             # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
-            saved_ranks = [0] if state[ckpt.ZERO_STAGE] == 0 else list(range(state[ckpt.DATA_PARALLEL_SIZE]))
-            missing = sorted(set(saved_ranks) - set(ckpt.optim_states_ranks(directory, mp_rank, pp_rank)))
-            if missing:
-                raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} "
-                                           f"(of {len(saved_ranks)}) are missing")
-            self.optimizer.load_partitioned_state_dicts(  # memory-mapped: only this rank's pieces are read
-                [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, mp_rank, pp_rank)),
-                                      mmap=True) for r in saved_ranks])
+            # Memory-mapped: only this rank's pieces are read.
+            self.optimizer.load_partitioned_state_dicts(optim_states)
         else:
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:

@@ -1,0 +1,525 @@
+"""DeepSpeed 0.19.8's ZeRO checkpoint contents: read as ours, and written into ours (DESIGN.md section 6).
+
+Both libraries use the same file names (megatron.checkpoint.layout) with different contents. Ours: the model-states
+file holds the whole module and our counters; each data-parallel rank's optimizer file holds the unpadded,
+contiguous slice [start, end) of every flat param group (layout.GROUPS). DeepSpeed's, for one param group of
+parameters a (5 elements) and b (3) at data-parallel size 2:
+
+    stages 1-2  one flat [a a a a a b b b], padded to a multiple of 2 x dp and cut into dp equal partitions:
+                rank 0 [a0 a1 a2 a3], rank 1 [a4 b0 b1 b2]; saved without the end padding
+                (optimizer_state_dict.single_partition_of_fp32_groups, base_optimizer_state)
+    stage 3     every parameter cut on its own into ceil(n / dp) pieces, the last zero-padded; a rank's flat
+                is its pieces in order: rank 0 [a0 a1 a2 b0 b1], rank 1 [a3 a4 0 b2 0]
+                (optimizer_state_dict.fp32_flat_groups, optimizer_state_dict.optimizer_state_dict); the
+                model states are one zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt per rank, holding
+                empty tensors for the parameters
+
+Reading (load_model_states, load_optim_states): either writer's files as our contents, so the engine, the
+any-topology loader and the tools read DeepSpeed's checkpoints as their own. A DeepSpeed stage-3 rank's pieces
+are not contiguous in the group: they become several of our slices ("virtual" optimizer files), which every
+reader of ours already merges by [start, end).
+
+DeepSpeed pickles three of its classes into its optimizer files (its loss scaler, ZeroStageEnum and
+fragment_address) and Megatron-DeepSpeed an argparse.Namespace and numpy's RNG state into its client state.
+SAFE_GLOBALS maps each DeepSpeed class to an inert stand-in here (data only, no code), so weights_only loading
+reads them without DeepSpeed installed; NUMPY_GLOBALS (numpy's array reconstruction) is allowed for model-states
+files only. The stand-ins are written under DeepSpeed's names only into stage-3 optimizer files (whose loader
+requires its loss scaler object): plain torch.load(weights_only=True) reads those with
+torch.serialization.safe_globals(SAFE_GLOBALS).
+"""
+import argparse
+import collections
+import enum
+import math
+import os
+import pickle
+
+import numpy as np
+import torch
+
+from megatron.checkpoint import layout as ckpt
+
+DS_VERSION = "0.19.8"       # the DeepSpeed version whose format we read and write
+
+
+# ---- stand-ins for the classes DeepSpeed pickles ---------------------------------------------------------------
+class DeepSpeedLossScaler:
+    """deepspeed.runtime.fp16.loss_scaler.LossScaler / DynamicLossScaler: only their attributes (cur_scale,
+    dynamic, cur_iter, last_overflow_iter, scale_window, min_scale, delayed_shift, cur_hysteresis, ...)."""
+
+    def __init__(self, scale=1.0, **attributes):
+        self.cur_scale = scale
+        self.__dict__.update(attributes)
+
+
+class DeepSpeedDynamicLossScaler(DeepSpeedLossScaler):
+    pass
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """deepspeed.runtime.zero.config.ZeroStageEnum"""
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class FragmentAddress:
+    """deepspeed.utils.tensor_fragment.fragment_address (a dataclass: numel, start)"""
+
+    def __init__(self, numel=0, start=0):
+        self.numel, self.start = numel, start
+
+LOSS_SCALER_CLASS = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+DYNAMIC_LOSS_SCALER_CLASS = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+def _numpy_globals():
+    core = getattr(np, "_core", None) or np.core
+    found = [(core.multiarray._reconstruct, f"{core.__name__}.multiarray._reconstruct"), (np.ndarray, "numpy.ndarray"),
+             (np.dtype, "numpy.dtype")]
+    # numpy >= 1.25 pickles a dtype through its class (numpy.dtypes.UInt32DType, ...)
+    found += [(cls, f"numpy.dtypes.{cls.__name__}") for cls in vars(getattr(np, "dtypes", object)).values()
+              if isinstance(cls, type) and issubclass(cls, np.dtype)]
+    if core.__name__ == "numpy._core":   # a file written under numpy 1.x names numpy.core
+        found.append((core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"))
+    return found
+
+
+SAFE_GLOBALS = [(DeepSpeedLossScaler, LOSS_SCALER_CLASS), (DeepSpeedDynamicLossScaler, DYNAMIC_LOSS_SCALER_CLASS),
+                (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+                (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+                (argparse.Namespace, "argparse.Namespace")]
+NUMPY_GLOBALS = _numpy_globals()      # allowed in model-states files only (load_model_states)
+
+
+# ---- DeepSpeed's keys -------------------------------------------------------------------------------------------
+BUFFER_NAMES, PARAM_SHAPES, FROZEN_PARAM_SHAPES = "buffer_names", "param_shapes", "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS, SHARED_PARAMS = "frozen_param_fragments", "shared_params"
+DP_WORLD_SIZE, MP_WORLD_SIZE, GLOBAL_SAMPLES = "dp_world_size", "mp_world_size", "global_samples"
+DS_VERSION_KEY, DS_CONFIG = "ds_version", "ds_config"
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+SINGLE_PARTITION = "single_partition_of_fp32_groups"      # stages 1-2
+BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state", "base_optimizer_state_step"
+GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS, PARTITION_COUNT = "group_paddings", "param_alignment_paddings", \
+    "partition_count"
+FP32_FLAT_GROUPS, INNER_OPTIMIZER_STATE = "fp32_flat_groups", "optimizer_state_dict"      # stage 3
+# The model-states keys DeepSpeed's load_checkpoint keeps for itself; the others are the client state.
+_ENGINE_KEYS = {ckpt.MODULE, BUFFER_NAMES, "optimizer", PARAM_SHAPES, FROZEN_PARAM_SHAPES, SHARED_PARAMS,
+                FROZEN_PARAM_FRAGMENTS, ckpt.LR_SCHEDULER, "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                ckpt.SKIPPED_STEPS, ckpt.GLOBAL_STEPS, GLOBAL_SAMPLES, DP_WORLD_SIZE, MP_WORLD_SIZE,
+                "checkpoint_parallel_dimensions", DS_CONFIG, DS_VERSION_KEY, "universal_checkpoint_info"}
+
+
+def stage3_model_states_name(data_parallel_rank, model_parallel_rank):
+    """DeepSpeed's per-rank model-states file at stage 3."""
+    return f"zero_pp_rank_{data_parallel_rank}_{ckpt.model_states_name(model_parallel_rank)}"
+
+
+def is_deepspeed_written(model_states):
+    """A model-states dict DeepSpeed wrote (ours carry layout.DATA_PARALLEL_SIZE as well as DeepSpeed's keys)."""
+    return ckpt.DATA_PARALLEL_SIZE not in model_states and DP_WORLD_SIZE in model_states
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+def model_states_path(directory, model_parallel_rank, pipeline_rank=None):
+    """Ours (and DeepSpeed's at stages 1-2), or else DeepSpeed's stage-3 file of data-parallel rank 0."""
+    path = os.path.join(directory, ckpt.model_states_name(model_parallel_rank, pipeline_rank))
+    stage3 = os.path.join(directory, stage3_model_states_name(0, model_parallel_rank))
+    return stage3 if not os.path.isfile(path) and pipeline_rank is None and os.path.isfile(stage3) else path
+
+
+def load_model_states(directory, model_parallel_rank, pipeline_rank=None):
+    """The model-states dict of our layout (layout.MODULE, counters, sizes, PARAM_NAMES, CLIENT_STATE) of this
+    rank, memory-mapped; a DeepSpeed-written one translated (its whole module rebuilt at stage 3)."""
+    state = _raw_model_states(directory, model_parallel_rank, pipeline_rank)
+    if not is_deepspeed_written(state):
+        return state
+    return _translated(directory, model_parallel_rank, state).model_states
+
+
+def load_optim_states(directory, model_parallel_rank, pipeline_rank=None, model_states=None):
+    """The optimizer-states dicts of our layout of every saved data-parallel rank (stage 0: rank 0's), or None
+    when the checkpoint has none; DeepSpeed-written ones translated. CheckpointError when some are missing."""
+    model_states = model_states or load_model_states(directory, model_parallel_rank, pipeline_rank)
+    if ckpt.DATA_PARALLEL_SIZE in model_states and not model_states.get(_TRANSLATED):
+        return _our_optim_states(directory, model_parallel_rank, pipeline_rank, model_states)
+    raw = _raw_model_states(directory, model_parallel_rank, pipeline_rank)
+    return _translated(directory, model_parallel_rank, raw).optim_states
+
+
+def _raw_model_states(directory, model_parallel_rank, pipeline_rank):
+    return ckpt.safe_torch_load(model_states_path(directory, model_parallel_rank, pipeline_rank), mmap=True,
+                                numpy_arrays=True)
+
+
+def _our_optim_states(directory, model_parallel_rank, pipeline_rank, model_states):
+    found = ckpt.optim_states_ranks(directory, model_parallel_rank, pipeline_rank)
+    if not found:
+        return None
+    ranks = [0] if model_states[ckpt.ZERO_STAGE] == 0 else list(range(model_states[ckpt.DATA_PARALLEL_SIZE]))
+    missing = sorted(set(ranks) - set(found))
+    if missing:
+        where = f"model-parallel rank {model_parallel_rank}" + \
+            ("" if pipeline_rank is None else f", pipeline stage {pipeline_rank}")
+        raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} (of "
+                                   f"{len(ranks)}; {where}) are missing")
+    return [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, model_parallel_rank,
+                                                                                pipeline_rank)), mmap=True)
+            for r in ranks]
+
+
+_TRANSLATED = "translated_from_deepspeed"   # a key of the translated model states (their files are DeepSpeed's)
+_cache = {}                                 # (directory, mp rank, file stat) -> _Translation; the last few
+
+
+class _Translation:
+    """One model-parallel rank of a DeepSpeed checkpoint directory in our layout's terms."""
+
+    def __init__(self, directory, model_parallel_rank, state):
+        self.directory = directory
+        where = f"{directory} (written by DeepSpeed {state.get(DS_VERSION_KEY, '?')})"
+        parallel = state.get("checkpoint_parallel_dimensions") or {}
+        if parallel.get("pp_degree", 1) != 1:
+            raise ckpt.CheckpointError(f"{where}: a DeepSpeed pipeline-parallel checkpoint (layer_* files) is not "
+                                       "supported; save it from a data/tensor-parallel run")
+        dp = state[DP_WORLD_SIZE]
+        names = [f"zero_pp_rank_{r}_{ckpt.rank_dir_name(model_parallel_rank)}_optim_states.pt" for r in range(dp)]
+        present = [os.path.isfile(os.path.join(directory, name)) for name in names]
+        files = [ckpt.safe_torch_load(os.path.join(directory, n), mmap=True) for n, ok in zip(names, present) if ok]
+        if files and not all(present):
+            raise ckpt.CheckpointError(f"{where}: optimizer-states files of data-parallel ranks "
+                                       f"{[r for r, ok in enumerate(present) if not ok]} (of {dp}) are missing")
+        optim = [f[OPTIMIZER_STATE_DICT] for f in files]
+        if optim and int(optim[0][ckpt.ZERO_STAGE]) == 3:
+            stage = 3
+        elif optim:
+            stage = int(optim[0][ckpt.ZERO_STAGE])
+        else:
+            stage = 3 if os.path.basename(model_states_path(directory, model_parallel_rank)).startswith("zero_") \
+                else 0
+        groups = _group_names(state, optim, stage)
+        shapes = {name: torch.Size(shape) for sub in state[PARAM_SHAPES] for name, shape in sub.items()}
+        if stage == 3:
+            if not optim:
+                raise ckpt.CheckpointError(f"{where}: a stage-3 checkpoint without its optimizer-states files has "
+                                           "no weights (DeepSpeed keeps them there)")
+            self.optim_states, module = _stage3_optim_states(optim, state, groups, shapes, where)
+        else:
+            module = dict(state[ckpt.MODULE])
+            self.optim_states = _stage12_optim_states(optim, groups, shapes, where) if optim else None
+        self.model_states = {
+            ckpt.MODULE: module, ckpt.LR_SCHEDULER: state.get(ckpt.LR_SCHEDULER),
+            ckpt.GLOBAL_STEPS: state[ckpt.GLOBAL_STEPS], ckpt.SKIPPED_STEPS: state.get(ckpt.SKIPPED_STEPS, 0),
+            ckpt.MICRO_STEPS: state[ckpt.GLOBAL_STEPS] * _accumulation(state),
+            ckpt.CLIENT_STATE: client_state(state), ckpt.MODEL_PARALLEL_SIZE: state.get(MP_WORLD_SIZE, 1),
+            ckpt.DATA_PARALLEL_SIZE: len(self.optim_states) if self.optim_states else dp,
+            ckpt.PIPELINE_PARALLEL_SIZE: 1, ckpt.ZERO_STAGE: stage,
+            ckpt.PARAM_NAMES: [[name for name, _ in group] for group in groups], _TRANSLATED: True}
+
+
+def _translated(directory, model_parallel_rank, state):
+    path = model_states_path(directory, model_parallel_rank)
+    info = os.stat(path)
+    key = (os.path.abspath(directory), model_parallel_rank, info.st_size, info.st_mtime_ns)
+    if key not in _cache:
+        if len(_cache) >= 4:
+            _cache.pop(next(iter(_cache)))
+        _cache[key] = _Translation(directory, model_parallel_rank, state)
+    return _cache[key]
+
+
+def _accumulation(state):
+    config = state.get(DS_CONFIG) or {}
+    return int(config.get("gradient_accumulation_steps", 1)) if isinstance(config, dict) else 1
+
+
+def _group_names(state, optim, stage):
+    """Per param group of the client's optimizer, [(name, shape)] in flat order. DeepSpeed's param_shapes are
+    per flat group: a param group at stages 1-2, a sub-group at stage 3 (one param group may have several)."""
+    flats = [list(sub.items()) for sub in state[PARAM_SHAPES]]
+    if stage != 3 or not optim:
+        return flats
+    param_groups = optim[0][INNER_OPTIMIZER_STATE]["param_groups"]
+    return [[entry for sub in group["params"] for entry in flats[sub]] for group in param_groups]
+
+
+def _base_state(optim_state, group_index):
+    """(per-element state, scalar state, hyperparameters or None) of one group of DeepSpeed's inner optimizer."""
+    base = optim_state[BASE_OPTIMIZER_STATE]
+    if isinstance(base, dict):        # the torch optimizer's state_dict over the flat partitions
+        state = base["state"].get(group_index, {})
+        hyper = {k: v for k, v in base["param_groups"][group_index].items() if k != "params"}
+    else:                             # elastic_checkpoint: per group, without padding; one step for all
+        state, hyper = dict(base[group_index]), None
+        if BASE_OPTIMIZER_STATE_STEP in optim_state:
+            state["step"] = optim_state[BASE_OPTIMIZER_STATE_STEP]
+    slices = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+    scalars = {k: v for k, v in state.items() if k not in slices}
+    return slices, scalars, hyper
+
+
+def _stage12_optim_states(optim, groups, shapes, where):
+    """One of our optimizer-states dicts per DeepSpeed rank: its partition is already one contiguous slice."""
+    for state in optim:
+        paddings = state.get(PARAM_ALIGNMENT_PADDINGS) or []
+        if any(any(group) for group in paddings):
+            raise ckpt.CheckpointError(f"{where}: saved with zero_optimization.parameter_alignment (padding between "
+                                       "parameters), which is not supported: save it without")
+    result = [_our_optim_dict(optim[0], len(optim), r) for r in range(len(optim))]
+    for index, group in enumerate(groups):
+        numel = sum(shapes[name].numel() for name, _ in group)
+        start = 0
+        for rank, state in enumerate(optim):
+            master = state[SINGLE_PARTITION][index].reshape(-1)
+            slices, scalars, hyper = _base_state(state, index)
+            end = start + master.numel()
+            result[rank][ckpt.GROUPS].append({
+                ckpt.NUMEL: numel, ckpt.START: start, ckpt.END: end, ckpt.MASTER: master,
+                ckpt.SLICE_STATE: {k: v.reshape(-1)[:master.numel()] for k, v in slices.items()},
+                ckpt.SCALAR_STATE: scalars})
+            if rank == 0:
+                for saved in result:
+                    saved[ckpt.PARAM_GROUPS].append(hyper or {})
+            start = end
+        if start != numel:
+            raise ckpt.CheckpointError(f"{where}: optimizer param group {index}'s partitions hold {start} elements, "
+                                       f"its parameters {numel}")
+    return result
+
+
+def _stage3_optim_states(optim, state, groups, shapes, where):
+    """Our optimizer-states dicts ("virtual" ranks: piece k of every group) and the whole module, from DeepSpeed's
+    per-parameter partitions."""
+    dp = len(optim)
+    if int(optim[0][PARTITION_COUNT]) != dp:
+        raise ckpt.CheckpointError(f"{where}: partition_count {optim[0][PARTITION_COUNT]} but {dp} optimizer files")
+    flats = [[flat.reshape(-1) for flat in o[FP32_FLAT_GROUPS]] for o in optim]
+    inner = [o[INNER_OPTIMIZER_STATE] for o in optim]
+    sub_of_group = [group["params"] for group in inner[0]["param_groups"]]
+    pieces_of_group, module_pieces = [], collections.defaultdict(list)
+    for index, subs in enumerate(sub_of_group):
+        pieces, offset = [], 0
+        for sub in subs:
+            for rank in range(dp):
+                cursor = 0
+                moments = {k: v.reshape(-1) for k, v in inner[rank]["state"].get(sub, {}).items()
+                           if torch.is_tensor(v) and v.dim() > 0}
+                sub_offset = offset
+                for name, shape in state[PARAM_SHAPES][sub].items():
+                    numel = torch.Size(shape).numel()
+                    part = math.ceil(numel / dp)
+                    lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
+                    piece = slice(cursor, cursor + hi - lo)
+                    module_pieces[name].append(flats[rank][sub][piece])
+                    if hi > lo:
+                        pieces.append((sub_offset + lo, sub_offset + hi, flats[rank][sub][piece],
+                                       {k: v[piece] for k, v in moments.items()}))
+                    cursor += part
+                    sub_offset += numel
+                if cursor != flats[rank][sub].numel():
+                    raise ckpt.CheckpointError(f"{where}: rank {rank}'s flat group {sub} holds "
+                                               f"{flats[rank][sub].numel()} elements, its parameters' pieces {cursor}")
+            offset = sub_offset
+        pieces_of_group.append(pieces)
+    count = max(len(p) for p in pieces_of_group) if pieces_of_group else 0
+    result = [_our_optim_dict(optim[0], count, k) for k in range(count)]
+    for index, pieces in enumerate(pieces_of_group):
+        numel = sum(shapes[name].numel() for name, _ in groups[index])
+        _, scalars = _inner_state(inner[0], sub_of_group[index][0])
+        hyper = {k: v for k, v in inner[0]["param_groups"][index].items() if k != "params"}
+        for k, saved in enumerate(result):
+            lo, hi, master, moments = pieces[k] if k < len(pieces) else (0, 0, torch.zeros(0), {})
+            saved[ckpt.GROUPS].append({ckpt.NUMEL: numel, ckpt.START: lo, ckpt.END: hi, ckpt.MASTER: master,
+                                       ckpt.SLICE_STATE: moments or {key: torch.zeros(0) for key in (pieces[0][3] if pieces else {})},
+                                       ckpt.SCALAR_STATE: scalars})
+            saved[ckpt.PARAM_GROUPS].append(hyper)
+    module = {name: torch.cat(module_pieces[name])[:shape.numel()].view(shape) for name, shape in shapes.items()}
+    module.update(_frozen_and_buffers(state, optim, dp))
+    return result, module
+
+
+def _inner_state(inner, sub):
+    state = inner["state"].get(sub, {})
+    return ({k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0},
+            {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)})
+
+
+def _frozen_and_buffers(state, optim, dp):
+    """Stage 3: the buffers (whole in every file). Frozen parameters (a fragment in each rank's model states)
+    are refused by name."""
+    frozen = state.get(FROZEN_PARAM_SHAPES) or {}
+    if frozen:
+        raise ckpt.CheckpointError(f"a DeepSpeed stage-3 checkpoint with frozen parameters ({len(frozen)}, e.g. "
+                                   f"{next(iter(frozen))}) is not supported: save it with every parameter trainable")
+    return {name: state[ckpt.MODULE][name] for name in state.get(BUFFER_NAMES) or () if name in state[ckpt.MODULE]}
+
+
+def _our_optim_dict(first, size, rank):
+    return {ckpt.ZERO_STAGE: int(first[ckpt.ZERO_STAGE]), ckpt.DATA_PARALLEL_SIZE: size,
+            ckpt.DATA_PARALLEL_RANK: rank, ckpt.LOSS_SCALER: our_loss_scaler_state(first.get(ckpt.LOSS_SCALER)),
+            ckpt.PARAM_GROUPS: [], ckpt.GROUPS: []}
+
+
+def our_loss_scaler_state(scaler):
+    """megatron.fp16.loss_scaler.LossScaler.state_dict() from DeepSpeed's scaler object (static 1.0 when absent)."""
+    if scaler is None:
+        return {"scale": 1.0, "iteration": 0, "last_overflow_iteration": -1, "hysteresis_left": 1, "dynamic": False}
+    attributes = vars(scaler)
+    return {"scale": float(attributes.get("cur_scale", 1.0)), "iteration": int(attributes.get("cur_iter", 0)),
+            "last_overflow_iteration": int(attributes.get("last_overflow_iter", -1)),
+            "hysteresis_left": int(attributes.get("cur_hysteresis", attributes.get("delayed_shift", 1))),
+            "dynamic": bool(attributes.get("dynamic", False))}
+
+
+def client_state(state):
+    """DeepSpeed's client state (every key it does not keep for itself, as its load_checkpoint returns), with
+    our counters and RNG states added from what Megatron-DeepSpeed writes there: iteration, args (its
+    consumed_train_samples, consumed_valid_samples), random_rng_state, np_rng_state, torch_rng_state,
+    cuda_rng_state, rng_tracker_states."""
+    client = {key: value for key, value in state.items() if key not in _ENGINE_KEYS}
+    args = client.get("args")
+
+    def counter(name, default):
+        value = client.get(name, getattr(args, name, None) if args is not None else None)
+        return int(default if value is None else value)
+    ours = {ckpt.ITERATION: counter(ckpt.ITERATION, state[ckpt.GLOBAL_STEPS]),
+            ckpt.CONSUMED_TRAIN_SAMPLES: counter(ckpt.CONSUMED_TRAIN_SAMPLES, state.get(GLOBAL_SAMPLES, 0)),
+            ckpt.CONSUMED_VALID_SAMPLES: counter(ckpt.CONSUMED_VALID_SAMPLES, 0),
+            ckpt.SKIPPED_ITERATIONS: counter(ckpt.SKIPPED_ITERATIONS, state.get(ckpt.SKIPPED_STEPS, 0))}
+    rng = _megatron_deepspeed_rng(client)
+    if rng is not None:
+        ours[ckpt.RNG] = rng
+    return {**client, **ours}
+
+
+def _megatron_deepspeed_rng(client):
+    """Our RNG state (megatron.checkpoint.rng) from Megatron-DeepSpeed's keys, or None when they are absent."""
+    if not all(key in client for key in ("random_rng_state", "np_rng_state", "torch_rng_state")):
+        return None
+    version, python_state, gauss = client["random_rng_state"]
+    name, keys, pos, has_gauss, cached = client["np_rng_state"]
+    rng = {"python_version": version, "python": torch.tensor(python_state, dtype=torch.int64),
+           "python_gauss": gauss, "torch": client["torch_rng_state"],
+           "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if client.get("cuda_rng_state") is not None:
+        rng["cuda"] = client["cuda_rng_state"]
+    if client.get("rng_tracker_states") is not None:
+        rng["tracker"] = client["rng_tracker_states"]
+    return rng
+
+
+# ---- writing (the engine adds these to its own files) -------------------------------------------------------------
+def stage12_partition(numel, dp, rank):
+    """DeepSpeed's stage 1-2 partition of a flat group of `numel` elements: ((lo, hi) of the real elements rank
+    `rank` holds, partition size). The flat is padded to a multiple of 2 x dp (its nccl_start_alignment_factor),
+    e.g. numel 10, dp 4: padded 16, size 4, rank 2 holds (8, 10) and 2 padding elements, rank 3 only padding."""
+    align = 2 * dp
+    size = -(-numel // align) * align // dp
+    return (min(rank * size, numel), min((rank + 1) * size, numel)), size
+
+
+def stage3_pieces(numels, dp, rank):
+    """DeepSpeed's stage-3 pieces of rank `rank` for parameters of `numels` elements laid out one after another in
+    a flat group: [(lo, hi, size)], (lo, hi) the real elements in flat coordinates, size the piece's length in
+    the rank's flat (ceil(n / dp): the last pieces zero-padded)."""
+    pieces, offset = [], 0
+    for numel in numels:
+        size = -(-numel // dp)
+        pieces.append((offset + min(rank * size, numel), offset + min((rank + 1) * size, numel), size))
+        offset += numel
+    return pieces
+
+
+def persistent_buffer_names(module):
+    """The buffers module.state_dict() holds (DeepSpeed's buffer_names)."""
+    names = []
+    for prefix, submodule in module.named_modules():
+        for name, buffer in submodule.named_buffers(recurse=False):
+            if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def model_states_keys(module, param_names, full_shapes, data_parallel_size, model_parallel_size, pipeline_size,
+                      global_steps, train_batch_size, ds_config=None, frozen_weights=None):
+    """DeepSpeed's keys of the model-states file: `param_names` per flat group (flat order), `full_shapes`
+    {name: whole shape}, `frozen_weights` {name: whole tensor} of the parameters in no group (stages 1-2)."""
+    frozen_weights = frozen_weights or {}
+    return {BUFFER_NAMES: persistent_buffer_names(module),
+            PARAM_SHAPES: [collections.OrderedDict((n, torch.Size(full_shapes[n])) for n in names)
+                           for names in param_names],
+            FROZEN_PARAM_SHAPES: collections.OrderedDict((n, torch.Size(t.shape)) for n, t in frozen_weights.items()),
+            FROZEN_PARAM_FRAGMENTS: collections.OrderedDict(frozen_weights), SHARED_PARAMS: {},
+            "optimizer": None, "data_sampler": None, "random_ltd": None,
+            DP_WORLD_SIZE: data_parallel_size, MP_WORLD_SIZE: model_parallel_size,
+            GLOBAL_SAMPLES: global_steps * train_batch_size,
+            "checkpoint_parallel_dimensions": {"pp_degree": pipeline_size, "tp_degree": model_parallel_size},
+            DS_CONFIG: ds_config, DS_VERSION_KEY: DS_VERSION}
+
+
+def stage3_model_states(module, names_in_groups, model_states, dtype_of):
+    """DeepSpeed's per-rank stage-3 model states: the parameters as empty tensors (their values are in the
+    optimizer files), the buffers whole, and every other key of `model_states` (ours and DeepSpeed's)."""
+    state = {name: torch.empty(0, dtype=dtype_of[name]) for names in names_in_groups for name in names}
+    buffers = dict(module.named_buffers())
+    state.update({name: buffers[name].detach() for name in model_states[BUFFER_NAMES]})
+    return {**model_states, ckpt.MODULE: state}
+
+
+def optimizer_state_dict(stage, data_parallel_size, masters, moments, scalars, hyperparameters, loss_scaler,
+                         group_paddings=None, param_counts=None, clip_grad=0.0):
+    """DeepSpeed's optimizer_state_dict of one rank: per group its flat fp32 partition `masters[g]` in
+    DeepSpeed's layout (stages 1-2: without the end padding, whose size group_paddings[g] is), `moments[g]`
+    {exp_avg, exp_avg_sq} over the padded partition, `scalars[g]` (step), `hyperparameters[g]`;
+    `loss_scaler` our megatron.fp16.loss_scaler.LossScaler."""
+    inner = {"state": {g: {**scalars[g], **moments[g]} for g in range(len(masters))},
+             "param_groups": [{**hyperparameters[g], "params": [g]} for g in range(len(masters))]}
+    common = {ckpt.ZERO_STAGE: int(stage), "dynamic_loss_scale": bool(loss_scaler.dynamic), "overflow": False}
+    if stage == 3:   # DeepSpeed's stage 3 requires its loss-scaler object (1-2 keep their own when it is absent,
+        # so their files stay plain: torch.load(weights_only=True) reads them without SAFE_GLOBALS)
+        return {**common, ckpt.LOSS_SCALER: deepspeed_loss_scaler(loss_scaler), PARTITION_COUNT: data_parallel_size,
+                INNER_OPTIMIZER_STATE: inner, FP32_FLAT_GROUPS: list(masters)}
+    return {**common, "clip_grad": float(clip_grad), BASE_OPTIMIZER_STATE: inner, SINGLE_PARTITION: list(masters),
+            GROUP_PADDINGS: list(group_paddings), PARAM_ALIGNMENT_PADDINGS: [[0] * n for n in param_counts],
+            PARTITION_COUNT: [data_parallel_size] * len(masters), DS_VERSION_KEY: DS_VERSION}
+
+
+def deepspeed_loss_scaler(scaler):
+    """A stand-in pickled as DeepSpeed's LossScaler / DynamicLossScaler (their attributes), from our
+    megatron.fp16.loss_scaler.LossScaler."""
+    if not scaler.dynamic:
+        return DeepSpeedLossScaler(float(scaler.scale), dynamic=False)
+    return DeepSpeedDynamicLossScaler(
+        float(scaler.scale), dynamic=True, cur_iter=scaler.iteration, last_overflow_iter=scaler.last_overflow_iteration,
+        scale_factor=2.0, scale_window=scaler.window, min_scale=scaler.min_scale, delayed_shift=scaler.hysteresis,
+        cur_hysteresis=scaler.hysteresis_left, consecutive_hysteresis=False, raise_error_at_min_scale=True,
+        dtype=torch.float16)
+
+
+class _Pickler(pickle._Pickler):
+    """Python's pickler, writing the stand-ins under DeepSpeed's class names (DeepSpeed need not be installed)."""
+
+    def save_global(self, obj, name=None):
+        module_and_name = _PICKLED_AS.get(obj)
+        if module_and_name is None:
+            return super().save_global(obj, name)
+        module, qualname = module_and_name.rsplit(".", 1)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+        self.memoize(obj)
+
+
+_PICKLED_AS = {DeepSpeedLossScaler: LOSS_SCALER_CLASS, DeepSpeedDynamicLossScaler: DYNAMIC_LOSS_SCALER_CLASS}
+
+
+class pickle_module:
+    """torch.save(..., pickle_module=pickle_module) for files holding the stand-ins."""
+    Pickler = _Pickler
+    Unpickler = pickle.Unpickler
+    load = staticmethod(pickle.load)
+    dump = staticmethod(pickle.dump)
+    __name__ = "megatron.checkpoint.deepspeed_format.pickle_module"
+
+
+STAND_INS = (DeepSpeedLossScaler,)     # instances our files may hold (check_weights_only_safe allows them)

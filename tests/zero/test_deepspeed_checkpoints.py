@@ -1,0 +1,160 @@
+"""Checkpoints exchanged with real DeepSpeed 0.19.8 (issue 25, items 2 and 3), at data-parallel 2, stages 1-3.
+
+DeepSpeed-written: our tools/zero_to_fp32.py gives exactly what DeepSpeed's own consolidation gives; our engine's
+load_checkpoint + 5 steps equals DeepSpeed's own continuation (1e-5); the --load path (megatron.checkpoint.
+load_checkpoint) reads a GPT2Model checkpoint with the client state Megatron-DeepSpeed writes (iteration, args with
+the consumed samples, RNG states) at the same and at another model-parallel size; our engine at data-parallel 1
+resumes a data-parallel-2 one.
+Ours: DeepSpeed's get_fp32_state_dict_from_zero_checkpoint gives exactly what our zero_to_fp32.py gives, and
+DeepSpeed's engine.load_checkpoint + 5 steps equals our own resume + 5 steps (1e-5).
+
+The model has odd sizes (7 -> 13 -> 5, 1 x 13 layer norm) so that both libraries' padding is exercised: DeepSpeed
+pads a stage-1/2 group to a multiple of 2 x dp and every stage-3 parameter to a multiple of dp, we pad a group to a
+multiple of 32 x dp, so the two partitions differ and a save re-cuts ours into DeepSpeed's."""
+import argparse
+import importlib.util
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.spawn import run_distributed
+from tests.helpers import max_relative_difference
+from tests.zero.test_deepspeed_oracle import _deepspeed, _full_config
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="DeepSpeed is a test requirement: pip install -r requirements-test.txt "
+                                       "(DS_BUILD_OPS=0; make test does it)")
+
+TOLERANCE = 1e-5
+SAVED_AT, CONTINUED = 3, 5
+STAGES = {1: {"stage": 1}, 2: {"stage": 2}, 3: {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+class OddNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc2(self.norm(torch.tanh(self.fc1(x)))), y)
+
+
+def _batch(step, size):
+    generator = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(size, 7, generator=generator)
+    return x, torch.sin(x[:, :5] * 2)
+
+
+def _engine(library, stage):
+    model = OddNet()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=1e-2)
+    config = _full_config({"zero_optimization": STAGES[stage]})
+    return library.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def _steps(engine, first, count):
+    import torch.distributed as dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    micro = engine.train_micro_batch_size_per_gpu()
+    for step in range(first, first + count):
+        x, y = _batch(step, 4)
+        engine.backward(engine(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]))
+        engine.step()
+
+
+def _parameters(library, engine):
+    parameters = list(engine.module.named_parameters())
+    with library.zero.GatheredParameters([p for _, p in parameters]):
+        return {name: p.detach().float().clone() for name, p in parameters}
+
+
+def _megatron_deepspeed_client_state():
+    """What Megatron-DeepSpeed's save_checkpoint passes as client_state (its RNG states, counters in args)."""
+    return {"iteration": SAVED_AT, "args": argparse.Namespace(consumed_train_samples=4 * SAVED_AT,
+                                                              consumed_valid_samples=8),
+            "checkpoint_version": 3.0, "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": None}
+
+
+def _round_trips(root, stages):
+    """Per stage: DeepSpeed saves at step 3 and continues 5 steps; our engine loads that and does the same 5;
+    and the other way round."""
+    deepspeed = _deepspeed()
+    from megatron import zero
+    results = {}
+    for stage in stages:
+        ds_dir, our_dir = os.path.join(root, f"deepspeed{stage}"), os.path.join(root, f"ours{stage}")
+        engine = _engine(deepspeed, stage)
+        _steps(engine, 0, SAVED_AT)
+        engine.save_checkpoint(ds_dir, client_state=_megatron_deepspeed_client_state())
+        _steps(engine, SAVED_AT, CONTINUED)
+        ds_continued = _parameters(deepspeed, engine)
+        engine = _engine(zero, stage)
+        _, client = engine.load_checkpoint(ds_dir)
+        _steps(engine, SAVED_AT, CONTINUED)
+        ours_from_ds = _parameters(zero, engine)
+
+        engine = _engine(zero, stage)
+        _steps(engine, 0, SAVED_AT)
+        engine.save_checkpoint(our_dir, client_state={"iteration": SAVED_AT})
+        _steps(engine, SAVED_AT, CONTINUED)
+        ours_continued = _parameters(zero, engine)
+        engine = _engine(deepspeed, stage)
+        engine.load_checkpoint(our_dir)
+        _steps(engine, SAVED_AT, CONTINUED)
+        ds_from_ours = _parameters(deepspeed, engine)
+        results[stage] = {"ds_continued": ds_continued, "ours_from_ds": ours_from_ds, "client": {
+            k: client[k] for k in ("iteration", "consumed_train_samples", "consumed_valid_samples")},
+            "ours_continued": ours_continued, "ds_from_ours": ds_from_ours, "ds_steps": engine.global_steps}
+    return results
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("deepspeed_checkpoints"))
+    return root, run_distributed(_round_trips, 2, args=(root, list(STAGES)), model_parallel_size=1,
+                                 timeout=600)[0]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_our_engine_continues_a_deepspeed_checkpoint_as_deepspeed_does(round_trips, stage):
+    result = round_trips[1][stage]
+    assert result["ds_continued"].keys() == result["ours_from_ds"].keys()
+    assert max_relative_difference(result["ours_from_ds"], result["ds_continued"]) <= TOLERANCE
+    # Megatron-DeepSpeed's client state gives our counters (the consumed samples from its args)
+    assert result["client"] == {"iteration": SAVED_AT, "consumed_train_samples": 4 * SAVED_AT,
+                                "consumed_valid_samples": 8}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_deepspeed_continues_our_checkpoint_as_we_do(round_trips, stage):
+    result = round_trips[1][stage]
+    assert result["ds_steps"] == SAVED_AT + CONTINUED     # DeepSpeed took our step count
+    assert max_relative_difference(result["ds_from_ours"], result["ours_continued"]) <= TOLERANCE
+
+
+def _consolidated_both_ways(directory):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    import tools.zero_to_fp32 as ours
+    theirs = get_fp32_state_dict_from_zero_checkpoint(directory)
+    output = os.path.join(directory, "consolidated.pt")
+    ours.consolidate(directory, output)
+    return torch.load(output, weights_only=True), {name: t.contiguous() if hasattr(t, "contiguous") else t
+                                                   for name, t in theirs.items()}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("writer", ["deepspeed", "ours"])
+def test_zero_to_fp32_equals_deepspeeds_consolidation(round_trips, stage, writer):
+    ours, theirs = _consolidated_both_ways(os.path.join(round_trips[0], f"{writer}{stage}"))
+    assert ours.keys() == theirs.keys() == {"fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight",
+                                            "fc2.bias"}
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
