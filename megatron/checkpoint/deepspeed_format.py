@@ -27,70 +27,17 @@ files only. The stand-ins are written under DeepSpeed's names only into stage-3 
 requires its loss scaler object): plain torch.load(weights_only=True) reads those with
 torch.serialization.safe_globals(SAFE_GLOBALS).
 """
-import argparse
 import collections
-import enum
 import math
 import os
-import pickle
 
 import numpy as np
 import torch
 
 from megatron.checkpoint import layout as ckpt
+from megatron.checkpoint.deepspeed_classes import DeepSpeedDynamicLossScaler, DeepSpeedLossScaler
 
 DS_VERSION = "0.19.8"       # the DeepSpeed version whose format we read and write
-
-
-# ---- stand-ins for the classes DeepSpeed pickles ---------------------------------------------------------------
-class DeepSpeedLossScaler:
-    """deepspeed.runtime.fp16.loss_scaler.LossScaler / DynamicLossScaler: only their attributes (cur_scale,
-    dynamic, cur_iter, last_overflow_iter, scale_window, min_scale, delayed_shift, cur_hysteresis, ...)."""
-
-    def __init__(self, scale=1.0, **attributes):
-        self.cur_scale = scale
-        self.__dict__.update(attributes)
-
-
-class DeepSpeedDynamicLossScaler(DeepSpeedLossScaler):
-    pass
-
-
-class ZeroStageEnum(enum.IntEnum):
-    """deepspeed.runtime.zero.config.ZeroStageEnum"""
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-
-
-class FragmentAddress:
-    """deepspeed.utils.tensor_fragment.fragment_address (a dataclass: numel, start)"""
-
-    def __init__(self, numel=0, start=0):
-        self.numel, self.start = numel, start
-
-LOSS_SCALER_CLASS = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-DYNAMIC_LOSS_SCALER_CLASS = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
-
-
-def _numpy_globals():
-    core = getattr(np, "_core", None) or np.core
-    found = [(core.multiarray._reconstruct, f"{core.__name__}.multiarray._reconstruct"), (np.ndarray, "numpy.ndarray"),
-             (np.dtype, "numpy.dtype")]
-    # numpy >= 1.25 pickles a dtype through its class (numpy.dtypes.UInt32DType, ...)
-    found += [(cls, f"numpy.dtypes.{cls.__name__}") for cls in vars(getattr(np, "dtypes", object)).values()
-              if isinstance(cls, type) and issubclass(cls, np.dtype)]
-    if core.__name__ == "numpy._core":   # a file written under numpy 1.x names numpy.core
-        found.append((core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"))
-    return found
-
-
-SAFE_GLOBALS = [(DeepSpeedLossScaler, LOSS_SCALER_CLASS), (DeepSpeedDynamicLossScaler, DYNAMIC_LOSS_SCALER_CLASS),
-                (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-                (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-                (argparse.Namespace, "argparse.Namespace")]
-NUMPY_GLOBALS = _numpy_globals()      # allowed in model-states files only (load_model_states)
 
 
 # ---- DeepSpeed's keys -------------------------------------------------------------------------------------------
@@ -496,30 +443,3 @@ def deepspeed_loss_scaler(scaler):
         scale_factor=2.0, scale_window=scaler.window, min_scale=scaler.min_scale, delayed_shift=scaler.hysteresis,
         cur_hysteresis=scaler.hysteresis_left, consecutive_hysteresis=False, raise_error_at_min_scale=True,
         dtype=torch.float16)
-
-
-class _Pickler(pickle._Pickler):
-    """Python's pickler, writing the stand-ins under DeepSpeed's class names (DeepSpeed need not be installed)."""
-
-    def save_global(self, obj, name=None):
-        module_and_name = _PICKLED_AS.get(obj)
-        if module_and_name is None:
-            return super().save_global(obj, name)
-        module, qualname = module_and_name.rsplit(".", 1)
-        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
-        self.memoize(obj)
-
-
-_PICKLED_AS = {DeepSpeedLossScaler: LOSS_SCALER_CLASS, DeepSpeedDynamicLossScaler: DYNAMIC_LOSS_SCALER_CLASS}
-
-
-class pickle_module:
-    """torch.save(..., pickle_module=pickle_module) for files holding the stand-ins."""
-    Pickler = _Pickler
-    Unpickler = pickle.Unpickler
-    load = staticmethod(pickle.load)
-    dump = staticmethod(pickle.dump)
-    __name__ = "megatron.checkpoint.deepspeed_format.pickle_module"
-
-
-STAND_INS = (DeepSpeedLossScaler,)     # instances our files may hold (check_weights_only_safe allows them)

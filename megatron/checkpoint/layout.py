@@ -30,6 +30,8 @@ import re
 import torch
 
 from megatron.checkpoint import manifest
+from megatron.checkpoint.deepspeed_classes import NUMPY_GLOBALS, SAFE_GLOBALS, STAND_INS
+from megatron.checkpoint.deepspeed_classes import pickle_module as deepspeed_pickle_module
 from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_torch_save
 from megatron.checkpoint.atomic_io import atomic_write_text
 
@@ -141,10 +143,9 @@ def optim_states_ranks(directory, model_parallel_rank, pipeline_rank=None):
 def atomic_torch_save(obj, path):
     """torch.save(obj, path) so that `path` is either the old file or the complete new one. `obj` is checked
     first (check_weights_only_safe), so a file that safe_torch_load would refuse is never written. A file holding
-    stand-ins of DeepSpeed's classes is pickled with their DeepSpeed names (megatron.checkpoint.deepspeed_format)."""
-    from megatron.checkpoint import deepspeed_format
+    stand-ins of DeepSpeed's classes is pickled with their DeepSpeed names (megatron.checkpoint.deepspeed_classes)."""
     stand_ins = check_weights_only_safe(obj, os.path.basename(path))
-    pickle_module = deepspeed_format.pickle_module if stand_ins else None
+    pickle_module = deepspeed_pickle_module if stand_ins else None
     return manifest.make_entry(path, *_atomic_torch_save(obj, path, checksum=True, pickle_module=pickle_module))
 
 
@@ -211,7 +212,7 @@ def safe_torch_load(path, map_location="cpu", mmap=False, numpy_arrays=False):
     unsafe files (a checkpoint can never run code). `mmap`: tensors stay in the file until touched, so slicing
     reads only the slice (how every loader reads the pieces it will own). First the file is checked against its
     checkpoint directory's manifest (verify_checkpoint_file): a damaged file is refused, never loaded.
-    Inert stand-ins of the classes DeepSpeed pickles are allowed (deepspeed_format.SAFE_GLOBALS); numpy arrays
+    Inert stand-ins of the classes DeepSpeed pickles are allowed (deepspeed_classes.SAFE_GLOBALS); numpy arrays
     only with `numpy_arrays` (Megatron-DeepSpeed's client state holds numpy's RNG state)."""
     verify_checkpoint_file(path)
     if not os.path.isfile(path):
@@ -221,7 +222,6 @@ def safe_torch_load(path, map_location="cpu", mmap=False, numpy_arrays=False):
     with open(path, "rb") as handle:
         if handle.read(4) != b"PK\x03\x04":
             raise CheckpointError(f"checkpoint file {path} is corrupt: not a torch.save zip archive")
-    from megatron.checkpoint.deepspeed_format import NUMPY_GLOBALS, SAFE_GLOBALS   # (imports this module)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS + (NUMPY_GLOBALS if numpy_arrays else [])):   # inert stand-ins of DeepSpeed's pickled classes
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -350,8 +350,7 @@ _SAFE_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, int, float,
 def check_weights_only_safe(obj, name="checkpoint"):
     """Raise CheckpointError naming the first value weights_only loading would refuse (e.g. a numpy array:
     store it as a tensor or a list). Returns whether `obj` holds stand-ins of DeepSpeed's classes (which
-    safe_torch_load reads: megatron.checkpoint.deepspeed_format.SAFE_GLOBALS)."""
-    from megatron.checkpoint.deepspeed_format import STAND_INS
+    safe_torch_load reads: megatron.checkpoint.deepspeed_classes.SAFE_GLOBALS)."""
     if isinstance(obj, dict):
         found = [check_weights_only_safe(key, f"{name} key") for key in obj]
         found += [check_weights_only_safe(value, f"{name}[{key!r}]") for key, value in obj.items()]

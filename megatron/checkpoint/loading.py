@@ -35,19 +35,36 @@ def load_checkpoint(model, optimizer, lr_scheduler, options):
     The checkpoint's files are verified against its manifest first; when one is damaged, the newest older
     checkpoint that verifies is loaded instead (newest_verified_checkpoint)."""
     iteration, release = get_checkpoint_iteration(options.load)
-    if iteration is None:
+    deepspeed_tag = deepspeed_written_tag(options.load, iteration, release)
+    if iteration is None and deepspeed_tag is None:
         print_rank_0(f"WARNING: could not find the metadata file "
                      f"{os.path.join(options.load, ckpt.TRACKER_FILENAME)}; will not load any checkpoints and "
                      "will start from random")
         return TrainState()
-    iteration, release = newest_verified_checkpoint(options.load, iteration, release)
+    if deepspeed_tag is None:
+        iteration, release = newest_verified_checkpoint(options.load, iteration, release)
+    tag = deepspeed_tag or os.path.basename(ckpt.checkpoint_dir("", iteration, release))
     result = {}
-    error = atomic_io.capture_error(_load_any_topology, result, model, optimizer, lr_scheduler, options, iteration,
+    error = atomic_io.capture_error(_load_any_topology, result, model, optimizer, lr_scheduler, options, tag,
                                     release)
-    atomic_io.agree_on_success(error, f"loading {ckpt.checkpoint_dir(options.load, iteration, release)}",
-                               mpu.get_device(), error_class=ckpt.CheckpointError)
-    print_rank_0(f"  loaded checkpoint from {options.load} at iteration {iteration}")
+    atomic_io.agree_on_success(error, f"loading {os.path.join(options.load, tag)}", mpu.get_device(),
+                               error_class=ckpt.CheckpointError)
+    where = f"iteration {iteration}" if deepspeed_tag is None else tag
+    print_rank_0(f"  loaded checkpoint from {options.load} at {where}")
     return result["train_state"]
+
+
+def deepspeed_written_tag(load_dir, iteration, release):
+    """The tag in `load_dir/latest` when the checkpoint to load is one DeepSpeed wrote (global_step<N>): there is
+    no tracker, or Megatron-DeepSpeed's tracker names an iteration whose iter_* directory does not exist; else
+    None."""
+    tag = ckpt.read_latest_tag(load_dir)
+    if tag is None or not os.path.isdir(atomic_io.readable_directory(os.path.join(load_dir, tag))):
+        return None
+    if iteration is not None and os.path.isdir(atomic_io.readable_directory(
+            ckpt.checkpoint_dir(load_dir, iteration, release))):
+        return None
+    return tag
 
 
 def newest_verified_checkpoint(load_dir, iteration, release):
@@ -88,13 +105,13 @@ def _problem_found_by_any_rank(directory):
     return next((p for p in problems if p is not None), None)
 
 
-def _load_any_topology(result, model, optimizer, lr_scheduler, options, iteration, release):
+def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, release):
     """At the saving path and model-parallel size, that path's own loader (bitwise resume; the ZeRO engine also
     re-partitions for another data-parallel size); anything else through megatron.checkpoint.reshard_load."""
-    directory = atomic_io.readable_directory(ckpt.checkpoint_dir(options.load, iteration, release))
+    directory = atomic_io.readable_directory(os.path.join(options.load, tag))
     if not os.path.isdir(directory):
         raise ckpt.CheckpointError(f"tracker file {os.path.join(options.load, ckpt.TRACKER_FILENAME)} names "
-                                   f"iteration {iteration}, but {directory} does not exist")
+                                   f"{tag}, but {directory} does not exist")
     zero = is_zero_engine(model)  # --deepspeed
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)
@@ -103,16 +120,16 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, iteratio
     if saved.path == ("zero" if zero else "megatron") and \
             saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding and same_pipeline:
         if zero:
-            _load_ds_checkpoint(result, model, options, iteration, release)
+            _load_ds_checkpoint(result, model, options, tag, release)
         else:
-            _load_into(result, model, optimizer, lr_scheduler, options, iteration, release)
+            _load_into(result, model, optimizer, lr_scheduler, options, tag, release)
         return
     result["train_state"] = reshard_load.load_resharded(model, optimizer, lr_scheduler, saved, options,
                                                         fresh=release or options.finetune)
 
 
-def _load_into(result, model, optimizer, lr_scheduler, options, iteration, release):
-    path = _checkpoint_path_for_load(options.load, iteration, release)
+def _load_into(result, model, optimizer, lr_scheduler, options, tag, release):
+    path = _checkpoint_path_for_load(options.load, tag)
     state = ckpt.safe_torch_load(path)
     missing = [key for key in (ckpt.ITERATION, ckpt.MODEL, ckpt.MODEL_SHAPE) if key not in state]
     if missing:
@@ -135,12 +152,11 @@ def _load_into(result, model, optimizer, lr_scheduler, options, iteration, relea
     result["train_state"] = restore_run_state(state, options, path, fresh)
 
 
-def _load_ds_checkpoint(result, model, options, iteration, release):
+def _load_ds_checkpoint(result, model, options, tag, release):
     """The ZeRO engine loads module, optimizer partitions (re-partitioned for this data-parallel size) and lr
     scheduler; client_state gives back the counters and RNG states."""
     fresh = release or options.finetune
     load_optimizer = not (fresh or options.no_load_optim)
-    tag = os.path.basename(ckpt.checkpoint_dir("", iteration, release))
     try:
         path, client_state = model.load_checkpoint(options.load, tag, load_optimizer_states=load_optimizer,
                                                    load_lr_scheduler_states=load_optimizer)
@@ -166,9 +182,9 @@ def restore_run_state(state, options, path, fresh):
     return TrainState.from_state(state)
 
 
-def _checkpoint_path_for_load(load_dir, iteration, release):
+def _checkpoint_path_for_load(load_dir, tag):
     """This rank's file, with errors that say what is there instead."""
-    directory = atomic_io.readable_directory(ckpt.checkpoint_dir(load_dir, iteration, release))
+    directory = atomic_io.readable_directory(os.path.join(load_dir, tag))
     path = rank_file(directory)
     if not os.path.isfile(path):
         ranks = sorted(name for name in os.listdir(directory) if ckpt.RANK_DIR_PATTERN.match(name))

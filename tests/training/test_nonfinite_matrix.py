@@ -101,10 +101,14 @@ def _tensors(value, where=""):
 
 
 def _checkpoint_files(save, iteration):
+    """Every file of the checkpoint, loaded as a user would (weights_only; a stage-3 optimizer file holds the
+    stand-in of DeepSpeed's loss scaler, allowed by SAFE_GLOBALS)."""
+    from megatron.checkpoint.deepspeed_classes import SAFE_GLOBALS
     directory = os.path.join(save, f"iter_{iteration:07d}")
-    return {os.path.relpath(os.path.join(root, name), directory): torch.load(os.path.join(root, name),
-                                                                              weights_only=True)
-            for root, _, names in os.walk(directory) for name in names if name.endswith(".pt")}
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return {os.path.relpath(os.path.join(root, name), directory): torch.load(os.path.join(root, name),
+                                                                                  weights_only=True)
+                for root, _, names in os.walk(directory) for name in names if name.endswith(".pt")}
 
 
 def _tracker_checkpoint(save):

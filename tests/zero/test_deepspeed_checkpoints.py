@@ -158,3 +158,88 @@ def test_zero_to_fp32_equals_deepspeeds_consolidation(round_trips, stage, writer
                                             "fc2.bias"}
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+# ---- our GPT2Model, through the --load path (megatron.checkpoint.load_checkpoint) ------------------------------
+GPT_CONFIG = {"gradient_clipping": 0.0,     # no clipping: see GPT_CONFIGS in test_deepspeed_oracle.py
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _gpt(library):
+    from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
+    torch.manual_seed(1234)
+    model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                      max_sequence_length=16))
+    if library.__name__ == "deepspeed":   # the tied head reads wte outside its module
+        library.zero.register_external_parameter(model.lm_head, model.word_embeddings.weight)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "layernorm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "layernorm" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=1e-2)
+    import mpu   # ours splits over mpu's data-parallel group (DeepSpeed runs at mp 1: the whole world)
+    groups = {"mpu": mpu} if library.__name__ != "deepspeed" else {}
+    return library.initialize(model=model, optimizer=optimizer, config=_full_config(GPT_CONFIG), **groups)[0]
+
+
+def _gpt_steps(engine, first, count, data_parallel_rank, data_parallel_size):
+    """Mean token loss of each step; the global batch of 4 rows of consecutive ids (mod 64) split over dp."""
+    micro = 4 // data_parallel_size
+    losses = []
+    for step in range(first, first + count):
+        starts = torch.randint(0, 64, (4, 1), generator=torch.Generator().manual_seed(step))
+        ids = ((starts + torch.arange(17)) % 64)[data_parallel_rank * micro:(data_parallel_rank + 1) * micro]
+        loss = engine(ids[:, :-1], labels=ids[:, 1:]).float().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _deepspeed_gpt_run(directory):
+    """DeepSpeed trains our GPT2Model at dp 2 (stage 3), saves at step 3 with Megatron-DeepSpeed's client state and
+    continues; the global-batch losses of the continuation."""
+    import torch.distributed as dist
+    deepspeed = _deepspeed()
+    engine = _gpt(deepspeed)
+    rank = dist.get_rank()
+    _gpt_steps(engine, 0, SAVED_AT, rank, 2)
+    engine.save_checkpoint(directory, client_state=_megatron_deepspeed_client_state())
+    losses = torch.tensor(_gpt_steps(engine, SAVED_AT, CONTINUED, rank, 2))
+    dist.all_reduce(losses)
+    return (losses / 2).tolist()
+
+
+def _our_gpt_resume(directory):
+    """Our engine (ZeRO-3) loads DeepSpeed's checkpoint through megatron.checkpoint.load_checkpoint (what --load
+    runs) at this run's topology and continues: (train state, global-batch losses)."""
+    import torch.distributed as dist
+    import mpu
+    from megatron import zero
+    from megatron.checkpoint import load_checkpoint
+    from megatron.train_state import CheckpointOptions
+    engine = _gpt(zero)
+    state = load_checkpoint(engine, engine.optimizer, None, CheckpointOptions(load=directory))
+    dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    losses = torch.tensor(_gpt_steps(engine, SAVED_AT, CONTINUED, dp_rank, dp))
+    dist.all_reduce(losses, group=mpu.get_data_parallel_group())
+    return state, (losses / dp).tolist()
+
+
+@pytest.fixture(scope="module")
+def deepspeed_gpt(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("deepspeed_gpt"))
+    return directory, run_distributed(_deepspeed_gpt_run, 2, args=(directory,), model_parallel_size=1,
+                                      timeout=600)[0]
+
+
+@pytest.mark.parametrize("model_parallel_size", [1, 2])
+def test_load_path_resumes_a_megatron_deepspeed_gpt_checkpoint(deepspeed_gpt, model_parallel_size):
+    """DeepSpeed's files only (no tracker, tag global_step3 in `latest`, no manifest): at the saving topology
+    (mp 1 x dp 2) the engine's loader, at mp 2 x dp 1 the any-topology one; both continue with DeepSpeed's
+    losses (1e-5) and take the counters from Megatron-DeepSpeed's client state."""
+    directory, ds_losses = deepspeed_gpt
+    state, losses = run_distributed(_our_gpt_resume, 2, args=(directory,), model_parallel_size=model_parallel_size,
+                                    timeout=600)[0]
+    assert (state.iteration, state.consumed_train_samples, state.consumed_valid_samples) == (SAVED_AT, 12, 8)
+    assert ds_losses[-1] < ds_losses[0]
+    assert max_relative_difference(losses, ds_losses) <= TOLERANCE, (losses, ds_losses)
