@@ -162,7 +162,8 @@ class _Translation:
             ckpt.CLIENT_STATE: client_state(state), ckpt.MODEL_PARALLEL_SIZE: state.get(MP_WORLD_SIZE, 1),
             ckpt.DATA_PARALLEL_SIZE: len(self.optim_states) if self.optim_states else dp,
             ckpt.PIPELINE_PARALLEL_SIZE: 1, ckpt.ZERO_STAGE: stage,
-            ckpt.PARAM_NAMES: [[name for name, _ in group] for group in groups], _TRANSLATED: True}
+            ckpt.PARAM_NAMES: [[name for name, _ in group] for group in groups], _TRANSLATED: True,
+            DP_WORLD_SIZE: dp}   # the saving data-parallel size (DATA_PARALLEL_SIZE counts the slices at stage 3)
 
 
 def _translated(directory, model_parallel_rank, state):
@@ -337,7 +338,22 @@ def client_state(state):
     rng = _megatron_deepspeed_rng(client)
     if rng is not None:
         ours[ckpt.RNG] = rng
+    shape = _megatron_deepspeed_model_shape(args, state.get(MP_WORLD_SIZE, 1))
+    if shape is not None and ckpt.MODEL_SHAPE not in client:
+        ours[ckpt.MODEL_SHAPE] = shape
     return {**client, **ours}
+
+
+def _megatron_deepspeed_model_shape(args, model_parallel_size):
+    """Our MODEL_SHAPE from Megatron-DeepSpeed's args (num_layers, hidden_size, num_attention_heads,
+    padded_vocab_size, layernorm_epsilon), or None when they are not all there. The real vocabulary is not
+    recorded there: the padded one stands for it."""
+    names = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size")
+    if args is None or not all(getattr(args, name, None) is not None for name in names):
+        return None
+    return ckpt.model_shape_record(args.num_layers, args.hidden_size, args.num_attention_heads,
+                                   args.padded_vocab_size, model_parallel_size, args.padded_vocab_size,
+                                   getattr(args, "layernorm_epsilon", 1e-5))
 
 
 def _megatron_deepspeed_rng(client):

@@ -84,7 +84,10 @@ def resize_checkpoint(saved, save_dir, model_parallel_size, deepspeed, make_voca
     data-parallel-1 ZeRO checkpoint, which loads at any data-parallel size)."""
     full = FullCheckpoint(saved)
     optimizer = deepspeed and saved.has_optimizer_state()
-    return _write_checkpoint(save_dir, saved.tag, saved.full_tensor, full.names(), full.require_gpt2("resizing"),
+    tag = saved.tag   # a DeepSpeed tag (global_step3) becomes the directory the tracker names (iter_0000003)
+    if not ckpt.ITERATION_DIR_PATTERN.match(tag) and tag != ckpt.RELEASE:
+        tag = ckpt.iteration_dir_name(saved.train_state().iteration)
+    return _write_checkpoint(save_dir, tag, saved.full_tensor, full.names(), full.require_gpt2("resizing"),
                              model_parallel_size, deepspeed, make_vocab_size_divisible_by,
                              saved=saved, with_optimizer=optimizer, progress=progress)
 

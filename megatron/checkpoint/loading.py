@@ -110,8 +110,10 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, rel
     re-partitions for another data-parallel size); anything else through megatron.checkpoint.reshard_load."""
     directory = atomic_io.readable_directory(os.path.join(options.load, tag))
     if not os.path.isdir(directory):
+        match = ckpt.ITERATION_DIR_PATTERN.match(tag)
+        named = f"iteration {int(match.group(1))}" if match else tag
         raise ckpt.CheckpointError(f"tracker file {os.path.join(options.load, ckpt.TRACKER_FILENAME)} names "
-                                   f"{tag}, but {directory} does not exist")
+                                   f"{named}, but {directory} does not exist")
     zero = is_zero_engine(model)  # --deepspeed
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)

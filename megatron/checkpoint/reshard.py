@@ -168,7 +168,8 @@ class SavedCheckpoint:
     def describe(self):
         if self.path == "zero":
             stages = f" x pp{self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
-            return f"mp{self.model_parallel_size}{stages} x dp{self.data_parallel_size} (zero-{self.zero_stage})"
+            saved_dp = self.files[0].get(deepspeed_format.DP_WORLD_SIZE, self.data_parallel_size)
+            return f"mp{self.model_parallel_size}{stages} x dp{saved_dp} (zero-{self.zero_stage})"
         if self.pipeline_model_parallel_size > 1:
             return f"mp{self.model_parallel_size} x pp{self.pipeline_model_parallel_size} (megatron)"
         return f"mp{self.model_parallel_size} (megatron)"

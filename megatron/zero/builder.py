@@ -65,7 +65,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
     engine.lr_scheduler = lr_scheduler
-    dataloader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, ctx, collate_fn)
+    dataloader = _dataloader(training_data, cfg, ctx, collate_fn)
     return engine, engine.optimizer, dataloader, lr_scheduler
 
 
@@ -81,7 +81,8 @@ def _print_start_up_notes(cfg, resolved, hidden_size):
 
 def build_optimizer(optimizer_config, params):
     """torch Adam/AdamW from the JSON block. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false;
-    weight_decay defaults to 0 as in DeepSpeed (not torch AdamW's 0.01).
+    weight_decay defaults to 0 as in DeepSpeed (its FusedAdam's), but to torch's 0.01 with `"torch_adam": true`
+    (DeepSpeed then builds torch's AdamW with the JSON's params).
 
     Kernel: as DeepSpeed defaults to its FusedAdam, torch's fused kernel where it runs on the parameters' device
     (the step runs on the fp32 masters, see `adam_kernel_options`); `"torch_adam": true` keeps torch's default
@@ -96,7 +97,8 @@ def build_optimizer(optimizer_config, params):
     first = _first_tensor(params)
     if not torch_adam and first is not None:
         p.update(adam_kernel_options(first.device))
-    kwargs = {"lr": p.pop("lr", 1e-3), "weight_decay": p.pop("weight_decay", 0.0), **p}
+    # DeepSpeed's FusedAdam defaults weight_decay to 0; with torch_adam it builds torch's AdamW, whose default is 0.01
+    kwargs = {"lr": p.pop("lr", 1e-3), **({} if torch_adam else {"weight_decay": p.pop("weight_decay", 0.0)}), **p}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
@@ -146,12 +148,16 @@ def _init_distributed():
     dist.init_process_group(backend=get_backend())
 
 
-def _dataloader(training_data, micro_batch_size, ctx, collate_fn):
+def _dataloader(training_data, config, ctx, collate_fn):
+    """DeepSpeed's loader for `training_data`: in a distributed run a DistributedSampler over the data-parallel
+    group (shuffled, seed 0), else a RandomSampler; micro batches of train_micro_batch_size_per_gpu, the last
+    incomplete one kept unless dataloader_drop_last."""
     if training_data is None:
         return None
-    sampler = None
-    if ctx.data_parallel_size > 1:
+    if dist.is_available() and dist.is_initialized():
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=ctx.data_parallel_size,
                                                       rank=ctx.data_parallel_rank)
-    return torch.utils.data.DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler,
-                                       collate_fn=collate_fn, drop_last=True)
+    else:
+        sampler = torch.utils.data.RandomSampler(training_data)
+    return torch.utils.data.DataLoader(training_data, batch_size=config.train_micro_batch_size_per_gpu,
+                                       sampler=sampler, collate_fn=collate_fn, drop_last=config.dataloader_drop_last)

@@ -141,6 +141,7 @@ class Config:
     gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False  # the training_data loader's last incomplete micro-batch (DeepSpeed's key)
     source: Optional[str] = field(default=None, compare=False)   # the file it was read from, if any
     no_effect: dict = field(default_factory=dict, compare=False)  # {key: why it has no effect here}, as given
 
@@ -150,7 +151,7 @@ class Config:
 _ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer": bool, "prescale_gradients": bool,
                        "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool,
                        "zero_force_ds_cpu_optimizer": bool, "communication_data_type": str,
-                       "seq_parallel_communication_data_type": str, "dataloader_drop_last": bool,
+                       "seq_parallel_communication_data_type": str,
                        "graph_harvesting": bool, "disable_allgather": bool}
 NO_EFFECT_REASONS = {
     "zero_allow_untested_optimizer": "any torch Adam/AdamW client optimizer is stepped as it is",
@@ -161,7 +162,6 @@ NO_EFFECT_REASONS = {
     "gradient_predivide_factor": "gradients are averaged once, after the reduction",
     "memory_breakdown": "memory is reported by --log-jsonl and the start-up estimate",
     "dump_state": "the config is printed by tools/estimate_memory.py",
-    "dataloader_drop_last": "the training_data loader always drops the last incomplete micro-batch",
     "graph_harvesting": "CUDA graphs are not captured",
     "disable_allgather": "stages 1-2 always gather the updated slices",
     "stage3_max_reuse_distance": "stage 3 releases every unit after its use",
@@ -192,7 +192,8 @@ _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float
 _SECTIONS = {"fp16": FP16Config, "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig,
              "activation_checkpointing": ActivationCheckpointingConfig}
 _SCALARS = {"train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
-            "gradient_clipping": float, "steps_per_print": int, "wall_clock_breakdown": bool}
+            "gradient_clipping": float, "steps_per_print": int, "wall_clock_breakdown": bool,
+            "dataloader_drop_last": bool}
 
 
 def read_config_file(path):
@@ -239,7 +240,8 @@ def load_config(source, data_parallel_size=1):
     config = Config(train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                     gradient_accumulation_steps=accumulation, optimizer=optimizer, scheduler=scheduler,
                     source=path, **sections, **{k: values[k] for k in ("gradient_clipping", "steps_per_print",
-                                                                       "wall_clock_breakdown") if k in values})
+                                                                       "wall_clock_breakdown", "dataloader_drop_last")
+                                       if k in values})
     _validate(config)
     config.no_effect = _no_effect_keys(raw, config)
     return config

@@ -371,13 +371,17 @@ class ZeroEngine(torch.nn.Module):
         name_of = {id(p): name for name, p in self.module.named_parameters()}
         return [[name_of.get(id(p), "") for p in group.params] for group in self.optimizer.groups]
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_strict=True):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
         """Returns (path of the model-states file, client_state), or (None, {}) when there is no checkpoint.
+        DeepSpeed's keywords; `load_module_only`: the weights only (the fp32 masters from them; optimizer state,
+        lr scheduler and step counters stay as they are).
 
         Optimizer state saved at any data-parallel size is re-partitioned for this one. A background save in flight
-        is finished (published) first.
+        is finished (published) first. DeepSpeed-written checkpoints load too (megatron.checkpoint.deepspeed_format).
         """
+        if load_module_only:
+            load_optimizer_states = load_lr_scheduler_states = False
         atomic_io.finish_pending_save()
         self.wait_for_parameters()      # an in-flight gather would overwrite the loaded weights
         tag = tag if tag is not None else ckpt.read_latest_tag(load_dir)
@@ -416,5 +420,6 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:
             self.lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
-        self.set_step_counters(state[ckpt.GLOBAL_STEPS], state[ckpt.SKIPPED_STEPS])
+        if not load_module_only:
+            self.set_step_counters(state[ckpt.GLOBAL_STEPS], state[ckpt.SKIPPED_STEPS])
         return path, state[ckpt.CLIENT_STATE]

@@ -75,10 +75,11 @@ def _parameters(library, engine):
         return {name: p.detach().float().clone() for name, p in parameters}
 
 
-def _megatron_deepspeed_client_state():
-    """What Megatron-DeepSpeed's save_checkpoint passes as client_state (its RNG states, counters in args)."""
+def _megatron_deepspeed_client_state(**model_args):
+    """What Megatron-DeepSpeed's save_checkpoint passes as client_state (its RNG states; counters and the model's
+    shape in args)."""
     return {"iteration": SAVED_AT, "args": argparse.Namespace(consumed_train_samples=4 * SAVED_AT,
-                                                              consumed_valid_samples=8),
+                                                              consumed_valid_samples=8, **model_args),
             "checkpoint_version": 3.0, "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": None}
 
@@ -170,8 +171,8 @@ def _gpt(library):
     torch.manual_seed(1234)
     model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4,
                                       max_sequence_length=16))
-    if library.__name__ == "deepspeed":   # the tied head reads wte outside its module
-        library.zero.register_external_parameter(model.lm_head, model.word_embeddings.weight)
+    # the tied head reads wte outside its module (DeepSpeed needs to be told; ours gathers it either way)
+    library.zero.register_external_parameter(model.lm_head, model.word_embeddings.weight)
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "layernorm" not in n]
     rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "layernorm" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
@@ -203,10 +204,13 @@ def _deepspeed_gpt_run(directory):
     engine = _gpt(deepspeed)
     rank = dist.get_rank()
     _gpt_steps(engine, 0, SAVED_AT, rank, 2)
-    engine.save_checkpoint(directory, client_state=_megatron_deepspeed_client_state())
+    client_state = _megatron_deepspeed_client_state(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                                    padded_vocab_size=64, max_position_embeddings=16)
+    engine.save_checkpoint(directory, client_state=client_state)
+    torch.manual_seed(99)                 # a resume must restore the saved state, not keep this one
     losses = torch.tensor(_gpt_steps(engine, SAVED_AT, CONTINUED, rank, 2))
     dist.all_reduce(losses)
-    return (losses / 2).tolist()
+    return (losses / 2).tolist(), client_state["torch_rng_state"]
 
 
 def _our_gpt_resume(directory):
@@ -219,10 +223,11 @@ def _our_gpt_resume(directory):
     from megatron.train_state import CheckpointOptions
     engine = _gpt(zero)
     state = load_checkpoint(engine, engine.optimizer, None, CheckpointOptions(load=directory))
+    rng_after_load = torch.get_rng_state()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     losses = torch.tensor(_gpt_steps(engine, SAVED_AT, CONTINUED, dp_rank, dp))
     dist.all_reduce(losses, group=mpu.get_data_parallel_group())
-    return state, (losses / dp).tolist()
+    return state, (losses / dp).tolist(), rng_after_load
 
 
 @pytest.fixture(scope="module")
@@ -237,9 +242,37 @@ def test_load_path_resumes_a_megatron_deepspeed_gpt_checkpoint(deepspeed_gpt, mo
     """DeepSpeed's files only (no tracker, tag global_step3 in `latest`, no manifest): at the saving topology
     (mp 1 x dp 2) the engine's loader, at mp 2 x dp 1 the any-topology one; both continue with DeepSpeed's
     losses (1e-5) and take the counters from Megatron-DeepSpeed's client state."""
-    directory, ds_losses = deepspeed_gpt
-    state, losses = run_distributed(_our_gpt_resume, 2, args=(directory,), model_parallel_size=model_parallel_size,
-                                    timeout=600)[0]
+    directory, (ds_losses, saved_rng) = deepspeed_gpt
+    state, losses, rng = run_distributed(_our_gpt_resume, 2, args=(directory,),
+                                         model_parallel_size=model_parallel_size, timeout=600)[0]
     assert (state.iteration, state.consumed_train_samples, state.consumed_valid_samples) == (SAVED_AT, 12, 8)
+    if model_parallel_size == 1:   # the RNG states are restored at the saving model-parallel size only
+        assert torch.equal(rng, saved_rng)
     assert ds_losses[-1] < ds_losses[0]
     assert max_relative_difference(losses, ds_losses) <= TOLERANCE, (losses, ds_losses)
+
+
+def test_checkpoint_util_resizes_a_deepspeed_checkpoint(deepspeed_gpt, tmp_path):
+    """tools/checkpoint_util.py: DeepSpeed's mp-1 stage-3 checkpoint to a Megatron-path mp-2 one whose weights
+    are DeepSpeed's own consolidation, split (q, k, v rows by stride 3, columns of the row-parallel weights)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    import tools.checkpoint_util as checkpoint_util
+    from megatron.checkpoint.reshard import SavedCheckpoint
+    source, written = checkpoint_util.resize(deepspeed_gpt[0], str(tmp_path / "mp2"), 2, target_path="megatron",
+                                             make_vocab_size_divisible_by=32)
+    assert source == "mp1 x dp2 (zero-3)"
+    full = get_fp32_state_dict_from_zero_checkpoint(deepspeed_gpt[0])
+    resized = SavedCheckpoint(str(tmp_path / "mp2"))
+    assert resized.model_parallel_size == 2 and resized.train_state().iteration == SAVED_AT
+    qkv = resized.files[1][ckpt_keys().MODEL]["transformer.layers.1.attention.query_key_value.weight"]  # [3 x 16, 32]
+    whole = full["transformer.layers.1.attention.query_key_value.weight"].contiguous()          # [3 x 32, 32]
+    assert torch.equal(qkv, torch.cat([whole[16:32], whole[48:64], whole[80:96]]))  # rank 1: q1, k1, v1
+    dense = resized.files[1][ckpt_keys().MODEL]["transformer.layers.0.attention.dense.weight"]
+    assert torch.equal(dense, full["transformer.layers.0.attention.dense.weight"].contiguous()[:, 16:])
+    for name, tensor in full.items():
+        assert torch.equal(resized.full_tensor(name), tensor.contiguous()), name
+
+
+def ckpt_keys():
+    from megatron.checkpoint import layout
+    return layout
