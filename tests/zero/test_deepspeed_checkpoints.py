@@ -8,9 +8,10 @@ resumes a data-parallel-2 one.
 Ours: DeepSpeed's get_fp32_state_dict_from_zero_checkpoint gives exactly what our zero_to_fp32.py gives, and
 DeepSpeed's engine.load_checkpoint + 5 steps equals our own resume + 5 steps (1e-5).
 
-The model has odd sizes (7 -> 13 -> 5, 1 x 13 layer norm) so that both libraries' padding is exercised: DeepSpeed
-pads a stage-1/2 group to a multiple of 2 x dp and every stage-3 parameter to a multiple of dp, we pad a group to a
-multiple of 32 x dp, so the two partitions differ and a save re-cuts ours into DeepSpeed's."""
+The model has odd sizes (7 -> 13 -> 6, 1 x 13 layer norm: groups of 169 and 45 elements) so that both libraries'
+padding is exercised: DeepSpeed pads a stage-1/2 group to a multiple of 2 x dp (here 172 and 48, not 170 and 46)
+and every stage-3 parameter to a multiple of dp, we pad a group to a multiple of 32 x dp, so the two partitions
+differ and a save re-cuts ours into DeepSpeed's."""
 import argparse
 import importlib.util
 import os
@@ -37,7 +38,7 @@ class OddNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(7)
-        self.fc1, self.norm, self.fc2 = torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 5)
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 6)
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.fc2(self.norm(torch.tanh(self.fc1(x)))), y)
@@ -46,16 +47,18 @@ class OddNet(torch.nn.Module):
 def _batch(step, size):
     generator = torch.Generator().manual_seed(500 + step)
     x = torch.randn(size, 7, generator=generator)
-    return x, torch.sin(x[:, :5] * 2)
+    return x, torch.sin(x[:, :6] * 2)
 
 
-def _engine(library, stage):
+def _engine(library, stage, micro=None):
     model = OddNet()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
     rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                                   lr=1e-2)
     config = _full_config({"zero_optimization": STAGES[stage]})
+    if micro is not None:
+        config["train_micro_batch_size_per_gpu"] = micro
     return library.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -139,6 +142,18 @@ def test_deepspeed_continues_our_checkpoint_as_we_do(round_trips, stage):
     result = round_trips[1][stage]
     assert result["ds_steps"] == SAVED_AT + CONTINUED     # DeepSpeed took our step count
     assert max_relative_difference(result["ds_from_ours"], result["ours_continued"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_our_engine_at_data_parallel_1_continues_a_data_parallel_2_deepspeed_checkpoint(round_trips, stage):
+    """One process, the whole global batch of 4 as its micro-batch: DeepSpeed's two partitions (its stage-3
+    per-parameter pieces too) re-partitioned into one."""
+    from megatron import zero
+    engine = _engine(zero, stage, micro=4)
+    _, client = engine.load_checkpoint(os.path.join(round_trips[0], f"deepspeed{stage}"))
+    assert engine.global_steps == SAVED_AT and client["iteration"] == SAVED_AT
+    _steps(engine, SAVED_AT, CONTINUED)
+    assert max_relative_difference(_parameters(zero, engine), round_trips[1][stage]["ds_continued"]) <= TOLERANCE
 
 
 def _consolidated_both_ways(directory):
@@ -276,3 +291,41 @@ def test_checkpoint_util_resizes_a_deepspeed_checkpoint(deepspeed_gpt, tmp_path)
 def ckpt_keys():
     from megatron.checkpoint import layout
     return layout
+
+
+def _deepspeed_part(path):
+    from megatron.checkpoint.deepspeed_classes import NUMPY_GLOBALS, SAFE_GLOBALS
+    with torch.serialization.safe_globals(SAFE_GLOBALS + NUMPY_GLOBALS):
+        return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_our_files_hold_what_deepspeed_writes(round_trips, stage):
+    """After the same 3 steps, our files' DeepSpeed keys have DeepSpeed's own layout: the same per-rank flat fp32
+    partitions (lean at stages 1-2, per-parameter pieces at stage 3) and moments within 1e-5, the same paddings,
+    partition counts, stage, flags, parameter shapes and world sizes."""
+    from megatron.checkpoint import deepspeed_format as dsf
+    root = round_trips[0]
+    for rank in (0, 1):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        ours = _deepspeed_part(os.path.join(root, f"ours{stage}", "global_step3", name))[dsf.OPTIMIZER_STATE_DICT]
+        theirs = _deepspeed_part(os.path.join(root, f"deepspeed{stage}", "global_step3", name))[dsf.OPTIMIZER_STATE_DICT]
+        flats = dsf.FP32_FLAT_GROUPS if stage == 3 else dsf.SINGLE_PARTITION
+        inner = dsf.INNER_OPTIMIZER_STATE if stage == 3 else dsf.BASE_OPTIMIZER_STATE
+        for key in ("zero_stage", "partition_count", "dynamic_loss_scale", "overflow", "clip_grad", "group_paddings",
+                    "param_alignment_paddings"):
+            assert (key in ours) == (key in theirs) and ours.get(key) == theirs.get(key), (key, rank)
+        assert [t.shape for t in ours[flats]] == [t.shape for t in theirs[flats]], rank
+        assert max_relative_difference(ours[flats], theirs[flats]) <= TOLERANCE
+        for group, state in theirs[inner]["state"].items():
+            assert ours[inner]["state"][group].keys() == state.keys()
+            for key, value in state.items():
+                assert ours[inner]["state"][group][key].shape == value.shape, (group, key)
+                assert max_relative_difference([ours[inner]["state"][group][key]], [value]) <= TOLERANCE, (group, key)
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    ours = _deepspeed_part(os.path.join(root, f"ours{stage}", "global_step3", model_file))
+    theirs = _deepspeed_part(os.path.join(root, f"deepspeed{stage}", "global_step3", model_file))
+    for key in (dsf.PARAM_SHAPES, dsf.BUFFER_NAMES, dsf.DP_WORLD_SIZE, dsf.MP_WORLD_SIZE, "global_steps",
+                "skipped_steps", dsf.GLOBAL_SAMPLES, dsf.SHARED_PARAMS, dsf.DS_VERSION_KEY):
+        assert ours[key] == theirs[key], key
+    assert {n: t.shape for n, t in ours["module"].items()} == {n: t.shape for n, t in theirs["module"].items()}
