@@ -59,8 +59,8 @@ _ENGINE_KEYS = {ckpt.MODULE, BUFFER_NAMES, "optimizer", PARAM_SHAPES, FROZEN_PAR
 
 
 def stage3_model_states_name(data_parallel_rank, model_parallel_rank):
-    """DeepSpeed's per-rank model-states file at stage 3."""
-    return f"zero_pp_rank_{data_parallel_rank}_{ckpt.model_states_name(model_parallel_rank)}"
+    """DeepSpeed's per-rank model-states file at stage 3 (ours too: layout.stage3_rank_states_name)."""
+    return ckpt.stage3_rank_states_name(data_parallel_rank, model_parallel_rank)
 
 
 def is_deepspeed_written(model_states):
@@ -81,6 +81,9 @@ def load_model_states(directory, model_parallel_rank, pipeline_rank=None):
     rank, memory-mapped; a DeepSpeed-written one translated (its whole module rebuilt at stage 3)."""
     state = _raw_model_states(directory, model_parallel_rank, pipeline_rank)
     if not is_deepspeed_written(state):
+        if ckpt.STAGE3_PARTITIONS in state:     # ZeRO-3 saved partitioned: the weights are in the ranks' files
+            from megatron.checkpoint.stage3_module import PartitionedModule
+            state = {**state, ckpt.MODULE: PartitionedModule(directory, model_parallel_rank, pipeline_rank, state)}
         return state
     return _translated(directory, model_parallel_rank, state).model_states
 

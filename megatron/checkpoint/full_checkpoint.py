@@ -7,6 +7,7 @@ import os
 import torch
 
 from megatron.checkpoint import atomic_io, layout as ckpt
+from megatron.checkpoint.stage3_module import tensor_shape
 from megatron.checkpoint.reshard import (OPTIMIZER_KINDS, VOCAB_PARAMETER, SavedCheckpoint, default_param_names,
                                          shard_for)
 
@@ -22,12 +23,13 @@ class FullCheckpoint:
         shape = saved.model_shape
         self.model_config = None      # a ZeRO checkpoint of another model (any module the engine trains)
         if VOCAB_PARAMETER in weights and "position_embeddings.weight" in weights:
-            padded = weights[VOCAB_PARAMETER].shape[0] * saved.model_parallel_size
+            vocab_shape = tensor_shape(weights, VOCAB_PARAMETER)
+            padded = vocab_shape[0] * saved.model_parallel_size
             self.model_config = {
                 "num_layers": shape.get("num_layers", _count_layers(weights)),
-                "hidden_size": weights[VOCAB_PARAMETER].shape[1],
+                "hidden_size": vocab_shape[1],
                 "num_attention_heads": shape.get("num_attention_heads"),
-                "max_sequence_length": weights["position_embeddings.weight"].shape[0],
+                "max_sequence_length": tensor_shape(weights, "position_embeddings.weight")[0],
                 "vocab_size": saved.real_vocab_size or padded,
                 "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
 

@@ -15,6 +15,10 @@ ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/<tag>/mp_rank_{mp:02d}_model_states.pt                           module, lr scheduler, steps, client_state
     SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt         this data-parallel rank's fp32 slice,
                                                                          moments, loss scaler (unpadded)
+    SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt         stage 3: this rank's slice of the 16-bit
+                                                                         weights (the module file then holds
+                                                                         buffers only, unless
+                                                                         stage3_gather_16bit_weights_on_model_save)
     SAVE/latest                                                           the tag, written last
     Under pipelining (P > 1) both names carry the stage, Megatron-style: mp_rank_{mp:02d}_{pp:03d}_model_states.pt,
     zero_pp_rank_{dp}_mp_rank_{mp:02d}_{pp:03d}_optim_states.pt (each stage's parameters under their global names).
@@ -49,6 +53,12 @@ DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
 PIPELINE_PARALLEL_SIZE = "pipeline_parallel_size"   # absent in checkpoints saved before pipelining: 1
 ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
+STAGE3_PARTITIONS = "stage3_partitions"  # stage 3, saved partitioned: per stage-3 group {"names", "shapes"}; the
+                                         # module then holds the buffers only, the weights are in the ranks' files
+# Key of the stage-3 per-rank model-states file (stage3_rank_states_name): per stage-3 group this rank's unpadded
+# slice {START, END, WEIGHT} of the 16-bit flat (the frozen parameters' group included).
+PARTITION_WEIGHTS = "partition_weights"
+WEIGHT = "weight"
 
 # Keys of the optimizer-states file (this data-parallel rank's unpadded slice of every param group).
 DATA_PARALLEL_RANK = "data_parallel_rank"
@@ -126,6 +136,11 @@ MODEL_STATES_PATTERN = re.compile(r"mp_rank_(\d+)(?:_(\d{3}))?_model_states\.pt$
 
 def model_states_name(model_parallel_rank, pipeline_rank=None):
     return f"{rank_dir_name(model_parallel_rank, pipeline_rank)}_model_states.pt"
+
+
+def stage3_rank_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None):
+    """Stage 3's per-rank model-states file (DeepSpeed's name at P = 1): this rank's partition of the weights."""
+    return f"zero_pp_rank_{data_parallel_rank}_{model_states_name(model_parallel_rank, pipeline_rank)}"
 
 
 def optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None):

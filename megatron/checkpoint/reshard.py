@@ -37,6 +37,7 @@ import torch
 
 import mpu
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
+from megatron.checkpoint.stage3_module import tensor_shape
 from megatron.train_state import TrainState
 
 _ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
@@ -176,7 +177,8 @@ class SavedCheckpoint:
 
     def padded_vocab_size(self):
         weights = self.weights_of[0]
-        return weights[VOCAB_PARAMETER].shape[0] * self.model_parallel_size if VOCAB_PARAMETER in weights else None
+        return tensor_shape(weights, VOCAB_PARAMETER)[0] * self.model_parallel_size if VOCAB_PARAMETER in weights \
+            else None
 
     @property
     def real_vocab_size(self):
@@ -310,8 +312,8 @@ class SavedCheckpoint:
             raise ckpt.CheckpointError(f"{self.directory}: parameter {name} is in no optimizer param group")
         group_index, position = found[0]
         names = stage_names[group_index]
-        start = sum(weights[n].numel() for n in names[:position])
-        shape = weights[name].shape
+        start = sum(tensor_shape(weights, n).numel() for n in names[:position])
+        shape = tensor_shape(weights, name)
         end = start + shape.numel()
         out = None
         for saved in (f[ckpt.GROUPS][group_index] for f in files):

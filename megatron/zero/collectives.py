@@ -54,14 +54,17 @@ def gather_equal_pieces(pieces, group, per_owner_broadcast=None):
     launch_gather_equal_pieces(pieces, group, per_owner_broadcast).wait()
 
 
-def gather_intervals(local, owned, wanted_of, group):
+def gather_intervals(local, owned, wanted_of, group, out=None):
     """Redistribute a flat index space held in contiguous pieces: rank q holds elements [owned[q][0],
     owned[q][1]) as `local` (this rank's piece); rank q wants the intervals wanted_of(q) = [(lo, hi), ...], each
     inside the owned ranges. Returns this rank's wanted intervals' elements, concatenated in their order (one
-    all_to_all_single). Collective over `group`; `wanted_of` must give every rank the same answer.
+    all_to_all_single), in `out` when given (a contiguous tensor of that many elements). Collective over `group`;
+    `wanted_of` must give every rank the same answer.
 
     Example: 10 elements, owned [(0, 6), (6, 10)], rank 0 wants [(0, 5)] and rank 1 [(5, 10)]: rank 0 sends
     element 5 to rank 1, rank 1 sends nothing back; rank 0 returns local[0:5], rank 1 [local_0[5]] + its 4.
+    No copy is made when this rank's pieces for the ranks in order are one run of `local` and it wants one
+    interval (every rank's wanted intervals increasing with the rank, as DeepSpeed's partitions are).
     """
     import torch
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -74,7 +77,16 @@ def gather_intervals(local, owned, wanted_of, group):
     receives = [overlap(mine, owned[q]) for q in range(world)]
     send_sizes = [sum(hi - lo for lo, hi in pieces) for pieces in sends]
     receive_sizes = [sum(hi - lo for lo, hi in pieces) for pieces in receives]
-    send = torch.cat([local[lo - start:hi - start] for pieces in sends for lo, hi in pieces] or [local[:0]])
+    flat_sends = [piece for pieces in sends for piece in pieces]
+    if all(a[1] == b[0] for a, b in zip(flat_sends, flat_sends[1:])):      # one run of local: a view
+        send = local[flat_sends[0][0] - start:flat_sends[-1][1] - start] if flat_sends else local[:0]
+    else:
+        send = torch.cat([local[lo - start:hi - start] for lo, hi in flat_sends])
+    total = sum(hi - lo for lo, hi in mine)
+    result = out if out is not None else local.new_zeros(total)
+    if len(mine) <= 1:          # the pieces arrive in the interval's order: straight into the result
+        dist.all_to_all_single(result, send, receive_sizes, send_sizes, group=group)
+        return result
     received = local.new_empty(sum(receive_sizes))
     dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=group)
     # `received` is ordered by sending rank; place each piece at its position among this rank's intervals
@@ -82,7 +94,6 @@ def gather_intervals(local, owned, wanted_of, group):
     for lo, hi in mine:
         offsets.append(position - lo)
         position += hi - lo
-    result = local.new_zeros(position)
     cursor = 0
     for pieces in receives:
         for lo, hi in pieces:

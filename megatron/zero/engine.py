@@ -18,6 +18,7 @@ import torch.distributed as dist
 import mpu.lora as mpu_lora
 from mpu.utils import full_numel, full_shape
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
+from megatron.checkpoint.stage3_module import PartitionedModule
 from megatron.timers import Timers
 
 from . import stage3
@@ -251,6 +252,8 @@ class ZeroEngine(torch.nn.Module):
         if self.stage3 is None:
             self.module.load_state_dict(state_dict, strict=strict)
             return
+        if self._load_own_slices(state_dict):
+            return
         params = dict(self.module.named_parameters())
         fresh = (self.module.fresh_parameters(state_dict) if hasattr(self.module, "fresh_parameters")   # GPT2Model
                  else mpu_lora.fresh_adapters(params, state_dict))   # a base (LM) checkpoint into a LoRA (reward) model
@@ -265,6 +268,25 @@ class ZeroEngine(torch.nn.Module):
                                                f"the model {tuple(full_shape(param))}")
                 self.load_parameter(param, state_dict[name])
 
+    def _load_own_slices(self, state_dict):
+        """A partitioned ZeRO-3 checkpoint of the same groups (names in the same flat order): each group's own
+        range copied from the saved slices that overlap it, reading nothing else. False when it does not apply."""
+        if not isinstance(state_dict, PartitionedModule):
+            return False
+        name_of = {id(p): name for name, p in self.module.named_parameters()}
+        if state_dict.group_names() != [[name_of[id(p)] for p in g.params] for g in self.stage3.groups]:
+            return False
+        with torch.no_grad():
+            for index, group in enumerate(self.stage3.groups):
+                start, end = group.own_range
+                group.partition.zero_()
+                for lo, hi, weight in state_dict.group_slices(index):
+                    a, b = max(start, lo), min(end, hi)
+                    if a < b:
+                        group.partition[a - start:b - start].copy_(weight[a - lo:b - lo])
+        self.stage3.after_step()
+        return True
+
     def _pipeline_rank(self):
         """This rank's stage for the checkpoint names: None at P = 1 (the names without the stage)."""
         return self.ctx.pipeline_parallel_rank if self.ctx.pipeline_parallel_size > 1 else None
@@ -275,7 +297,11 @@ class ZeroEngine(torch.nn.Module):
         its layers under their global names. The files also hold what DeepSpeed reads (_deepspeed_keys).
         Collective (stage 3 gathers the module; the DeepSpeed layout exchanges partitions)."""
         mp_rank, pp_rank = self.ctx.model_parallel_rank, self._pipeline_rank()
-        module_state = self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
+        partitioned = self.stage3 is not None and not self.config.zero_optimization.gather_16bit_weights_on_model_save
+        # ZeRO-3 saves each rank's slice of the weights in its own file: the whole model is gathered (into data-
+        # parallel rank 0's host memory) only with stage3_gather_16bit_weights_on_model_save
+        module_state = self._buffers_state() if partitioned else \
+            self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
         optimizer_state = self.optimizer.partitioned_state_dict()
         model_keys, optimizer_keys = self._deepspeed_keys(module_state, optimizer_state)
         files = []
@@ -286,17 +312,36 @@ class ZeroEngine(torch.nn.Module):
                  ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
                  ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
                  ckpt.ZERO_STAGE: self.zero_optimization_stage(), ckpt.PARAM_NAMES: self._param_names(), **model_keys}
+        if partitioned:
+            state[ckpt.STAGE3_PARTITIONS] = self._stage3_partition_record()
         if self.ctx.data_parallel_rank == 0:
             files.append((os.path.join(directory, ckpt.model_states_name(mp_rank, pp_rank)),
                           {ckpt.MODULE: module_state, **state}))
-        if model_keys and self.stage3 is not None:   # DeepSpeed's own per-rank model states at stage 3
-            dtypes = {name: p.dtype for name, p in self.module.named_parameters()}
-            files.append((os.path.join(directory, deepspeed_format.stage3_model_states_name(
-                self.ctx.data_parallel_rank, mp_rank)), deepspeed_format.stage3_model_states(
-                    self.module, self._param_names(), state, dtypes)))
+        if self.stage3 is not None:   # every rank: its slice of the weights (and DeepSpeed's per-rank keys)
+            rank_state = {ckpt.PARTITION_WEIGHTS: [
+                {ckpt.START: start, ckpt.END: end, ckpt.WEIGHT: group.partition[:end - start]}
+                for group in self.stage3.groups for start, end in [group.own_unpadded_range()]]}
+            if model_keys:
+                dtypes = {name: p.dtype for name, p in self.module.named_parameters()}
+                rank_state.update(deepspeed_format.stage3_model_states(self.module, self._param_names(), state,
+                                                                       dtypes))
+            files.append((os.path.join(directory, ckpt.stage3_rank_states_name(
+                self.ctx.data_parallel_rank, mp_rank, pp_rank)), rank_state))
         files.append((os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)),
                       {**optimizer_state, **optimizer_keys}))
         return files
+
+    def _buffers_state(self):
+        """The module's persistent buffers (what a partitioned ZeRO-3 save keeps in the model-states file)."""
+        buffers = dict(self.module.named_buffers())
+        return {name: buffers[name].detach() for name in deepspeed_format.persistent_buffer_names(self.module)}
+
+    def _stage3_partition_record(self):
+        """layout.STAGE3_PARTITIONS: per stage-3 group (the frozen parameters' last) its names and whole shapes in
+        flat order."""
+        name_of = {id(p): name for name, p in self.module.named_parameters()}
+        return [{"names": [name_of[id(p)] for p in group.params],
+                 "shapes": [list(full_shape(p)) for p in group.params]} for group in self.stage3.groups]
 
     def _deepspeed_keys(self, module_state, optimizer_state):
         """(model-states keys, optimizer-states keys) DeepSpeed 0.19.8 reads, so that its zero_to_fp32 and
@@ -336,28 +381,31 @@ class ZeroEngine(torch.nn.Module):
     def _deepspeed_partition(self, group, saved, kinds):
         """This rank's (fp32 master, {moment: tensor}, end padding) of one flat group in DeepSpeed's layout (stages
         1-2: the master without the end padding, the moments with it; stage 3: every parameter's piece padded),
-        re-cut from every rank's own range of ours (saved: this rank's, partitioned_state_dict's)."""
+        re-cut from every rank's own range of ours (saved: this rank's, partitioned_state_dict's). One exchange
+        per interval wanted (stages 1-2: the partition; stage 3: a parameter's piece), received in place: the
+        host memory it adds is the result, plus a parameter's piece at stage 3."""
         dp, rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
         owned = [tuple(min(x, group.numel) for x in group.partition_range(q)) for q in range(dp)]
         if self.stage3 is not None:
             layouts = [deepspeed_format.stage3_pieces([full_numel(p) for p in group.params], dp, q)
                        for q in range(dp)]
-            sizes = [size for _, _, size in layouts[rank]]
         else:
             layouts = [[(*deepspeed_format.stage12_partition(group.numel, dp, q)[0],
                          deepspeed_format.stage12_partition(group.numel, dp, q)[1])] for q in range(dp)]
-            sizes = [layouts[rank][0][2]]
-
-        def wanted_of(q):
-            return [(lo, hi) for lo, hi, _ in layouts[q] if lo < hi]
 
         def recut(local):
-            values = gather_intervals(local.to(self.device), owned, wanted_of, self.ctx.data_parallel_group).cpu()
-            padded, cursor, position = values.new_zeros(sum(sizes)), 0, 0
-            for (lo, hi, size) in layouts[rank]:
-                padded[position:position + hi - lo] = values[cursor:cursor + hi - lo]
-                cursor, position = cursor + hi - lo, position + size
-            return padded
+            local = local.to(self.device)
+            result = local.new_zeros(sum(size for _, _, size in layouts[rank]))
+            position = 0
+            for index, (lo, hi, size) in enumerate(layouts[rank]):   # the same index on every rank
+
+                def wanted_of(q, index=index):
+                    q_lo, q_hi, _ = layouts[q][index]
+                    return [(q_lo, q_hi)] if q_lo < q_hi else []
+                gather_intervals(local, owned, wanted_of, self.ctx.data_parallel_group,
+                                 out=result[position:position + hi - lo])
+                position += size
+            return result.cpu()
         master = recut(saved[ckpt.MASTER])
         own = saved[ckpt.SLICE_STATE]
         moments = {key: recut(own[key] if key in own else torch.zeros_like(saved[ckpt.MASTER])) for key in kinds}

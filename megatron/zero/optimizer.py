@@ -306,10 +306,12 @@ class ZeroOptimizer:
 
 
 def _host_copy(tensor):
-    """A copy in host memory: a device clone would briefly double this rank's optimizer state on the GPU during
-    a save (the partitioned state is exactly what ZeRO frees room for); a copy, not a view, so torch.save
-    writes the slice and not its whole storage."""
-    return tensor.detach().to("cpu", copy=True)
+    """In host memory: a device tensor copied (a device clone would briefly double this rank's optimizer state
+    on the GPU during a save: the partitioned state is exactly what ZeRO frees room for); a host tensor as it is,
+    a view (a copy would double this rank's state in host memory; torch.save then writes its storage, the
+    partition, whose padding is at most 32 x dp elements). A background save clones it (layout.host_copy)."""
+    tensor = tensor.detach()
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu", copy=True)
 
 
 def _copy_own_range(saved, get, target, start, end):

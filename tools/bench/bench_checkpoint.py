@@ -236,6 +236,98 @@ def _rss_anon_mb():
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:"))
 
 
+class LinearStack(torch.nn.Module):
+    """`layers` square Linear layers (the ZeRO-3 memory rows: one unit per layer, tensors of hidden^2)."""
+
+    def __init__(self, layers, hidden):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _peak_anon_growth_mb(fn):
+    """fn(); the peak growth of this process's RssAnon while it ran (sampled every 2 ms)."""
+    import gc
+    import threading
+    gc.collect()
+    before, peak, done = _rss_anon_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_anon_mb())
+            time.sleep(0.002)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], _rss_anon_mb()) - before
+
+
+def zero3_memory_worker(save_dir, layers, hidden, gather):
+    """One data-parallel rank of a ZeRO-3 engine (fp32, torch AdamW) over the whole world: after one step, the
+    peak anonymous-memory growth of save_checkpoint, then of a fresh engine's load_checkpoint. `gather`:
+    stage3_gather_16bit_weights_on_model_save (data-parallel rank 0 then gathers the whole model to save it).
+    Returns MB: save and load growth, this rank's share (the bytes of its slices in the checkpoint: weights,
+    fp32 master and both Adam moments, 16 B per parameter / dp) and the largest tensor."""
+    from megatron import zero
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": gather}}
+
+    def engine():
+        model = LinearStack(layers, hidden)
+        return zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               config=config)[0]
+    first = engine()
+    first.backward(first(torch.ones(1, hidden)))
+    first.step()
+    with contextlib.redirect_stdout(io.StringIO()):
+        save = _peak_anon_growth_mb(lambda: first.save_checkpoint(save_dir, tag="t"))
+    del first
+    second = engine()
+    with contextlib.redirect_stdout(io.StringIO()):
+        load = _peak_anon_growth_mb(lambda: second.load_checkpoint(save_dir, tag="t"))
+    parameters = layers * (hidden * hidden + hidden)
+    return {"save": save, "load": load, "share": 16 * parameters / dist.get_world_size() / 1e6,
+            "largest": 4 * hidden * hidden / 1e6}
+
+
+def bench_zero3_memory(root, layers=8, hidden=1024):
+    """Rows (dp, gather, per-rank results) at dp 2 and 4, partitioned and gathered saves."""
+    from megatron.spawn import run_distributed
+    rows = []
+    for world in (2, 4):
+        for gather in (False, True):
+            directory = os.path.join(root, f"zero3_dp{world}_{gather}")
+            results = run_distributed(zero3_memory_worker, world, args=(directory, layers, hidden, gather),
+                                      model_parallel_size=1, timeout=1800)
+            rows.append((world, gather, results))
+            shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def print_zero3_memory_table(rows):
+    columns = ["dp", "save", "share MB/rank", "largest tensor MB", "bound MB", "save growth MB (max rank)",
+               "load growth MB (max rank)"]
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
+    for world, gather, results in rows:
+        share, largest = results[0]["share"], results[0]["largest"]
+        cells = [str(world), "gathered (stage3_gather_16bit_weights_on_model_save)" if gather else "partitioned",
+                 f"{share:.0f}", f"{largest:.1f}", f"{share + largest:.0f}",
+                 f"{max(r['save'] for r in results):.0f}", f"{max(r['load'] for r in results):.0f}"]
+        print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
+
+
 def bench_reshard(name, repeats, root):
     """Save once at mp 1; load it at mp 1, 2 and 4 in fresh processes. Returns rows for the table."""
     from megatron.spawn import run_distributed
@@ -276,6 +368,8 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)")
     parser.add_argument("--reshard", action="store_true",
                         help="also load each size at model-parallel 1, 2, 4 in fresh processes (resharding table)")
+    parser.add_argument("--zero3-memory", action="store_true",
+                        help="also the ZeRO-3 save/load peak host memory per rank at dp 2 and 4 (8 x 1024^2 model)")
     options = parser.parse_args()
     init_single_process()
     root = tempfile.mkdtemp(dir=options.dir)
@@ -301,6 +395,8 @@ def main():
         if options.reshard:
             for name in options.sizes.split(","):
                 print_reshard_table(name, bench_reshard(name, options.repeats, root))
+        if options.zero3_memory:
+            print_zero3_memory_table(bench_zero3_memory(root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()
