@@ -291,7 +291,7 @@ def zero3_memory_worker(save_dir, layers, hidden, gather):
     first.step()
     with contextlib.redirect_stdout(io.StringIO()):
         save = _peak_anon_growth_mb(lambda: first.save_checkpoint(save_dir, tag="t"))
-    del first
+    first = None        # freed before the loading engine is built
     second = engine()
     with contextlib.redirect_stdout(io.StringIO()):
         load = _peak_anon_growth_mb(lambda: second.load_checkpoint(save_dir, tag="t"))
