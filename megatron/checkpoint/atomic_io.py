@@ -22,8 +22,10 @@ And the collective rule for work where only some ranks can fail (writing files, 
 """
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
+import sys
 import threading
 
 from megatron.checkpoint import manifest
@@ -173,8 +175,10 @@ def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error
             written.extend(result or ())
 
     def write_files():
+        entries = []
         for files in deferred:
-            written.extend(files() or ())
+            entries.extend(files() or ())
+        return entries
 
     def write_manifest():
         entries = _gather_entries([dict(entry, file=_relative_name(entry["file"], tmp_dir)) for entry in written])
@@ -188,7 +192,8 @@ def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error
             fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
             discard_old_directory(final_dir)
 
-    def finish(background_error=None):
+    def finish(background_error=None, entries=()):
+        written.extend(entries)
         if background_error is not None:
             step("writing", lambda: _raise(background_error))
         else:
@@ -198,7 +203,7 @@ def save_directory_atomically(final_dir, write, commit, device, is_rank_0, error
 
     step("preparing", prepare)
     if not background:
-        step("writing", lambda: (collect(), write_files()))
+        step("writing", lambda: (collect(), written.extend(write_files())))
         step("writing the manifest of", write_manifest)
         step("publishing", publish)
         return
@@ -211,27 +216,81 @@ def _raise(error):
     raise error
 
 
+# How a background save snapshots the states: a forked writer process (Linux), whose memory is a copy-on-write
+# image taken at the fork, so nothing is copied before the training loop goes on (pages are copied only as the
+# loop writes them, spread over the next steps); else a thread writing host copies made first.
+FORK_WRITER = sys.platform.startswith("linux") and hasattr(os, "fork") and \
+    os.environ.get("MEGATRON_ASYNC_SAVE_WRITER", "fork") == "fork"
+
+
+def background_writes_need_copies():
+    """Whether a background save needs clones of the host tensors it writes (a thread writer does; a forked
+    writer reads its own snapshot)."""
+    return not FORK_WRITER
+
+
 class _BackgroundSave:
-    """The one save whose files are being written by a background thread (save_directory_atomically's
-    `background`); finish() joins it, then agrees, writes the manifest and publishes on the calling thread."""
+    """The one save whose files are being written in the background (save_directory_atomically's `background`):
+    by a forked writer process (FORK_WRITER: it writes the files and fsyncs, sends back their manifest entries
+    and exits; it never takes part in a collective) or by a thread. A thread waits for it; finish() joins that,
+    then agrees, writes the manifest and publishes on the calling thread."""
 
     def __init__(self, final_dir, write_files, finish):
-        self.final_dir, self._finish, self.error = final_dir, finish, None
+        self.final_dir, self._finish, self.error, self.entries = final_dir, finish, None, []
+        work = self._fork(write_files) if FORK_WRITER else write_files
         # Not a daemon: an exit that skips finish_pending_save() (an exception) still completes the files
         # (never a half-written file), but never publishes them (that needs every rank).
-        self.thread = threading.Thread(target=self._run, args=(write_files,), daemon=False,
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=False,
                                        name=f"async save of {os.path.basename(final_dir)}")
         self.thread.start()
 
+    @staticmethod
+    def _fork(write_files):
+        """Fork the writer now (the snapshot); returns the function that waits for it and returns its entries."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_end, write_end = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as error:          # e.g. ENOMEM under strict overcommit: write now, on this thread
+            os.close(read_end)
+            os.close(write_end)
+            print(f"WARNING: --async-save could not fork its writer ({error}); this save is written "
+                  "synchronously (MEGATRON_ASYNC_SAVE_WRITER=thread writes host copies from a thread)", flush=True)
+            entries = write_files()
+            return lambda: entries
+        if pid == 0:                      # the writer: write, report, exit without running any cleanup
+            os.close(read_end)
+            status = 0
+            try:
+                report = {"entries": write_files()}
+            except BaseException as error:      # reported to the parent, which raises it on every rank
+                report, status = {"error": f"{type(error).__name__}: {error}"}, 1
+            with os.fdopen(write_end, "w") as channel:
+                json.dump(report, channel)
+            os._exit(status)
+        os.close(write_end)
+
+        def wait():
+            with os.fdopen(read_end) as channel:
+                text = channel.read()
+            _, status = os.waitpid(pid, 0)
+            report = json.loads(text) if text else {}
+            if "entries" in report and os.waitstatus_to_exitcode(status) == 0:
+                return report["entries"]
+            raise OSError(report.get("error") or f"the background checkpoint writer (process {pid}) died "
+                          f"(exit status {os.waitstatus_to_exitcode(status)}) before finishing its files")
+        return wait
+
     def _run(self, write_files):
-        self.error = capture_error(write_files)
+        self.error = capture_error(lambda: self.entries.extend(write_files()))
 
     def join(self):
         self.thread.join()
 
     def finish(self):
         self.join()
-        self._finish(self.error)
+        self._finish(self.error, self.entries)
 
 
 _pending = None       # the _BackgroundSave in flight, if any

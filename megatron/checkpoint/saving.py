@@ -104,7 +104,7 @@ def save_checkpoint(train_state, model, optimizer, lr_scheduler, options):
     def write(tmp_dir):
         if mpu.get_data_parallel_rank() == 0:
             state = ckpt.host_copy(checkpoint_state(train_state, model, optimizer, lr_scheduler, options),
-                                   clone=options.async_save)
+                                   clone=options.async_save and atomic_io.background_writes_need_copies())
             path = rank_file(tmp_dir)
             return lambda: [_write_state(state, path)]
         return []

@@ -201,7 +201,7 @@ class ZeroEngine(torch.nn.Module):
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
         def write(directory):
-            files = [(path, ckpt.host_copy(state, clone=async_save))
+            files = [(path, ckpt.host_copy(state, clone=async_save and atomic_io.background_writes_need_copies()))
                      for path, state in self._checkpoint_files(directory, client_state)]
             return lambda: [ckpt.atomic_torch_save(state, path) for path, state in files]
 

@@ -1,5 +1,6 @@
-"""--async-save (DESIGN.md section 6): the training loop blocks only for the copy to host memory; a background
-thread writes and fsyncs, and the next save (or the end of training) agrees, writes the manifest and publishes.
+"""--async-save (DESIGN.md section 6): the training loop blocks only to snapshot the states (a forked writer
+process on Linux: its copy-on-write memory image; else host copies for a writer thread); the writer writes and
+fsyncs, and the next save (or the end of training) agrees, writes the manifest and publishes.
 
 - Both paths (Megatron, ZeRO-2), dp 2: every file of an --async-save run (both checkpoints, manifest.json, the
   tracker files) equals a synchronous run's byte for byte, while the background writer is held back long enough
@@ -97,12 +98,15 @@ def test_async_save_files_equal_synchronous_ones_byte_for_byte(tmp_path, zero):
 
 KILL_RUNNER = """
 import os, runpy, signal, sys, threading, torch
+TRAINER = os.getpid()
 real_save = torch.save
 def die_in_the_background_write(obj, f, *args, **kwargs):
-    if "iter_0000004" in str(f) and threading.current_thread() is not threading.main_thread():
-        with open(f, "wb") as handle:                 # half a file, then the process is killed
+    in_background = os.getpid() != TRAINER or threading.current_thread() is not threading.main_thread()
+    if "iter_0000004" in str(f) and in_background:  # the forked writer (or the writer thread)
+        with open(f, "wb") as handle:                 # half a file, then the training process is killed
             handle.write(b"PK\\x03\\x04" + bytes(4096))
             handle.flush()
+        os.kill(TRAINER, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     return real_save(obj, f, *args, **kwargs)
 torch.save = die_in_the_background_write

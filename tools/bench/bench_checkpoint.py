@@ -16,8 +16,8 @@ Ratios: ours save / plain save (and / plain save+fsync); ours load / plain load+
 Target: >= 0.8x (atomicity must not cost more).
 
 A second table is --async-save's blocking time: save_checkpoint synchronously next to save_checkpoint with
-async_save (the training loop waits only for the copy to host memory; a thread writes and fsyncs), and the time
-until that save is published (megatron.checkpoint.atomic_io.finish_pending_save right after: the rest of the write, the
+async_save (the training loop waits only for the snapshot: a forked writer process's copy-on-write image, the
+default on Linux, or host copies for a writer thread), and the time until that save is published (megatron.checkpoint.atomic_io.finish_pending_save right after: the rest of the write, the
 manifest, the rename). Target: blocking <= 10% of the synchronous save at ~1 GB.
 
 `--reshard` adds a table: the same mp-1 checkpoint loaded by fresh processes at model-parallel 1 (the
@@ -156,11 +156,13 @@ def bench_manifest(name, repeats, root):
     return size, {"added": added, **{key: statistics.median(values) for key, values in times.items()}}
 
 
-def bench_async(name, repeats, root):
+def bench_async(name, repeats, root, fork_writer=True):
     """Seconds (medians): synchronous save_checkpoint; with async_save, until it returns (blocking) and until
-    finish_pending_save() returns after it (published); the two alternate which goes first. Returns
-    (size, {column: seconds})."""
+    finish_pending_save() returns after it (published); the two alternate which goes first. `fork_writer`:
+    the background writer is a forked process (the default on Linux), else a thread writing host copies.
+    Returns (size, {column: seconds})."""
     from megatron.checkpoint import atomic_io
+    atomic_io.FORK_WRITER = fork_writer
     model, optimizer, scheduler = build(*SIZES[name])
     times = {"sync": [], "blocking": [], "published": []}
     size = None
@@ -183,12 +185,12 @@ def bench_async(name, repeats, root):
 
 
 def print_async_table(rows):
-    columns = ["state", "MB", "sync save s", "async blocking s", "blocking/sync", "async until published s"]
+    columns = ["state", "writer", "MB", "sync save s", "async blocking s", "blocking/sync", "async until published s"]
     print()
     print("| " + " | ".join(columns) + " |")
     print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
-    for name, size, seconds in rows:
-        cells = [name, f"{size / 1e6:.1f}", f"{seconds['sync']:.3f}", f"{seconds['blocking']:.3f}",
+    for name, writer, size, seconds in rows:
+        cells = [name, writer, f"{size / 1e6:.1f}", f"{seconds['sync']:.3f}", f"{seconds['blocking']:.3f}",
                  f"{seconds['blocking'] / seconds['sync']:.1%}", f"{seconds['published']:.3f}"]
         print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
 
@@ -391,7 +393,8 @@ def main():
                   flush=True)
         print_manifest_table([(name, *bench_manifest(name, options.repeats, root))
                               for name in options.sizes.split(",")])
-        print_async_table([(name, *bench_async(name, options.repeats, root)) for name in options.sizes.split(",")])
+        print_async_table([(name, "fork" if fork else "thread", *bench_async(name, options.repeats, root, fork))
+                           for name in options.sizes.split(",") for fork in (True, False)])
         if options.reshard:
             for name in options.sizes.split(","):
                 print_reshard_table(name, bench_reshard(name, options.repeats, root))
