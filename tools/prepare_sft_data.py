@@ -12,8 +12,13 @@ go to test until it holds --test-percent of the pairs, then to valid likewise, t
   data/sft/chatterbot_{input_ids,loss_mask}_document.{bin,idx}   train, then valid, then test examples, tokenized by
                                                        tools/preprocess_sft_data.py (template deepspeed-chat) with
                                                        the default data's tokenizer (data/webtext/, built if missing)
+  data/sft/preference_{train,valid,test}.jsonl         toy preference pairs: chosen = the example's answer,
+                                                       rejected = another question's answer (random, --seed)
+  data/sft/chatterbot_preference_pairs_{input_ids,loss_mask}_document.{bin,idx}
+                                                       those pairs tokenized (preprocess_sft_data.py --preference):
+                                                       train_reward_model.py's and --objective dpo's default data
   data/sft/chatterbot.json                             the manifest, written last: counts, the --split to pass,
-                                                       the seed and the source
+                                                       the seed and the source (under "preference": the pairs')
 Then fine-tune with (scripts/finetune_gpt.sh does):
   finetune_gpt.py ... --data-path data/sft/chatterbot --split TRAIN,VALID,TEST (the manifest's "split": exact
   counts, so finetune_gpt.py's document split is exactly these files' split)
@@ -112,11 +117,18 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
     """The manifest dict (plus "built": whether this call built it), building out_dir when its manifest is missing
     (idempotent)."""
     manifest_path = os.path.join(out_dir, f"{NAME}.json")
-    if os.path.exists(manifest_path):
-        with open(manifest_path, encoding="utf-8") as handle:
-            return dict(json.load(handle), built=False)
     vocab_dir = vocab_dir or os.path.join(REPO_ROOT, "data", "webtext")
     vocab, merges = os.path.join(vocab_dir, "vocab.json"), os.path.join(vocab_dir, "merges.txt")
+    if os.path.exists(manifest_path):
+        with open(manifest_path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        if "preference" not in manifest:    # built before the preference pairs: add them from the splits' files
+            splits = {name: [(row["prompt"], row["response"]) for row in map(json.loads, open(
+                os.path.join(out_dir, f"{name}.jsonl"), encoding="utf-8"))] for name in SPLITS}
+            manifest["preference"] = prepare_preference_pairs(out_dir, splits, manifest["seed"], vocab, merges,
+                                                              workers)
+            atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+        return dict(manifest, built=False)
     if not (os.path.exists(vocab) and os.path.exists(merges)):
         prepare_default_data.prepare(vocab_dir)     # the tokenizer the pretrained model uses
     pairs, skipped = read_pairs(corpus_dir())
@@ -140,14 +152,52 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
         stats = preprocess_sft_data.preprocess(options)
     if stats["examples"] != sum(counts):
         raise SourceError(f"{stats['examples']} examples tokenized from {sum(counts)} pairs")
+    preference = prepare_preference_pairs(out_dir, splits, seed, vocab, merges, workers)
     manifest = {"source": SOURCE, "seed": seed, "valid_percent": valid_percent, "test_percent": test_percent,
                 "pairs": sum(counts), "skipped_conversations": skipped, "counts": dict(zip(SPLITS, counts)),
                 "split": split,
                 "questions": {name: len({question_key(p) for p, _ in splits[name]}) for name in SPLITS},
                 "data_prefix": NAME, "tokens": stats["tokens"], "answer_tokens": stats["answer_tokens"],
-                "template": options.chat_template}   # data_prefix: relative to this file's directory
+                "template": options.chat_template,   # data_prefix: relative to this file's directory
+                "preference": preference}
     atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")   # last: marks data/sft/ complete
     return dict(manifest, built=True)
+
+
+def preference_pairs(examples, seed):
+    """A toy preference set from (prompt, response) examples: each example's answer is chosen, the answer of
+    another question (random.Random(seed), a different case-folded question) rejected."""
+    rng = random.Random(seed)
+    pairs = []
+    for prompt, response in examples:
+        others = [r for p, r in examples if question_key(p) != question_key(prompt) and r != response]
+        if others:
+            pairs.append({"prompt": prompt, "chosen": response, "rejected": rng.choice(others)})
+    return pairs
+
+
+def prepare_preference_pairs(out_dir, splits, seed, vocab, merges, workers):
+    """data/sft/preference_{train,valid,test}.jsonl and chatterbot_preference_pairs_... (tokenized
+    by tools/preprocess_sft_data.py --preference, pairs kept together; train, valid, test in order): the
+    default data of train_reward_model.py and finetune_gpt.py --objective dpo. Returns its manifest entry."""
+    pairs = {name: preference_pairs(splits[name], seed) for name in SPLITS}
+    lines = {name: "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs[name]) for name in SPLITS}
+    for name in SPLITS:
+        atomic_write_text(os.path.join(out_dir, f"preference_{name}.jsonl"), lines[name])
+    prefix = f"{NAME}_preference"
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        joined = os.path.join(tmp, f"{prefix}.jsonl")
+        with open(joined, "w", encoding="utf-8") as handle:
+            handle.write("".join(lines[name] for name in SPLITS))
+        options = preprocess_sft_data.get_args(["--input", joined, "--output-prefix", os.path.join(out_dir, prefix),
+                                                "--vocab-file", vocab, "--merge-file", merges, "--preference",
+                                                "--workers", str(workers)])
+        stats = preprocess_sft_data.preprocess(options)
+    counts = [len(pairs[name]) for name in SPLITS]
+    if stats["examples"] != sum(counts):
+        raise SourceError(f"{stats['examples']} preference pairs tokenized from {sum(counts)}")
+    return {"data_prefix": prefix, "counts": dict(zip(SPLITS, counts)),
+            "split": ",".join(str(count) for count in counts), "rejected": "another question's answer (a toy)"}
 
 
 def main(argv=None):

@@ -11,14 +11,13 @@
 - the export: tools/convert_to_hf.py writes a GPT2ForSequenceClassification whose scores of the validation pairs
   give exactly the validation loss, accuracy and scores the run printed (our model on the final weights).
 - a start from an LM checkpoint (no head): the head starts fresh, the trunk is the checkpoint's.
-- the default data (data/sft's chatterbot pairs; rejected = the answer of another question): a tiny reward model
-  trained from scratch (400 steps of 16 pairs, ~45 s here) scores the chosen answer higher on 33 of 48 held-out
-  pairs (0.69; chance 0.5; the validation peak is 0.71 at step 200): it must match answers to questions.
+- the default preference data (tools/prepare_sft_data.py: data/sft's chatterbot pairs, rejected = the answer of
+  another question): a tiny reward model trained from scratch (400 steps of 16 pairs, ~30 s here) learns the
+  training pairs (training accuracy 0.52 -> 0.88); held-out accuracy is printed, not asserted (0.44-0.69 seen).
 - bad flags (pipeline parallelism, pretraining flags, no --load, an unknown loss) exit with one line.
 """
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -298,22 +297,6 @@ DEFAULT_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
                  "--attention-dropout", "0"]
 
 
-def _default_pairs(sft_dir, out_path, seed=0):
-    """data/sft's train then valid examples as pairs: chosen = the true answer, rejected = another question's."""
-    rng = random.Random(seed)
-    lines, counts = [], []
-    for split in ("train", "valid"):
-        rows = [json.loads(line) for line in open(os.path.join(sft_dir, f"{split}.jsonl"), encoding="utf-8")]
-        for row in rows:
-            other = rng.choice([r for r in rows if r["prompt"] != row["prompt"]])
-            lines.append(json.dumps({"prompt": row["prompt"], "chosen": row["response"],
-                                     "rejected": other["response"]}))
-        counts.append(len(rows))
-    with open(out_path, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
-    return counts
-
-
 def test_default_data_reward_model_learns_the_pairs(tmp_path, webtext_data):
     """A tiny reward model (h64, L2, from scratch) on the default chat pairs: its training accuracy per log interval
     rises from chance to >= 0.8 (0.52 -> 0.94 and 0.52 -> 0.87 on the two default vocabularies seen). Held-out
@@ -327,10 +310,12 @@ def test_default_data_reward_model_learns_the_pairs(tmp_path, webtext_data):
     from megatron.model.hf_interchange import from_hf_state_dict
     from transformers import GPT2Config, GPT2Model as HFGPT2Model
     sft_dir = str(tmp_path / "sft")
-    prepare_sft_data.prepare(sft_dir, vocab_dir=webtext_data)
-    train, valid = _default_pairs(sft_dir, str(tmp_path / "pairs.jsonl"))
-    prefix = _preprocess(tmp_path, webtext_data, str(tmp_path / "pairs.jsonl"), "--seq-length", "64",
-                         "--on-error", "skip")
+    preference = prepare_sft_data.prepare(sft_dir, vocab_dir=webtext_data)["preference"]   # the default pairs
+    prefix = os.path.join(sft_dir, preference["data_prefix"])
+    rows = [json.loads(line) for line in open(os.path.join(sft_dir, "preference_valid.jsonl"), encoding="utf-8")]
+    questions = {row["prompt"] for row in map(json.loads, open(os.path.join(sft_dir, "valid.jsonl")))}
+    assert len(rows) == preference["counts"]["valid"] and {row["prompt"] for row in rows} == questions
+    assert all(row["chosen"] != row["rejected"] for row in rows)
     torch.manual_seed(0)
     vocab = len(json.load(open(os.path.join(webtext_data, "vocab.json"))))
     hf = HFGPT2Model(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=vocab,
@@ -339,7 +324,7 @@ def test_default_data_reward_model_learns_the_pairs(tmp_path, webtext_data):
     write_full_checkpoint(str(tmp_path / "start"), weights, model_config, 1)
     args = DEFAULT_FLAGS + ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
                             os.path.join(webtext_data, "merges.txt"), "--data-path", prefix, "--split",
-                            f"{train},{valid},0", "--load", str(tmp_path / "start"), "--save", str(tmp_path / "rm"),
+                            preference["split"], "--load", str(tmp_path / "start"), "--save", str(tmp_path / "rm"),
                             "--log-jsonl", str(tmp_path / "rm.jsonl")]
     history = run_distributed(_run_reward_jobs, 1, args=([("default", args)],), timeout=900)[0]["default"]
     records = [json.loads(line) for line in open(tmp_path / "rm.jsonl")]
