@@ -78,6 +78,9 @@ def add_finetune_args(parser):
                        help="sft: the masked LM loss on --data-path's examples; dpo: Direct Preference Optimization "
                             "on tools/preprocess_sft_data.py --preference's pairs (megatron/posttrain/dpo.py), the "
                             "reference policy being the starting weights (with --lora-rank: the base model)")
+    group.add_argument("--dpo-reference", default=None,
+                       help="the reference policy's checkpoint for --objective dpo without LoRA (default: the "
+                            "starting weights; a resume reads the --load it started from)")
     group.add_argument("--dpo-beta", type=float, default=0.1,
                        help="DPO's beta: the sigmoid loss -log sigmoid(beta * (chosen - rejected log-ratio)); > 0")
     group.add_argument("--sample-every", type=int, default=0,
@@ -161,6 +164,7 @@ def objective_step(step_batches, reference, data_iterator, model):
     if args.objective == "sft":
         return forward_step(step_batches, data_iterator, model)
     reference.resuming = not args.finetune   # a resume's first forward no longer sees the starting weights
+    reference.checkpoint = args.dpo_reference
     return posttrain.dpo.dpo_forward_step(reference, args.dpo_beta, data_iterator, model)
 
 
@@ -232,7 +236,10 @@ def resume_or_start(parser, args, args_list, run, subject, sources):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"> resuming the {run} run in --save {args.save} (its checkpoint wins over --load "
                   f"{args.load})", flush=True)
-        return list(args_list) + ["--load", args.save, "--no-finetune"]
+        resumed = list(args_list) + ["--load", args.save, "--no-finetune"]
+        if getattr(args, "objective", None) == "dpo" and args.dpo_reference is None and args.load is not None:
+            resumed += ["--dpo-reference", args.load]     # the reference: the weights the run started from
+        return resumed
     if args.load is None or not os.path.isfile(os.path.join(args.load, TRACKER_FILENAME)):
         where = "" if args.load is None else f": {args.load} holds no {TRACKER_FILENAME}"
         parser.error(f"{subject} starts from a checkpoint: pass --load DIR ({sources}){where}")

@@ -14,9 +14,10 @@ function of the starting weights: its log-probs never change from step to step):
 - with LoRA (--lora-rank): the same model with its adapters disabled (mpu.adapters_disabled): the base weights are
   frozen, so that is exactly the starting model, at no memory cost and at any ZeRO stage;
 - without LoRA: a frozen copy of the model taken at the run's first forward (before any update; requires_grad
-  off, no optimizer state). Such a copy needs the whole parameters on the rank, so ZeRO-3 needs LoRA, and a resume
-  (whose first forward sees trained weights) is refused (DPOReferenceError): restart from the SFT checkpoint, or use
-  LoRA.
+  off, no optimizer state); at ZeRO-3 a copy of this rank's partitions only (1/dp of the weights), swapped in for
+  the reference's forward (Stage3Parameters.swapped_partitions), so it is partitioned like the model. A resumed
+  run's first forward sees trained weights: it reads the reference from --dpo-reference DIR instead (finetune_gpt.py
+  passes the --load the run started from), at any topology.
 Rows: a micro-batch of b pairs is 2b rows (chosen, rejected, chosen, ...), padded to the longest; no packing, no
 pipeline parallelism (the frozen copy and the per-row sums need the whole model on one stage).
 """
@@ -71,9 +72,11 @@ def _eval_mode(module):
 class Reference:
     """The frozen reference policy's summed log-probs (the module docstring says which one)."""
 
-    def __init__(self, resuming=False):
+    def __init__(self, resuming=False, checkpoint=None):
         self.resuming = resuming
-        self.frozen = None   # the copy without LoRA, taken at the first call
+        self.checkpoint = checkpoint   # --dpo-reference: where a resumed run reads the reference weights
+        self.frozen = None             # the copy without LoRA, taken at the first call
+        self.partitions = None         # at ZeRO-3 without LoRA: this rank's partitions of the reference weights
 
     def log_probs(self, model, tokens, position_ids, attention_mask, labels, loss_mask):
         from megatron.utils import unwrap_model
@@ -82,24 +85,58 @@ class Reference:
             if mpu.has_adapters(module):
                 with mpu.adapters_disabled(module), _eval_mode(model):
                     losses = model(tokens, position_ids, attention_mask, labels=labels)
+            elif getattr(model, "stage3", None) is not None:     # ZeRO-3: the reference partitioned too
+                if self.partitions is None:
+                    self.partitions = self._reference_partitions(model, module)
+                with model.stage3.swapped_partitions(self.partitions), _eval_mode(model):
+                    losses = model(tokens, position_ids, attention_mask, labels=labels)
             else:
                 if self.frozen is None:
                     self.frozen = self._copy(module)
                 losses = self.frozen(tokens, position_ids, attention_mask, labels=labels)
         return sequence_log_probs(losses, loss_mask)
 
+    def _starting_weights(self, module):
+        """{name: this rank's tensor} of the reference checkpoint (a resumed run), or None (the model's own weights
+        are the starting ones)."""
+        if not self.resuming:
+            return None
+        if self.checkpoint is None:
+            raise DPOReferenceError("--objective dpo without LoRA takes its reference from the starting weights, "
+                                    "which a resumed run no longer has: pass --dpo-reference DIR (the checkpoint "
+                                    "it started from), or train with --lora-rank (the reference is then the base)")
+        from megatron.checkpoint import reshard
+        saved = reshard.SavedCheckpoint(self.checkpoint)
+        world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+        weights = {}
+        for name, param in module.named_parameters():
+            rows = mpu.full_shape(param)[0] * world if reshard.partitioning(name)[2] else None
+            weights[name] = saved.shard(name, "weight", world, rank, rows)
+        return weights
+
+    def _reference_partitions(self, model, module):
+        """This rank's partitions of the reference weights: a copy of the engine's at the first forward (the
+        starting weights), or, resumed, read from the reference checkpoint into the same layout."""
+        partitions = [group.partition.clone() for group in model.stage3.groups]
+        weights = self._starting_weights(module)
+        if weights is not None:
+            name_of = {id(p): n for n, p in module.named_parameters()}
+            for group, partition in zip(model.stage3.groups, partitions):
+                start, end = group.own_range
+                for index, lo, hi in group.segments(start, end):
+                    p_start = group.offsets[index][0]
+                    value = weights[name_of[id(group.params[index])]].reshape(-1).to(partition.dtype)
+                    partition[lo - start:hi - start].copy_(value[lo - p_start:hi - p_start])
+        return partitions
+
     def _copy(self, module):
-        if self.resuming:
-            raise DPOReferenceError("--objective dpo without LoRA takes its reference from the starting weights, which "
-                                 "a resumed run no longer has: restart from the SFT checkpoint (a fresh --save), "
-                                 "or train with --lora-rank (the reference is then the base model)")
-        if any(getattr(p, "ds_numel", None) is not None for p in module.parameters()):
-            raise DPOReferenceError("--objective dpo at ZeRO-3 needs --lora-rank (the reference is the base model "
-                                 "with the adapters off; a frozen copy of partitioned weights is not supported)")
+        weights = self._starting_weights(module)
         frozen = copy.deepcopy(module)
-        for param in frozen.parameters():
+        for name, param in frozen.named_parameters():
             param.requires_grad_(False)
             param.grad = None
+            if weights is not None:
+                param.data.copy_(weights[name])
         return frozen.train(False)
 
 

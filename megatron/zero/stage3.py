@@ -379,6 +379,24 @@ class Stage3Parameters:
             if not buffer.persistent and buffer.holders == 0:
                 self._release(buffer)
 
+    @contextlib.contextmanager
+    def swapped_partitions(self, partitions):
+        """Run with `partitions` (one tensor per group, shaped like its partition) as the weights' partitions:
+        forwards inside gather them instead (DPO's partitioned reference policy); the originals come back after.
+        No gather may be held or in flight (none is between steps)."""
+        if any(b.state != "released" and b is not self.persistent for b in self.buffers):
+            raise RuntimeError("ZeRO-3: swapped_partitions while parameters are gathered")
+        own = [group.partition for group in self.groups]
+        for group, partition in zip(self.groups, partitions):
+            group.partition = partition
+        self.after_step()
+        try:
+            yield
+        finally:
+            for group, partition in zip(self.groups, own):
+                group.partition = partition
+            self.after_step()
+
     def after_step(self):
         """The partitions changed: the persistent parameters are refreshed at their next use."""
         if self.persistent is not None:

@@ -5,8 +5,8 @@
 - DPO against Hugging Face GPT2LMHeadModel (the same weights, imported with tools/convert_from_hf.py): two AdamW
   steps (lr 0.1, eps 1: an update smooth in the gradient) of our run and of a plain-PyTorch DPO on HF (reference =
   a frozen HF copy of the start) on the same pairs in the same order: the logged DPO loss and TRL's rewards/* of
-  both steps (1e-5), the weights' change over the two steps (5e-5 of it, worst tensor: their fp32 rounding) at mp1 (2 micro-batches)
-  and mp2. Step 2 is where the policy differs from the reference, so it catches a reference taken from the
+  both steps (1e-5), the weights' change over the two steps (5e-5 of it, worst tensor: their fp32 rounding) at mp1 (2 micro-batches),
+  mp2 and ZeRO-3 dp2 (the frozen reference partitioned too). Step 2 is where the policy differs from the reference, so it catches a reference taken from the
   current model.
 - the reference: its log-probs are bitwise the same after the model trained (full fine-tuning: a frozen copy;
   LoRA: the adapters off), and with LoRA they and the logits are bitwise the base model's.
@@ -35,7 +35,8 @@ TWO_STEPS = ["--train-iters", "2", "--lr", "0.1", "--adam-eps", "1", "--weight-d
              "--lr-decay-style", "constant", "--warmup", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
              "--eval-iters", "0", "--log-interval", "1", "--objective", "dpo", "--dpo-beta", str(BETA),
              "--batch-size", "2", "--global-batch-size", "4"]
-RUNS = {1: {"dpo-mp1": []}, 2: {"dpo-mp2": ["--model-parallel-size", "2"]}}
+RUNS = {1: {"dpo-mp1": []}, 2: {"dpo-mp2": ["--model-parallel-size", "2"],
+                                 "dpo-zero3-dp2": ["--deepspeed", "--zero-stage", "3"]}}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
@@ -114,13 +115,19 @@ def setup(tmp_path_factory, webtext_data):
     hf.save_pretrained(hf_dir, safe_serialization=True)
     start = str(root / "imported")
     assert convert_from_hf.main(["--hf", hf_dir, "--save", start]) == 0
-    return {"root": root, "prefix": prefix, "hf_dir": hf_dir, "start": start, "webtext": webtext_data}
+    zero3 = str(root / "zero3.json")        # the flags' batch (2 per rank x dp 2) and no clipping
+    with open(zero3, "w") as handle:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                   "zero_optimization": {"stage": 3}}, handle)
+    return {"root": root, "prefix": prefix, "hf_dir": hf_dir, "start": start, "webtext": webtext_data,
+            "zero3": zero3}
 
 
 def _dpo_args(setup, name, flags):
+    extra = ["--deepspeed_config", setup["zero3"]] if "--deepspeed" in flags else []
     return _model_flags(setup["webtext"]) + ["--data-path", setup["prefix"], "--split", SPLIT, "--load",
                                               setup["start"], "--save", str(setup["root"] / name), "--log-jsonl",
-                                              str(setup["root"] / f"{name}.jsonl")] + TWO_STEPS + flags
+                                              str(setup["root"] / f"{name}.jsonl")] + TWO_STEPS + flags + extra
 
 
 def _logged(setup, name):
@@ -128,11 +135,21 @@ def _logged(setup, name):
     return [r["losses"] for r in records if r.get("type") == "train"]
 
 
+# A run stopped after step 1 and resumed (same command, the checkpoint in --save wins): without LoRA the reference is
+# read from the --load it started from (finetune_gpt.py adds --dpo-reference), at mp1 and (partitioned) at ZeRO-3.
+RESUMED = {1: "dpo-mp1", 2: "dpo-zero3-dp2"}
+
+
 @pytest.fixture(scope="module")
 def runs(setup):
     results = {}
     for world, named in RUNS.items():
         jobs = [(name, "finetune", _dpo_args(setup, name, flags)) for name, flags in named.items()]
+        resumed = f"{RESUMED[world]}-resumed"
+        schedule = ["--lr-decay-iters", "2"]      # the straight run's (its --train-iters), so the resume matches
+        jobs += [(f"{resumed}-first", "finetune", _dpo_args(setup, resumed, named[RESUMED[world]]) + schedule +
+                  ["--train-iters", "1"]),
+                 (resumed, "finetune", _dpo_args(setup, resumed, named[RESUMED[world]]) + schedule)]
         if world == 1:
             jobs.append(("reference", "call", _bind(_reference_check)))
         results.update(run_distributed(_run_jobs, world, args=(jobs,), timeout=900)[0])
@@ -197,6 +214,15 @@ def test_dpo_loss_rewards_and_steps_equal_hf(setup, runs, hf_dpo, name):
           f"margins {[r['rewards/margins'] for r in logged]}, two steps vs HF's: {worst:.2e} relative")
     # 5e-5: the weights (|w| up to ~0.3) are fp32, their two-step change ~1e-3, so rounding alone is ~2e-5 of it
     assert worst <= 5e-5, f"{name}: the weights' change differs from HF's by {worst:.2e} (relative, worst tensor)"
+
+
+@pytest.mark.parametrize("name", list(RESUMED.values()))
+def test_a_resumed_run_without_lora_continues_exactly(setup, runs, name):
+    """Step 2 of the resumed run (its reference re-read from the starting checkpoint) equals the straight run's."""
+    straight, resumed = _logged(setup, name), _logged(setup, f"{name}-resumed")
+    assert len(resumed) == 2 and resumed[1]["lm loss"] != resumed[0]["lm loss"]   # the log keeps the first leg
+    for key in ("lm loss",) + METRICS:
+        assert resumed[1][key] == straight[1][key], (name, key, resumed, straight)
 
 
 # ---------------------------------------------------------------------------------------------------- reference
