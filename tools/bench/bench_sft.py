@@ -13,6 +13,8 @@ runs first. Columns:
                         (DeepSpeed-Chat's way), measured for reference
     response tokens/s   the loss-mask tokens of the global batch / the step's time
     model state MB      parameters, gradients and optimizer state per rank, as the training loop measures them
+A second table: the step time of the reward model and of DPO (4 pairs per step, the default preference data)
+relative to an SFT step (4 examples): the reward model and DPO score 8 rows a step, DPO also runs its reference.
 Targets: packed >= 1.5x padded response tokens/s (the answers here are short); LoRA's model state well below
 full fine-tuning's (no gradients or optimizer state for the frozen weights). Measured on 2 cores: see
 docs/benchmarks.md (packing does not reach 1.5x over our per-micro-batch padding, which already drops most padding).
@@ -59,12 +61,13 @@ def sft_flags(iters, base):
 NO_TRIM = "--bench-pad-to-seq-length"   # this bench's own flag: pad every row to --seq-length (DeepSpeed-Chat)
 
 
-def _run(flags):
-    """One fine-tuning run in this process: (step seconds, response tokens per step, examples per step, model
-    state bytes)."""
+def _run(flags, script="finetune_gpt"):
+    """One run of `script`'s main in this process: (step seconds, response tokens per step, examples per step,
+    model state bytes); the token and example counts are the SFT batches' (0 for the other objectives)."""
     import contextlib
+    import importlib
     import io
-    import finetune_gpt
+    entry = importlib.import_module(script)
     import megatron.training as training
     from megatron.posttrain.sft_loss import StepBatches
     step_times, tokens, examples = [], [], []
@@ -89,19 +92,50 @@ def _run(flags):
         posttrain.trim_to_longest = lambda rows: rows
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            history = finetune_gpt.main(flags)
+            history = entry.main(flags)
     finally:
         training.train_step, StepBatches.next, posttrain.trim_to_longest = real_step, real_next, real_trim
     steps = len(step_times)
     return step_times, [sum(tokens) / steps], [sum(examples) / steps], history.get("model_state_measured")
 
 
-def bench(iters, repeats):
-    import shutil
-    import tempfile
+def bench_objectives(iters, repeats, base):
+    """Step seconds of SFT (4 examples per step), the reward model and DPO (4 pairs per step: 8 rows, and DPO's
+    reference forward) on the default data, full fine-tuning, padded; the order alternates between repeats."""
+    import json
     from megatron.spawn import run_distributed
-    base = tempfile.mkdtemp()
-    run_distributed(base_checkpoint, 1, args=(base,), model_parallel_size=1, timeout=600)
+    manifest = json.load(open(os.path.join(REPO, "data", "sft", "chatterbot.json")))["preference"]
+    pairs = ["--data-path", os.path.join(REPO, "data", "sft", manifest["data_prefix"]), "--split", manifest["split"]]
+
+    def with_pairs(flags):
+        flags = list(flags)
+        at = flags.index("--data-path")
+        flags[at:at + 4] = pairs
+        return flags
+    configs = {"SFT": ("finetune_gpt", []), "reward model": ("train_reward_model", None),
+               "DPO": ("finetune_gpt", ["--objective", "dpo"])}
+    times = {name: [] for name in configs}
+    for repeat in range(repeats):
+        for name in (list(configs) if repeat % 2 == 0 else list(reversed(configs))):
+            script, extra = configs[name]
+            flags = sft_flags(iters, base) if name == "SFT" else with_pairs(sft_flags(iters, base)) + (extra or [])
+            runs = run_distributed(_run, 1, args=(flags, script), model_parallel_size=1, timeout=1800)
+            times[name] += runs[0][0][SKIPPED_STEPS:]
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_objectives_table(seconds):
+    columns = ["objective", "s/step", "vs SFT"]
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(column) + 2) for column in columns) + "|")
+    for name, value in seconds.items():
+        cells = [name, f"{value:.4f}", f"{value / seconds['SFT']:.2f}x"]
+        print("| " + " | ".join(cell.rjust(len(column)) for cell, column in zip(cells, columns)) + " |", flush=True)
+
+
+def bench(iters, repeats, base):
+    from megatron.spawn import run_distributed
     configs = {"full, padded": [], "full, packed": ["--pack-sequences"],
                "full, padded to seq-length": [NO_TRIM], "LoRA, padded": LORA,
                "LoRA, packed": LORA + ["--pack-sequences"]}
@@ -111,7 +145,6 @@ def bench(iters, repeats):
         for name in order:
             results[name].append(run_distributed(_run, 1, args=(sft_flags(iters, base) + configs[name],),
                                                  model_parallel_size=1, timeout=1800)[0])
-    shutil.rmtree(base, ignore_errors=True)
     rows = {}
     for name, runs in results.items():
         seconds = statistics.median(t for times, _, _, _ in runs for t in times[SKIPPED_STEPS:])
@@ -140,7 +173,16 @@ def main():
     options = parser.parse_args()
     if not os.path.isfile(os.path.join(REPO, "data", "sft", "chatterbot.json")):
         sys.exit("error: data/sft is missing: run python tools/prepare_sft_data.py (or make finetune) first")
-    print_table(bench(options.iters, options.repeats))
+    import shutil
+    import tempfile
+    from megatron.spawn import run_distributed
+    base = tempfile.mkdtemp()
+    try:
+        run_distributed(base_checkpoint, 1, args=(base,), model_parallel_size=1, timeout=600)
+        print_table(bench(options.iters, options.repeats, base))
+        print_objectives_table(bench_objectives(options.iters, options.repeats, base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
