@@ -81,3 +81,44 @@ def reward_forward_step(loss, pad_id, data_iterator, model):
     reported = {"lm loss": (totals[0], count)}
     reported.update({name: (value, count) for name, value in zip(METRICS, totals[1:4])})
     return losses.mean(), reported
+
+
+def load_reward_model(load_dir, padded_vocab_size, device):
+    """A reward model checkpoint (train_reward_model.py's --save, any topology) as a GPT2Model with its scalar head,
+    whole on this model-parallel rank (not partitioned, eval mode, no gradients): what finetune_gpt.py
+    --reward-model scores its samples with. CheckpointError (one line) for a checkpoint without the head."""
+    from megatron.checkpoint import layout as ckpt, reshard
+    from megatron.checkpoint.full_checkpoint import FullCheckpoint
+    from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
+    from megatron.model.hf_interchange import REWARD_HEAD
+    saved = reshard.SavedCheckpoint(load_dir)
+    shape = FullCheckpoint(saved).require_gpt2("--reward-model")
+    if REWARD_HEAD not in saved.weights_of[0]:
+        raise ckpt.CheckpointError(f"--reward-model {load_dir} has no reward head ({REWARD_HEAD}): pass a "
+                                   "train_reward_model.py checkpoint")
+    config = GPT2ModelConfig(num_layers=shape["num_layers"], vocab_size=padded_vocab_size,
+                             hidden_size=shape["hidden_size"], num_attention_heads=shape["num_attention_heads"],
+                             max_sequence_length=shape["max_sequence_length"], real_vocab_size=shape["vocab_size"],
+                             layernorm_epsilon=shape["layernorm_epsilon"], reward_head=True)
+    model = GPT2Model(config).to(device)
+    world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rows = mpu.full_shape(param)[0] * world if reshard.partitioning(name)[2] else None
+            param.copy_(saved.shard(name, "weight", world, rank, rows))
+            param.requires_grad_(False)
+    return model.eval()
+
+
+def score_sequences(model, sequences, pad_id):
+    """[len(sequences)] floats: each token list's reward at its last token that is not pad_id (as training scores
+    a conversation), the rows right-padded with pad_id into one batch."""
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    for row, sequence in enumerate(sequences):
+        tokens[row, :len(sequence)] = torch.tensor(sequence, device=device)
+    positions = torch.arange(width, device=device).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        rewards = model(tokens, positions, None).float()                         # [b, s]
+    return rewards.gather(1, end_indices(tokens, pad_id).unsqueeze(1))[:, 0].tolist()

@@ -274,3 +274,36 @@ def test_finetune_bad_sampling_flags_are_one_line(tmp_path, capsys):
             finetune_gpt.starting_point(base + flags)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_finetune_samples_scored_by_a_reward_model_as_hugging_face_scores_them(setup, tmp_path):
+    """--reward-model: each sample's reward (printed, and a 'sample' record in --log-jsonl with the scored tokens)
+    equals HF GPT2ForSequenceClassification's score of those tokens with the same weights (1e-5)."""
+    import json
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint, write_full_checkpoint
+    full = read_full_checkpoint(setup["start"])
+    weights = full.weights()
+    weights["score.weight"] = torch.randn(1, weights["word_embeddings.weight"].shape[1],
+                                          generator=torch.Generator().manual_seed(5))
+    reward_dir = str(tmp_path / "reward")
+    write_full_checkpoint(reward_dir, weights, full.model_config, 1)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 plus 3?\nAdd 4 and 5.\n")
+    log = tmp_path / "scored.jsonl"
+    flags = ["--batch-size", "2", "--train-iters", "2", "--eval-iters", "0", "--lr", "1e-3", "--sample-every", "1",
+             "--sample-prompts", str(prompts), "--sample-length", "4", "--reward-model", reward_dir,
+             "--log-jsonl", str(log)]
+    lines = run_distributed(_finetune_printing, 1, args=([("scored", _finetune_args(setup, "scored", flags))],),
+                            timeout=600)[0]["scored"][1]
+    samples = [json.loads(line) for line in open(log) if '"sample"' in line]
+    assert len(lines) == len(samples) == 2 and all("(reward " in line for line in lines), lines
+    hf_lm = GPT2LMHeadModel.from_pretrained(setup["hf_dir"])
+    hf = GPT2ForSequenceClassification(GPT2Config.from_pretrained(setup["hf_dir"], num_labels=1, pad_token_id=0))
+    hf.transformer.load_state_dict(hf_lm.transformer.state_dict())
+    with torch.no_grad():
+        hf.score.weight.copy_(weights["score.weight"])
+        for sample, line in zip(samples, lines):
+            expected = hf(torch.tensor([sample["tokens"]])).logits[0, 0].item()
+            assert abs(sample["reward"] - expected) <= 1e-5 * max(1.0, abs(expected)), (sample, expected)
+            assert f"(reward {sample['reward']:.4f})" in line
