@@ -10,6 +10,9 @@
     reshard.py          SavedCheckpoint: any layout and topology read as full tensors by name, split for another
     reshard_load.py     loading those into this rank's model, optimizer and lr scheduler
     full_checkpoint.py  the tools' view: read_full_checkpoint, write_full_checkpoint, resize_checkpoint
+    deepspeed_format.py DeepSpeed 0.19.8's ZeRO files read as ours; DeepSpeed's keys for the engine to write
+    deepspeed_classes.py inert stand-ins of the classes DeepSpeed pickles (weights_only loads read them)
+    stage3_module.py    a ZeRO-3 checkpoint's module assembled from the ranks' weight partitions
 
     train_state = load_checkpoint(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
     save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
