@@ -210,25 +210,16 @@ def print_manifest_table(rows):
 def _reshard_worker(name, load_dir, repeats):
     """In a fresh process at this model-parallel size: build, then time load_checkpoint of load_dir and sample its
     anonymous memory (RssAnon: the file pages a memory-mapped load touches are page cache, not counted)."""
-    import threading
     times, growth = [], []
     model, optimizer, scheduler = build(*SIZES[name])
     share = sum(p.numel() * 4 * 3 for p in model.parameters())          # weights + exp_avg + exp_avg_sq, fp32
     largest = max(p.numel() * 4 for p in model.parameters()) * mpu.get_model_parallel_world_size()
-    for _ in range(repeats):
-        before, peak, done = _rss_anon_mb(), [0.0], threading.Event()
 
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], _rss_anon_mb())
-                time.sleep(0.002)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+    def load():
         with contextlib.redirect_stdout(io.StringIO()):
             times.append(timed(lambda: load_checkpoint(model, optimizer, scheduler, CheckpointOptions(load=load_dir))))
-        done.set()
-        sampler.join()
-        growth.append(max(peak[0], _rss_anon_mb()) - before)
+    for _ in range(repeats):
+        growth.append(_peak_anon_growth_mb(load))
     return {"seconds": statistics.median(times), "anon": _rss_anon_mb(), "share": share / 1e6,
             "growth": max(growth), "largest": largest / 1e6}
 
