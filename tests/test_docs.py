@@ -196,12 +196,12 @@ def test_every_flag_named_is_a_flag_of_something(helps):
 
 def test_named_repository_paths_exist():
     """Paths in the pages' code (megatron/..., tools/..., scripts/..., tests/...) exist; templates with
-    placeholders ({tp:02d}, ..., X) and the generated data/webtext/ files are not paths."""
+    placeholders ({tp:02d}, ..., X) and the generated data/webtext/ and data/sft/ files are not paths."""
     missing = []
     for page in _pages():
         for piece in _code(_read(page)):
             for path in _REPO_PATH.findall(piece):
-                if re.search(r"[{}*<>]|\.\.\.|(^|/)X\b", path) or path.startswith("data/webtext"):
+                if re.search(r"[{}*<>]|\.\.\.|(^|/)X\b", path) or path.startswith(("data/webtext", "data/sft")):
                     continue
                 if not os.path.exists(os.path.join(REPO, path)):
                     missing.append(f"{_relative(page)}: {path}")
