@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 
@@ -261,6 +262,8 @@ class _BackgroundSave:
             return lambda: entries
         if pid == 0:                      # the writer: write, report, exit without running any cleanup
             os.close(read_end)
+            for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):   # not the trainer's handlers
+                signal.signal(number, signal.SIG_DFL)
             status = 0
             try:
                 report = {"entries": write_files()}
