@@ -329,3 +329,58 @@ def test_our_files_hold_what_deepspeed_writes(round_trips, stage):
                 "skipped_steps", dsf.GLOBAL_SAMPLES, dsf.SHARED_PARAMS, dsf.DS_VERSION_KEY):
         assert ours[key] == theirs[key], key
     assert {n: t.shape for n, t in ours["module"].items()} == {n: t.shape for n, t in theirs["module"].items()}
+
+
+def _deepspeed_gpt_with_vocabulary(directory, vocab_size):
+    """DeepSpeed (stage 2, dp 2) trains our GPT2Model with the default tokenizer's vocabulary for 2 steps and
+    saves with Megatron-DeepSpeed's client state."""
+    import torch.distributed as dist
+    from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
+    deepspeed = _deepspeed()
+    torch.manual_seed(3)
+    model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4,
+                                      max_sequence_length=16))
+    config = _full_config({"gradient_clipping": 0.0, "zero_optimization": {"stage": 2}})
+    engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  config=config)[0]
+    rank = dist.get_rank()
+    for step in range(2):
+        ids = torch.randint(0, vocab_size, (4, 17), generator=torch.Generator().manual_seed(step))[2 * rank:][:2]
+        engine.backward(engine(ids[:, :-1], labels=ids[:, 1:]).float().mean())
+        engine.step()
+    engine.save_checkpoint(directory, client_state=_megatron_deepspeed_client_state(
+        num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=vocab_size,
+        max_position_embeddings=16))
+
+
+def test_convert_to_hf_exports_a_deepspeed_checkpoint(tmp_path, webtext_data):
+    """tools/convert_to_hf.py on DeepSpeed's checkpoint: Hugging Face's logits equal our GPT2Model's with
+    DeepSpeed's own consolidated weights (1e-5)."""
+    import json
+    from transformers import GPT2LMHeadModel
+    import tools.convert_to_hf as convert_to_hf
+    vocab_size = len(json.load(open(os.path.join(webtext_data, "vocab.json"))))
+    directory = str(tmp_path / "deepspeed")
+    run_distributed(_deepspeed_gpt_with_vocabulary, 2, args=(directory, vocab_size), model_parallel_size=1,
+                    timeout=600)
+    convert_to_hf.convert(directory, str(tmp_path / "hf"), os.path.join(webtext_data, "vocab.json"),
+                          os.path.join(webtext_data, "merges.txt"))
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(9))
+    expected = run_distributed(_logits_of_consolidated, 1, args=(directory, vocab_size, tokens),
+                               model_parallel_size=1)[0]
+    with torch.no_grad():
+        actual = hf(tokens).logits.float()
+    assert max_relative_difference([actual], [expected]) <= TOLERANCE
+
+
+def _logits_of_consolidated(directory, vocab_size, tokens):
+    """Our GPT2Model with DeepSpeed's own consolidation of the checkpoint: its logits of `tokens`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
+    model = GPT2Model(GPT2ModelConfig(num_layers=2, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4,
+                                      max_sequence_length=16)).eval()
+    model.load_state_dict({name: tensor.contiguous() for name, tensor in
+                           get_fp32_state_dict_from_zero_checkpoint(directory).items()})
+    with torch.no_grad():
+        return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).float()
