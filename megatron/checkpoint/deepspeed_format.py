@@ -114,9 +114,8 @@ def _our_optim_states(directory, model_parallel_rank, pipeline_rank, model_state
             ("" if pipeline_rank is None else f", pipeline stage {pipeline_rank}")
         raise ckpt.CheckpointError(f"{directory}: optimizer-states files of data-parallel ranks {missing} (of "
                                    f"{len(ranks)}; {where}) are missing")
-    return [ckpt.safe_torch_load(os.path.join(directory, ckpt.optim_states_name(r, model_parallel_rank,
-                                                                                pipeline_rank)), mmap=True)
-            for r in ranks]
+    return [ckpt.safe_torch_load(ckpt.find_optim_states_file(directory, r, model_parallel_rank, pipeline_rank),
+                                 mmap=True) for r in ranks]
 
 
 _TRANSLATED = "translated_from_deepspeed"   # a key of the translated model states (their files are DeepSpeed's)
@@ -134,9 +133,9 @@ class _Translation:
             raise ckpt.CheckpointError(f"{where}: a DeepSpeed pipeline-parallel checkpoint (layer_* files) is not "
                                        "supported; save it from a data/tensor-parallel run")
         dp = state[DP_WORLD_SIZE]
-        names = [f"zero_pp_rank_{r}_{ckpt.rank_dir_name(model_parallel_rank)}_optim_states.pt" for r in range(dp)]
-        present = [os.path.isfile(os.path.join(directory, name)) for name in names]
-        files = [ckpt.safe_torch_load(os.path.join(directory, n), mmap=True) for n, ok in zip(names, present) if ok]
+        paths = [ckpt.find_optim_states_file(directory, r, model_parallel_rank) for r in range(dp)]
+        present = [os.path.isfile(path) for path in paths]
+        files = [ckpt.safe_torch_load(path, mmap=True) for path, ok in zip(paths, present) if ok]
         if files and not all(present):
             raise ckpt.CheckpointError(f"{where}: optimizer-states files of data-parallel ranks "
                                        f"{[r for r, ok in enumerate(present) if not ok]} (of {dp}) are missing")

@@ -14,7 +14,8 @@ Every checkpoint directory (SAVE/<tag>/ of either layout) holds manifest.json, w
 ZeRO layout (written by the engine; DESIGN.md section 6):
     SAVE/<tag>/mp_rank_{mp:02d}_model_states.pt                           module, lr scheduler, steps, client_state
     SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt         this data-parallel rank's fp32 slice,
-                                                                         moments, loss scaler (unpadded)
+                                                                         moments, loss scaler (unpadded); a bf16
+                                                                         run's name has DeepSpeed's bf16_ prefix
     SAVE/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt         stage 3: this rank's slice of the 16-bit
                                                                          weights (the module file then holds
                                                                          buffers only, unless
@@ -143,16 +144,30 @@ def stage3_rank_states_name(data_parallel_rank, model_parallel_rank, pipeline_ra
     return f"zero_pp_rank_{data_parallel_rank}_{model_states_name(model_parallel_rank, pipeline_rank)}"
 
 
-def optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None):
-    return f"zero_pp_rank_{data_parallel_rank}_{rank_dir_name(model_parallel_rank, pipeline_rank)}_optim_states.pt"
+BF16_PREFIX = "bf16_"   # DeepSpeed's prefix of the optimizer-states files of a bf16 run (its loader looks there)
+
+
+def optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank=None, bf16=False):
+    """zero_pp_rank_{dp}_mp_rank_{mp:02d}[_{pp:03d}]_optim_states.pt, with DeepSpeed's bf16_ prefix in a bf16 run."""
+    return (BF16_PREFIX if bf16 else "") + \
+        f"zero_pp_rank_{data_parallel_rank}_{rank_dir_name(model_parallel_rank, pipeline_rank)}_optim_states.pt"
+
+
+def find_optim_states_file(directory, data_parallel_rank, model_parallel_rank, pipeline_rank=None):
+    """The path of that rank's optimizer-states file in `directory`, with or without the bf16_ prefix (the
+    unprefixed path when neither exists)."""
+    plain = os.path.join(directory, optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank))
+    prefixed = os.path.join(directory, optim_states_name(data_parallel_rank, model_parallel_rank, pipeline_rank,
+                                                         bf16=True))
+    return prefixed if not os.path.isfile(plain) and os.path.isfile(prefixed) else plain
 
 
 def optim_states_ranks(directory, model_parallel_rank, pipeline_rank=None):
-    """Data-parallel ranks that have an optimizer-states file for `model_parallel_rank` (and pipeline stage
-    `pipeline_rank`, None at P = 1) in `directory`."""
+    """Data-parallel ranks that have an optimizer-states file (bf16_ prefixed or not) for `model_parallel_rank`
+    (and pipeline stage `pipeline_rank`, None at P = 1) in `directory`."""
     suffix = rank_dir_name(model_parallel_rank, pipeline_rank)
-    pattern = re.compile(rf"zero_pp_rank_(\d+)_{suffix}_optim_states\.pt$")
-    return sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(directory)) if m)
+    pattern = re.compile(rf"(?:{BF16_PREFIX})?zero_pp_rank_(\d+)_{suffix}_optim_states\.pt$")
+    return sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(directory)) if m})
 
 
 def atomic_torch_save(obj, path):

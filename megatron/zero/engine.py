@@ -327,7 +327,8 @@ class ZeroEngine(torch.nn.Module):
                                                                        dtypes))
             files.append((os.path.join(directory, ckpt.stage3_rank_states_name(
                 self.ctx.data_parallel_rank, mp_rank, pp_rank)), rank_state))
-        files.append((os.path.join(directory, ckpt.optim_states_name(self.ctx.data_parallel_rank, mp_rank, pp_rank)),
+        files.append((os.path.join(directory, ckpt.optim_states_name(  # bf16_ prefixed in a bf16 run, as DeepSpeed's
+            self.ctx.data_parallel_rank, mp_rank, pp_rank, bf16=self.config.bf16.enabled)),
                       {**optimizer_state, **optimizer_keys}))
         return files
 

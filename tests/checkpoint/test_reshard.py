@@ -227,7 +227,7 @@ def _saved_zero_state_by_hand(tag_dir, mp):
     per_rank = []
     for rank in range(mp):
         model = torch.load(os.path.join(tag_dir, ckpt.model_states_name(rank)), weights_only=True)
-        optim = torch.load(os.path.join(tag_dir, ckpt.optim_states_name(0, rank)), weights_only=True)
+        optim = torch.load(ckpt.find_optim_states_file(tag_dir, 0, rank), weights_only=True)
         assert optim[ckpt.DATA_PARALLEL_SIZE] == 1
         state = {name: {"weight": tensor} for name, tensor in model[ckpt.MODULE].items()}
         for names, group in zip(model[ckpt.PARAM_NAMES], optim[ckpt.GROUPS], strict=True):

@@ -384,3 +384,66 @@ def _logits_of_consolidated(directory, vocab_size, tokens):
                            get_fp32_state_dict_from_zero_checkpoint(directory).items()})
     with torch.no_grad():
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).float()
+
+
+# ---- bf16 (stage 2): the fp32 masters and the bf16 weights cross both ways exactly --------------------------------
+BF16_CONFIG = {"bf16": {"enabled": True}, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+
+
+def _bf16_engine(library):
+    model = OddNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return library.initialize(model=model, optimizer=optimizer, config=_full_config(BF16_CONFIG))[0]
+
+
+def _bf16_exchange(root):
+    """Each library trains 2 bf16 steps and saves; the other loads that and saves again at once: (the saver's
+    and the re-saver's directories, and the module weights the loader holds) per writer."""
+    import torch.distributed as dist
+    deepspeed = _deepspeed()
+    from megatron import zero
+    rank = dist.get_rank()
+    results = {}
+    for writer, reader in ((deepspeed, zero), (zero, deepspeed)):
+        name = writer.__name__.split(".")[-1]
+        saved, resaved = os.path.join(root, f"bf16_{name}"), os.path.join(root, f"bf16_{name}_reread")
+        engine = _bf16_engine(writer)
+        for step in range(2):
+            x, y = _batch(step, 4)
+            engine.backward(engine(x[2 * rank:2 * rank + 2].bfloat16(), y[2 * rank:2 * rank + 2].bfloat16()))
+            engine.step()
+        weights = _parameters(writer, engine)
+        engine.save_checkpoint(saved, tag="t")
+        other = _bf16_engine(reader)
+        other.load_checkpoint(saved, tag="t")
+        loaded = _parameters(reader, other)
+        other.save_checkpoint(resaved, tag="t")
+        results[name] = (saved, resaved, weights, loaded)
+    return results
+
+
+@pytest.fixture(scope="module")
+def bf16_exchange(tmp_path_factory):
+    return run_distributed(_bf16_exchange, 2, args=(str(tmp_path_factory.mktemp("bf16")),), model_parallel_size=1,
+                           timeout=600)[0]
+
+
+@pytest.mark.parametrize("writer", ["deepspeed", "zero"])
+def test_bf16_checkpoints_cross_exactly(bf16_exchange, writer):
+    """The loader's bf16 weights equal the saver's bitwise, and its fp32 masters too (its own re-save consolidates
+    to exactly what the saver's file does; DeepSpeed's consolidation of the saver's file too). DeepSpeed names a
+    bf16 run's optimizer files bf16_zero_pp_rank_..., and so do we."""
+    import tools.zero_to_fp32 as ours
+    saved, resaved, weights, loaded = bf16_exchange[writer]
+    assert weights.keys() == loaded.keys() and all(torch.equal(weights[n], loaded[n]) for n in weights)
+    masters = []
+    for directory in (saved, resaved):
+        output = os.path.join(directory, "fp32.pt")
+        ours.consolidate(directory, output, tag="t")
+        masters.append(torch.load(output, weights_only=True))
+    assert masters[0].keys() == masters[1].keys()
+    assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0])
+    assert any(not torch.equal(masters[0][n], weights[n]) for n in weights)     # the masters are not the bf16 weights
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    theirs = get_fp32_state_dict_from_zero_checkpoint(saved, tag="t")          # DeepSpeed's consolidation agrees
+    assert all(torch.equal(theirs[n].contiguous(), masters[0][n]) for n in masters[0])
