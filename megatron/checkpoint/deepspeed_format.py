@@ -58,11 +58,6 @@ _ENGINE_KEYS = {ckpt.MODULE, BUFFER_NAMES, "optimizer", PARAM_SHAPES, FROZEN_PAR
                 "checkpoint_parallel_dimensions", DS_CONFIG, DS_VERSION_KEY, "universal_checkpoint_info"}
 
 
-def stage3_model_states_name(data_parallel_rank, model_parallel_rank):
-    """DeepSpeed's per-rank model-states file at stage 3 (ours too: layout.stage3_rank_states_name)."""
-    return ckpt.stage3_rank_states_name(data_parallel_rank, model_parallel_rank)
-
-
 def is_deepspeed_written(model_states):
     """A model-states dict DeepSpeed wrote (ours carry layout.DATA_PARALLEL_SIZE as well as DeepSpeed's keys)."""
     return ckpt.DATA_PARALLEL_SIZE not in model_states and DP_WORLD_SIZE in model_states
@@ -72,7 +67,7 @@ def is_deepspeed_written(model_states):
 def model_states_path(directory, model_parallel_rank, pipeline_rank=None):
     """Ours (and DeepSpeed's at stages 1-2), or else DeepSpeed's stage-3 file of data-parallel rank 0."""
     path = os.path.join(directory, ckpt.model_states_name(model_parallel_rank, pipeline_rank))
-    stage3 = os.path.join(directory, stage3_model_states_name(0, model_parallel_rank))
+    stage3 = os.path.join(directory, ckpt.stage3_rank_states_name(0, model_parallel_rank))
     return stage3 if not os.path.isfile(path) and pipeline_rank is None and os.path.isfile(stage3) else path
 
 
@@ -285,7 +280,7 @@ def _stage3_optim_states(optim, state, groups, shapes, where):
                                        ckpt.SCALAR_STATE: scalars})
             saved[ckpt.PARAM_GROUPS].append(hyper)
     module = {name: torch.cat(module_pieces[name])[:shape.numel()].view(shape) for name, shape in shapes.items()}
-    module.update(_frozen_and_buffers(state, optim, dp))
+    module.update(_frozen_and_buffers(state))
     return result, module
 
 
@@ -295,7 +290,7 @@ def _inner_state(inner, sub):
             {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)})
 
 
-def _frozen_and_buffers(state, optim, dp):
+def _frozen_and_buffers(state):
     """Stage 3: the buffers (whole in every file). Frozen parameters (a fragment in each rank's model states)
     are refused by name."""
     frozen = state.get(FROZEN_PARAM_SHAPES) or {}
@@ -377,12 +372,13 @@ def _megatron_deepspeed_rng(client):
 
 # ---- writing (the engine adds these to its own files) -------------------------------------------------------------
 def stage12_partition(numel, dp, rank):
-    """DeepSpeed's stage 1-2 partition of a flat group of `numel` elements: ((lo, hi) of the real elements rank
-    `rank` holds, partition size). The flat is padded to a multiple of 2 x dp (its nccl_start_alignment_factor),
-    e.g. numel 10, dp 4: padded 16, size 4, rank 2 holds (8, 10) and 2 padding elements, rank 3 only padding."""
+    """DeepSpeed's stage 1-2 partition of a flat group of `numel` elements: (lo, hi, size), (lo, hi) the real
+    elements rank `rank` holds, size the partition's length. The flat is padded to a multiple of 2 x dp (its
+    nccl_start_alignment_factor), e.g. numel 10, dp 4: padded 16, size 4, rank 2 holds (8, 10) and 2 padding
+    elements, rank 3 only padding."""
     align = 2 * dp
     size = -(-numel // align) * align // dp
-    return (min(rank * size, numel), min((rank + 1) * size, numel)), size
+    return min(rank * size, numel), min((rank + 1) * size, numel), size
 
 
 def stage3_pieces(numels, dp, rank):

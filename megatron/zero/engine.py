@@ -391,8 +391,7 @@ class ZeroEngine(torch.nn.Module):
             layouts = [deepspeed_format.stage3_pieces([full_numel(p) for p in group.params], dp, q)
                        for q in range(dp)]
         else:
-            layouts = [[(*deepspeed_format.stage12_partition(group.numel, dp, q)[0],
-                         deepspeed_format.stage12_partition(group.numel, dp, q)[1])] for q in range(dp)]
+            layouts = [[deepspeed_format.stage12_partition(group.numel, dp, q)] for q in range(dp)]
 
         def recut(local):
             local = local.to(self.device)
