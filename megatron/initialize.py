@@ -85,6 +85,8 @@ def run_main(main, errors):
         main()
     except errors as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        if dist.is_initialized():   # a live gloo group at interpreter exit can abort the process (SIGABRT,
+            dist.destroy_process_group()   # "terminate called without an active exception"): status 1, not -6
         sys.exit(1)
     shutdown()
 
