@@ -94,7 +94,7 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000      # elements gathered ahead of use ("auto": 0.9 h^2)
     stage3_param_persistence_threshold: int = 100_000  # parameters this small stay whole ("auto": 10 h)
     stage3_max_live_parameters: int = 1_000_000_000    # at most this many elements gathered (prefetch stops)
-    stage3_max_reuse_distance: int = 1_000_000_000     # accepted for compatibility (released after each use)
+    stage3_max_reuse_distance: int = 1_000_000_000     # the forward's last units stay gathered into the backward
     stage3_gather_16bit_weights_on_model_save: bool = False   # save_16bit_model() writes the whole weights
     stage3_gather_fp16_weights_on_model_save: bool = False    # the old name of the previous key
     ignore_unused_parameters: bool = True      # accepted for compatibility (unused parameters get zero gradients)
@@ -164,7 +164,6 @@ NO_EFFECT_REASONS = {
     "dump_state": "the config is printed by tools/estimate_memory.py",
     "graph_harvesting": "CUDA graphs are not captured",
     "disable_allgather": "stages 1-2 always gather the updated slices",
-    "stage3_max_reuse_distance": "stage 3 releases every unit after its use",
     "allgather_partitions": "updated slices are always all-gathered",
     "load_from_fp32_weights": "the fp32 slices are always restored",
     "elastic_checkpoint": "checkpoints always re-partition",

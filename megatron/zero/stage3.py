@@ -15,7 +15,9 @@ optimizer step).
 
     forward:  pre-hook: gather the unit (wait for its prefetch), prefetch the next units in the recorded
               forward order up to stage3_prefetch_bucket_size elements; post-hook: release, and hang a
-              pre-backward function on the outputs
+              pre-backward function on the outputs. The units whose forwards end last (the first the backward
+              needs: the LM head's tied embedding, the last layers) are not released but stay gathered into the
+              backward, as many as fit in stage3_max_reuse_distance elements: no second gather for them
     backward: pre-backward: gather again (prefetch the units before it); a buffer is released when the gradients
               of all its parameters have arrived (their bucket hooks have run); the rest at the end of backward.
               A buffer holding frozen parameters (requires_grad False, e.g. LoRA's base weights: no gradient to
@@ -217,6 +219,7 @@ class Stage3Parameters:
         self.module, self.groups, self.ctx = module, groups, ctx
         self.prefetch_elements = int(zero_config.stage3_prefetch_bucket_size)
         self.max_live_elements = int(zero_config.stage3_max_live_parameters)
+        self.max_reuse_elements = int(zero_config.stage3_max_reuse_distance)
         self.gather_timeout = DEFAULT_GATHER_TIMEOUT
         in_groups = {id(p) for g in groups for p in g.params}
         missing = [n for n, p in module.named_parameters() if id(p) not in in_groups]
@@ -247,6 +250,8 @@ class Stage3Parameters:
                 p.ds_manager = self
         self.on_partition_edited = lambda param: None    # the engine refreshes the fp32 masters
         self.order, self.order_recorded = [], False
+        self.release_order = []          # units by the end of their forward (the first one's), recorded with `order`
+        self.reused = set()              # ids of the buffers kept gathered from the forward into the backward
         self.live_elements = 0
         self.handles = []
         self.hooks_bypassed = False      # gathered_for_inference: the per-unit hooks do nothing
@@ -296,9 +301,12 @@ class Stage3Parameters:
         if self.hooks_bypassed:
             return output
         if not _in_backward():
+            if not self.order_recorded:
+                self.release_order.append(unit)
+            keep = self.reused if torch.is_grad_enabled() else ()
             for buffer in unit.buffers:
                 buffer.holders -= 1
-                if buffer.holders == 0 and not buffer.persistent:
+                if buffer.holders == 0 and not buffer.persistent and id(buffer) not in keep:
                     self._release(buffer)
         if torch.is_grad_enabled():
             return tree_map(lambda t: _CallInBackward.apply(lambda: self.fetch(unit, backward=True), t)
@@ -369,21 +377,38 @@ class Stage3Parameters:
 
     # ---- the engine's calls --------------------------------------------------------------------------------
     def end_forward(self):
-        self.order_recorded = True
+        if not self.order_recorded:
+            self.order_recorded = True
+            self.reused = self._buffers_to_reuse()
         if not torch.is_grad_enabled():
             self.release_all()
 
+    def _buffers_to_reuse(self):
+        """The buffers of the units that end the forward last (the first ones the backward needs), as many as
+        fit in stage3_max_reuse_distance elements (and stage3_max_live_parameters): they stay gathered from the
+        forward into the backward instead of being released and gathered again (a contiguous tail of the order:
+        the first unit that does not fit ends it)."""
+        budget = min(self.max_reuse_elements, self.max_live_elements)
+        kept, total = set(), 0
+        for unit in reversed(self.release_order):
+            new = {id(b): b for b in unit.buffers if not b.persistent and id(b) not in kept}
+            size = sum(b.numel for b in new.values())
+            if total + size > budget:
+                break
+            total += size
+            kept.update(new)
+        return kept
+
     def release_all(self):
         """End of backward (and of a no-grad forward): nothing but the persistent parameters stays gathered."""
-        for buffer in self.buffers:
-            if not buffer.persistent and buffer.holders == 0:
-                self._release(buffer)
+        self._release_unheld()
 
     @contextlib.contextmanager
     def swapped_partitions(self, partitions):
         """Run with `partitions` (one tensor per group, shaped like its partition) as the weights' partitions:
         forwards inside gather them instead (DPO's partitioned reference policy); the originals come back after.
         No gather may be held or in flight (none is between steps)."""
+        self._release_unheld()          # buffers kept for the backward hold the other weights
         if any(b.state != "released" and b is not self.persistent for b in self.buffers):
             raise RuntimeError("ZeRO-3: swapped_partitions while parameters are gathered")
         own = [group.partition for group in self.groups]
@@ -398,9 +423,16 @@ class Stage3Parameters:
             self.after_step()
 
     def after_step(self):
-        """The partitions changed: the persistent parameters are refreshed at their next use."""
+        """The partitions changed: the persistent parameters are refreshed at their next use, and a buffer kept
+        gathered for a backward that did not come (a forward with gradients, then no backward) is released."""
+        self._release_unheld()
         if self.persistent is not None:
             self.persistent.stale = True
+
+    def _release_unheld(self):
+        for buffer in self.buffers:
+            if not buffer.persistent and buffer.holders == 0:
+                self._release(buffer)
 
     def gather(self, params):
         """Hold the buffers of `params` gathered until `release(params)` (GatheredParameters)."""

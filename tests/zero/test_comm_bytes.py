@@ -42,8 +42,15 @@ VARIANTS = {
     "stage1": ds_config(1, micro=2),
     "stage2": ds_config(2, micro=2, reduce_bucket_size=5000),
     "stage2_allreduce": ds_config(2, micro=2, reduce_bucket_size=5000, reduce_scatter=False),
-    "stage3": ds_config(3, micro=2, reduce_bucket_size=5000, stage3_param_persistence_threshold=0),
+    "stage3": ds_config(3, micro=2, reduce_bucket_size=5000, stage3_param_persistence_threshold=0,
+                        stage3_max_reuse_distance=0),
     "stage3_persistent": ds_config(3, micro=2, reduce_bucket_size=5000),
+    # fc2 (16384 + 32 elements) ends the forward last: kept for the backward at exactly its size, not one below
+    "stage3_reuse_fc2": ds_config(3, micro=2, reduce_bucket_size=5000, stage3_param_persistence_threshold=0,
+                                  stage3_max_reuse_distance=WIDTH * WIDTH_IN + WIDTH_IN),
+    "stage3_reuse_below": ds_config(3, micro=2, reduce_bucket_size=5000, stage3_param_persistence_threshold=0,
+                                    stage3_max_reuse_distance=WIDTH * WIDTH_IN + WIDTH_IN - 1),
+    "stage3_reuse_all": ds_config(3, micro=2, reduce_bucket_size=5000, stage3_param_persistence_threshold=0),
 }
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast")   # owners -> every rank
 
@@ -229,6 +236,21 @@ def test_stage3_gathers_before_forward_and_backward(measured, name, gathers):
         assert _close(sent.get("reduce", 0) + sent.get("reduce_scatter_tensor", 0), half), (name, sent, half)
         assert _close(sum(value for op, value in sent.items() if op in GATHERS), gathers * half), (name, sent)
         assert _close(sum(sent.values()), (1 + gathers) * half), (name, sent)
+
+
+@pytest.mark.parametrize("name,backward_gathered", [("stage3_reuse_below", ("fc1", "fc2")),
+                                                    ("stage3_reuse_fc2", ("fc1",)), ("stage3_reuse_all", ())])
+def test_stage3_reuse_skips_the_backward_gather_of_the_units_kept(measured, name, backward_gathered):
+    """stage3_max_reuse_distance: the last units of the forward stay gathered into the backward, so the backward
+    gathers only the others; the default (1e9) keeps all of WideNet: gathered once per step, as stage 2."""
+    dp, results = measured
+    model = WideNet()
+    numel = {unit: sum(p.numel() for p in getattr(model, unit).parameters()) for unit in ("fc1", "fc2")}
+    forward = (dp - 1) / dp * _gradient_bytes()
+    backward = (dp - 1) / dp * 4 * sum(numel[unit] for unit in backward_gathered)
+    for rank_result in results:
+        sent = rank_result[name]
+        assert _close(sum(value for op, value in sent.items() if op in GATHERS), forward + backward), (name, sent)
 
 
 def _gather_pieces_both_ways():

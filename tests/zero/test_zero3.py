@@ -72,7 +72,7 @@ def _prefetch_working_set():
     """Second forward (the order is recorded in the first) with a prefetch budget of 1100 elements: the
     allocated gather storage of the partitioned (non-persistent) parameters at each unit's forward, in
     elements (a prefetch in flight has its storage but not yet its parameter views)."""
-    engine = _engine(_stage3(stage3_prefetch_bucket_size=1100))
+    engine = _engine(_stage3(stage3_prefetch_bucket_size=1100, stage3_max_reuse_distance=0))
     engine_train_step(engine, 0, 4)
     seen = []
 
@@ -85,6 +85,33 @@ def _prefetch_working_set():
     for handle in handles:
         handle.remove()
     return seen
+
+
+REUSE_DISTANCES = (0, 255, 256, 10 ** 9)     # none; one below the head's 256 weights; exactly them; the default
+
+
+def _reuse_into_backward():
+    """Per stage3_max_reuse_distance: the losses of 3 steps (accumulation 2, clipping), the whole weights after,
+    the gathers each buffer started in the third step, and the partitioned elements still gathered when the last
+    forward ends (prefetch off, so only what the reuse keeps)."""
+    out = {}
+    for distance in REUSE_DISTANCES:
+        engine = _engine({"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                          **_stage3(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=distance)})
+        losses = [engine_train_step(engine, step, 8) for step in range(2)]
+        gathers = {b.name: 0 for b in engine.stage3.buffers}
+        for buffer in engine.stage3.buffers:
+            def counted(buffer=buffer, start=buffer.start_gather):
+                gathers[buffer.name] += 1
+                start()
+            buffer.start_gather = counted
+        at_turn = []
+        engine.module.register_forward_hook(lambda *_: at_turn.append(sum(
+            b.numel for b in engine.stage3.buffers if b.state != "released" and not b.persistent)))
+        losses.append(engine_train_step(engine, 2, 8))
+        in_step = dict(gathers)          # before the state dict's own gathers
+        out[distance] = losses, engine.module_state_dict(), in_step, at_turn
+    return out
 
 
 def _live_tensor_bytes():
@@ -274,7 +301,7 @@ def _all_dp2():
     memory = _memory_between_steps()
     return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": memory, "offload": _offload_placement(),
             "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init(),
-            "save16": _save_16bit_model(), "boundary": _persistence_boundary(), "odd": _zero_init_odd_sizes()}
+            "save16": _save_16bit_model(), "reuse": _reuse_into_backward(), "boundary": _persistence_boundary(), "odd": _zero_init_odd_sizes()}
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +328,22 @@ def test_prefetch_stays_within_its_budget(dp2):
             assert sum(live.values()) <= own.get(unit, 0) + 1100, (unit, live)
         assert seen[0] == {"fc1": 512, "fc2": 1024} and seen[1] == {"fc2": 1024}, seen
         assert seen[2] == {"fc2": 1024, "head": 256}, seen
+
+
+def test_reuse_keeps_the_last_units_gathered_into_the_backward(dp2):
+    """stage3_max_reuse_distance: the units whose forwards end last stay gathered for the backward, as many as fit
+    (head 256, then fc2 1024, norm none of its own, fc1 512); each micro-step then gathers them once, not twice;
+    the persistent buffer is refreshed once per step. The training is bitwise the same at every distance."""
+    expected_gathers = {0: {"fc1": 4, "fc2": 4, "head": 4}, 255: {"fc1": 4, "fc2": 4, "head": 4},
+                        256: {"fc1": 4, "fc2": 4, "head": 2}, 10 ** 9: {"fc1": 2, "fc2": 2, "head": 2}}
+    kept_at_turn = {0: 0, 255: 0, 256: 256, 10 ** 9: 512 + 1024 + 256}
+    for rank in dp2:
+        reference_losses, reference_weights, _, _ = rank["reuse"][0]
+        for distance, (losses, weights, gathers, at_turn) in rank["reuse"].items():
+            assert gathers == {**expected_gathers[distance], "persistent parameters": 1}, (distance, gathers)
+            assert at_turn == [kept_at_turn[distance]] * 2, (distance, at_turn)
+            assert losses == reference_losses, distance
+            assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights), distance
 
 
 def test_memory_between_steps_is_the_stage3_formula(dp2):

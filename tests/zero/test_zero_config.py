@@ -249,12 +249,12 @@ def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
     config = load_config({"train_batch_size": 8, "zero_force_ds_cpu_optimizer": False,
                           "communication_data_type": "fp32", "tensorboard": {"enabled": True, "output_path": "tb"},
                           "hybrid_engine": {"enabled": False},
-                          "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}, 2)
+                          "zero_optimization": {"stage": 3, "round_robin_gradients": True}}, 2)
     assert config.no_effect == {
         "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
         "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
         "tensorboard": "use --tensorboard-dir",
-        "zero_optimization.stage3_max_reuse_distance": "stage 3 releases every unit after its use"}
+        "zero_optimization.round_robin_gradients": "gradient partitions are contiguous ranges"}
     assert load_config({"train_batch_size": 8}, 2).no_effect == {}
     with pytest.raises(ConfigError) as info:
         load_config({"train_batch_size": 8, "elasticity": {"enabled": True}}, 2)

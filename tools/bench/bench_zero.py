@@ -6,7 +6,8 @@
 
 Model: a GPT-2 (nanoGPT-style, tied head) with L=4, h=256, heads=4, s=256, V=8192; micro-batch 4 per rank.
 Variants: ddp, ddpamp (fp32 parameters, bf16 autocast), zeroK (stage K), zeroKoff (optimizer offload), zeroKpg
-(stages 1-2 with overlap_param_gather: the parameter all-gather completes during the next forward), dsK
+(stages 1-2 with overlap_param_gather: the parameter all-gather completes during the next forward), zero3nr
+(stage 3 with stage3_max_reuse_distance 0: every unit gathered again for the backward), dsK
 (DeepSpeed's stage K), each with -fp32 or -bf16.
 Each variant runs in fresh processes, so peak RSS is its own. The variants run --repeats times, alternating
 (and in reversed order every other repeat), and the table gives the median tokens/s with its min-max, the median
@@ -18,8 +19,8 @@ ratio from the same repeat, so slow phases of the shared machine cancel), per-ra
 A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
 counted by megatron.guards.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
 2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total; stage 3
-reduce-scatter + a gather before forward and one before backward (parameters under the persistence threshold stay
-whole: one refresh after the step instead). This figure does not depend on the machine's speed.
+reduce-scatter + a gather before forward (and one before backward for zero3nr; by default the units stay gathered
+into the backward) (parameters under the persistence threshold stay whole: one refresh after the step instead). This figure does not depend on the machine's speed.
 DeepSpeed peers: `DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, run with DS_ACCELERATOR=cpu.
 """
 import argparse
@@ -142,10 +143,10 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
             return (_tensor_bytes(p for p in model.parameters()) + _tensor_bytes(p.grad for p in model.parameters())
                     + _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0))
         return params, train_step, state_bytes
-    stage, offload = stage_and_offload(kind)
+    stage, own_keys = stage_and_offload(kind)
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
               "bf16": {"enabled": precision == "bf16"},
-              "zero_optimization": {"stage": stage, **zero_options, **offload}}
+              "zero_optimization": {"stage": stage, **zero_options, **own_keys}}
     if kind.startswith("ds"):
         import deepspeed
         if stage == 3:   # the tied head reads wte's weight in GPT.forward: DeepSpeed must gather it there too
@@ -174,14 +175,17 @@ def _build(variant, zero_options, adam, count_ddp_comm=False):
     return params, train_step, state_bytes
 
 
-VARIANT_KINDS = ("ddp", "ddpamp", "zero0", "zero1", "zero2", "zero3", "zero1pg", "zero2pg", "zero1off", "zero2off",
-                 "zero3off", "ds0", "ds1", "ds2", "ds3")
+VARIANT_KINDS = ("ddp", "ddpamp", "zero0", "zero1", "zero2", "zero3", "zero3nr", "zero1pg", "zero2pg", "zero1off",
+                 "zero2off", "zero3off", "ds0", "ds1", "ds2", "ds3")
 
 
 def stage_and_offload(kind):
-    """("zero3off" | "zero2pg" | "ds2" | ...) -> (ZeRO stage, the offload keys of zero_optimization): "off"
-    offloads the optimizer (and, at stage 3, the parameters) to host memory."""
+    """("zero3off" | "zero2pg" | "ds2" | ...) -> (ZeRO stage, the variant's own keys of zero_optimization): "off"
+    offloads the optimizer (and, at stage 3, the parameters) to host memory; "nr" (stage 3) reuses nothing: every
+    unit is gathered again for the backward (stage3_max_reuse_distance 0)."""
     stage = int(kind[4] if kind.startswith("zero") else kind[2])
+    if kind.endswith("nr"):
+        return stage, {"stage3_max_reuse_distance": 0}
     if not kind.endswith("off"):
         return stage, {}
     offload = {"offload_optimizer": {"device": "cpu"}}
@@ -253,13 +257,16 @@ def gradient_element_size(variant):
 def ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes=0):
     """Bytes per rank per step at the ideal volume: one ring all-reduce for DDP and stage 0; reduce-scatter plus
     all-gather, (dp-1)/dp each, for stages 1-2 (the same total); stage 3 gathers its partitioned parameters before
-    forward and again before backward, and refreshes the persistent (whole) ones once after the step."""
+    forward, and refreshes the persistent (whole) ones once after the step; it gathers the partitioned ones again
+    before backward only without reuse (zero3nr): by default (stage3_max_reuse_distance 1e9, more than the
+    bench model's 5.2M elements) every unit stays gathered from the forward into the backward."""
     kind, share = variant.split("-")[0], (dp - 1) / dp
     stage = 0 if kind in ("ddp", "ddpamp") else stage_and_offload(kind)[0]
     if stage == 0:
         return 2 * share * grad_bytes
     if stage == 3:
-        return share * (grad_bytes + 2 * (grad_bytes - persistent_bytes) + persistent_bytes)
+        gathers = 2 if kind.endswith("nr") else 1
+        return share * (grad_bytes + gathers * (grad_bytes - persistent_bytes) + persistent_bytes)
     return share * grad_bytes + share * grad_bytes
 
 
@@ -310,7 +317,8 @@ def parse_args(argv=None):
 
 def default_variants(precisions, deepspeed_installed):
     variants = [f"{kind}-{precision}" for precision in precisions
-                for kind in ("ddp", "zero0", "zero1", "zero1pg", "zero2", "zero2pg", "zero3", "zero2off", "zero3off")]
+                for kind in ("ddp", "zero0", "zero1", "zero1pg", "zero2", "zero2pg", "zero3", "zero3nr", "zero2off",
+                             "zero3off")]
     if "bf16" in precisions:
         variants.insert(variants.index("ddp-bf16") + 1, "ddpamp-bf16")
     if deepspeed_installed:
@@ -382,7 +390,13 @@ def _ratio_lines(runs, peer_of):
 def deepspeed_ratio_lines(runs):
     """Our stage K (zeroK, zeroKpg) over DeepSpeed's (dsK), per-repeat medians."""
     return _ratio_lines(runs, lambda kind, precision: f"ds{kind[4]}-{precision}"
-                        if kind.startswith("zero") and not kind.endswith("off") else None)
+                        if kind.startswith("zero") and not kind.endswith(("off", "nr")) else None)
+
+
+def stage3_ratio_lines(runs):
+    """zero3 over zero2 (what partitioning the parameters costs) and over zero3nr (what the reuse gains)."""
+    return (_ratio_lines(runs, lambda kind, precision: f"zero2-{precision}" if kind == "zero3" else None)
+            + _ratio_lines(runs, lambda kind, precision: f"zero3nr-{precision}" if kind == "zero3" else None))
 
 
 def overlap_ratio_lines(runs):
@@ -436,7 +450,8 @@ def main():
         print(f"# data parallel {args.world_size} (gloo), {runs[variants[0]][0][0]['params'] / 1e6:.2f}M parameters, "
               f"{args.steps} timed steps per run, median of {args.repeats} alternating repeats")
         print("\n".join(throughput_table(runs, args.world_size) + [baseline_line(runs)]
-                        + deepspeed_ratio_lines(runs) + overlap_ratio_lines(runs)), flush=True)
+                        + deepspeed_ratio_lines(runs) + overlap_ratio_lines(runs) + stage3_ratio_lines(runs)),
+              flush=True)
         print("# ms per step by phase (rank 0, median over repeats). " + " ".join(PHASES_DOC.split()))
         print("\n".join(phase_table(runs)), flush=True)
     comm_sizes = [int(size) for size in args.comm_world_sizes.split(",") if size]
@@ -445,7 +460,8 @@ def main():
                                         timeout=1800)[0] for dp in comm_sizes}
         print("# bytes each rank sends in one training step (megatron.guards.comm_bytes cost model), ideal: DDP/stage 0 "
               "2(dp-1)/dp G, stages 1-2 (dp-1)/dp G reduce-scatter + (dp-1)/dp G all-gather, stage 3 reduce-scatter "
-              "+ 2 gathers of the partitioned parameters + 1 refresh of the persistent ones")
+              "+ 1 gather of the partitioned parameters (2 for zero3nr: again before backward) + 1 refresh of the "
+              "persistent ones")
         print("\n".join(comm_table(measured)))
 
 
