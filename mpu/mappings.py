@@ -82,17 +82,19 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
         return _split(grad_output)
 
 
+# At model-parallel size 1 each region is the identity both ways: return the input itself rather than go through
+# an autograd Function (~9 us each, 18 per generated token of a 4-layer model: what bench_generate measured).
 def copy_to_model_parallel_region(input_):
-    return _CopyToModelParallelRegion.apply(input_)
+    return input_ if get_model_parallel_world_size() == 1 else _CopyToModelParallelRegion.apply(input_)
 
 
 def reduce_from_model_parallel_region(input_):
-    return _ReduceFromModelParallelRegion.apply(input_)
+    return input_ if get_model_parallel_world_size() == 1 else _ReduceFromModelParallelRegion.apply(input_)
 
 
 def scatter_to_model_parallel_region(input_):
-    return _ScatterToModelParallelRegion.apply(input_)
+    return input_ if get_model_parallel_world_size() == 1 else _ScatterToModelParallelRegion.apply(input_)
 
 
 def gather_from_model_parallel_region(input_):
-    return _GatherFromModelParallelRegion.apply(input_)
+    return input_ if get_model_parallel_world_size() == 1 else _GatherFromModelParallelRegion.apply(input_)
