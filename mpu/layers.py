@@ -128,9 +128,14 @@ class ColumnParallelLinear(nn.Module):
         _mark_model_parallel(self.lora_B, 0, self.stride)
         self.lora_scale, self.lora_dropout = scale, dropout
 
-    def forward(self, input_):
+    def forward(self, input_, weight_t=None):
+        """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t)."""
         input_parallel = copy_to_model_parallel_region(input_)
-        output_parallel = F.linear(input_parallel, self.weight, self.bias)
+        if weight_t is None:
+            output_parallel = F.linear(input_parallel, self.weight, self.bias)
+        else:
+            output_parallel = torch.matmul(input_parallel, weight_t)
+            output_parallel = output_parallel if self.bias is None else output_parallel + self.bias
         if self.lora_A is not None and not self.lora_disabled:
             # u = A x' on every rank, from the input before the copy (whose backward all-reduces the input
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.

@@ -55,7 +55,7 @@ def _cache_writes(model):
     def record(module, args, output):
         past = args[2]
         seen.append((past.key_buffer.data_ptr(), past.value_buffer.data_ptr(), past.length,
-                     tuple(past.key_buffer.shape)))
+                     tuple(past.key_buffer.shape), sorted(tuple(w.shape) for w in past.transposed.values())))
     handle = model.transformer.layers[1].attention.register_forward_hook(record)
     try:
         generate(model, PROMPTS, NEW, greedy=True)
@@ -125,9 +125,28 @@ def test_the_cache_is_allocated_once_and_written_in_place(cases):
     writes = cases["writes"]
     width = max(map(len, PROMPTS))
     assert len(writes) == NEW                                  # one prefill, then NEW - 1 one-token steps
-    assert len({(key, value) for key, value, _, _ in writes}) == 1
-    assert [length for _, _, length, _ in writes] == list(range(width, width + NEW))
-    assert {shape for _, _, _, shape in writes} == {(len(PROMPTS), 4, width + NEW, 8)}   # [b, heads, cols, d]
+    assert len({(key, value) for key, value, _, _, _ in writes}) == 1
+    assert [length for _, _, length, _, _ in writes] == list(range(width, width + NEW))
+    assert {shape for _, _, _, shape, _ in writes} == {(len(PROMPTS), 4, width + NEW, 8)}   # [b, heads, cols, d]
+    # CPU decoding layouts, made at the first step and kept: every layer's q/k/v [h, 3h] and MLP-in [h, 4h]
+    # transposed and the LM head [h, V]; never the out < in ones (attention out, MLP out). At layer 1's first
+    # attention only layer 0's two and layer 1's q/k/v exist.
+    h, layers, vocab = 32, 2, 64
+    assert writes[0][4] == [(h, 3 * h)] * 2 + [(h, 4 * h)], writes[0][4]
+    assert all(w[4] == sorted([(h, 3 * h)] * layers + [(h, 4 * h)] * layers + [(h, vocab)]) for w in writes[1:])
+
+
+def test_decoding_layout_only_for_wide_cpu_weights_not_gathered_per_unit():
+    from mpu.transformer import decoding_weight_t
+    store, wide = {}, torch.randn(5, 4)
+    assert torch.equal(decoding_weight_t(store, wide), wide.t()) and decoding_weight_t(store, wide).is_contiguous()
+    assert decoding_weight_t(store, wide) is decoding_weight_t(store, wide)          # made once
+    assert decoding_weight_t(store, torch.randn(4, 4)) is None and decoding_weight_t(store, torch.randn(4, 5)) is None
+    per_unit = torch.nn.Parameter(torch.randn(6, 4))
+    per_unit.ds_manager = type("Manager", (), {"hooks_bypassed": False})()        # ZeRO-3, gathered per unit
+    assert decoding_weight_t({}, per_unit) is None
+    per_unit.ds_manager.hooks_bypassed = True                                      # gathered_for_inference
+    assert torch.equal(decoding_weight_t({}, per_unit), per_unit.detach().t())
 
 
 def test_generation_stops_at_the_first_done_check_after_every_row_ended(cases):
