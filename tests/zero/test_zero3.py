@@ -109,8 +109,15 @@ def _reuse_into_backward():
         engine.module.register_forward_hook(lambda *_: at_turn.append(sum(
             b.numel for b in engine.stage3.buffers if b.state != "released" and not b.persistent)))
         losses.append(engine_train_step(engine, 2, 8))
-        in_step = dict(gathers)          # before the state dict's own gathers
-        out[distance] = losses, engine.module_state_dict(), in_step, at_turn
+        in_step, turns = dict(gathers), list(at_turn)      # before the state dict's and the forwards below
+        weights = engine.module_state_dict()
+        # a forward with gradients and no backward keeps the tail gathered; a load must not leave it stale
+        x, y = batch(3, 2)
+        engine(x, y)
+        engine.load_parameter(engine.module.head.weight, torch.zeros(8, 32, device=device()))
+        with torch.no_grad():
+            after_load = engine(x, y).item()
+        out[distance] = losses, weights, in_step, turns, after_load
     return out
 
 
@@ -338,8 +345,9 @@ def test_reuse_keeps_the_last_units_gathered_into_the_backward(dp2):
                         256: {"fc1": 4, "fc2": 4, "head": 2}, 10 ** 9: {"fc1": 2, "fc2": 2, "head": 2}}
     kept_at_turn = {0: 0, 255: 0, 256: 256, 10 ** 9: 512 + 1024 + 256}
     for rank in dp2:
-        reference_losses, reference_weights, _, _ = rank["reuse"][0]
-        for distance, (losses, weights, gathers, at_turn) in rank["reuse"].items():
+        reference_losses, reference_weights, _, _, reference_after_load = rank["reuse"][0]
+        for distance, (losses, weights, gathers, at_turn, after_load) in rank["reuse"].items():
+            assert after_load == reference_after_load, distance     # the loaded head, not the kept one
             assert gathers == {**expected_gathers[distance], "persistent parameters": 1}, (distance, gathers)
             assert at_turn == [kept_at_turn[distance]] * 2, (distance, at_turn)
             assert losses == reference_losses, distance
