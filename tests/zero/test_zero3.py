@@ -308,7 +308,8 @@ def _all_dp2():
     memory = _memory_between_steps()
     return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": memory, "offload": _offload_placement(),
             "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init(),
-            "save16": _save_16bit_model(), "reuse": _reuse_into_backward(), "boundary": _persistence_boundary(), "odd": _zero_init_odd_sizes()}
+            "save16": _save_16bit_model(), "reuse": _reuse_into_backward(), "boundary": _persistence_boundary(),
+            "odd": _zero_init_odd_sizes()}
 
 
 @pytest.fixture(scope="module")

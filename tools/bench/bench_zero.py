@@ -19,8 +19,9 @@ ratio from the same repeat, so slow phases of the shared machine cancel), per-ra
 A second table gives the bytes each rank sends in one training step at data-parallel 2 and 4 (--comm-world-sizes),
 counted by megatron.guards.comm_bytes (cost model there), next to the ideal: DDP / stage 0 one ring all-reduce,
 2 (dp-1)/dp x gradient bytes; stages 1/2 reduce-scatter + all-gather, (dp-1)/dp x each, the same total; stage 3
-reduce-scatter + a gather before forward (and one before backward for zero3nr; by default the units stay gathered
-into the backward) (parameters under the persistence threshold stay whole: one refresh after the step instead). This figure does not depend on the machine's speed.
+reduce-scatter + a gather before forward, and one before backward only for zero3nr (by default the units stay
+gathered into the backward); parameters under the persistence threshold stay whole: one refresh after the step
+instead. This figure does not depend on the machine's speed.
 DeepSpeed peers: `DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, run with DS_ACCELERATOR=cpu.
 """
 import argparse
@@ -259,7 +260,7 @@ def ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes=0):
     all-gather, (dp-1)/dp each, for stages 1-2 (the same total); stage 3 gathers its partitioned parameters before
     forward, and refreshes the persistent (whole) ones once after the step; it gathers the partitioned ones again
     before backward only without reuse (zero3nr): by default (stage3_max_reuse_distance 1e9, more than the
-    bench model's 5.2M elements) every unit stays gathered from the forward into the backward."""
+    bench model's 5.3M elements) every unit stays gathered from the forward into the backward."""
     kind, share = variant.split("-")[0], (dp - 1) / dp
     stage = 0 if kind in ("ddp", "ddpamp") else stage_and_offload(kind)[0]
     if stage == 0:
