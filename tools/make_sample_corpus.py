@@ -6,14 +6,17 @@
 One JSON object per line, `{"text": ..., "url": "python://<package>/<file>"}` (the shape of OpenWebText's loose
 JSON). Sources are read as text and parsed with `ast`: nothing is imported or executed. A document is the
 docstrings of one module (module, classes, functions in source order, separated by blank lines), cut into
-documents of at most --max-doc-chars at docstring boundaries. Files are visited in sorted order (standard
-library first, then SOURCE_PACKAGES by name), so the output is deterministic for a given Python and set of
-runtime package versions, whatever else is installed; it stops once --max-mb of text has been written.
+documents of at most --max-doc-chars at docstring boundaries. Files are listed in sorted order (standard library,
+then SOURCE_PACKAGES by name) and visited in a random.Random(--seed) shuffle of that list, so the output is
+deterministic for a given Python and set of runtime package versions, whatever else is installed, and every part of
+it (Megatron's --split takes contiguous document ranges) mixes all packages, as a shuffled web crawl does; it stops
+once --max-mb of text has been written.
 """
 import ast
 import json
 import multiprocessing
 import os
+import random
 import sys
 import sysconfig
 import time
@@ -72,10 +75,13 @@ def module_documents(job):
             for i, text in enumerate(documents) if len(text) >= min_doc_chars]
 
 
-def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_chars=8000, min_doc_chars=200):
+def write_corpus(output, max_mb=24.0, stdlib_only=False, workers=2, max_doc_chars=8000, min_doc_chars=200,
+                 seed=1234):
     """Write the corpus to `output` (atomically); returns (documents, bytes)."""
     max_bytes = int(max_mb * 1e6)
-    jobs = ((label, root, path, max_doc_chars, min_doc_chars) for label, root, path in python_files(stdlib_only))
+    files = list(python_files(stdlib_only))
+    random.Random(seed).shuffle(files)   # a module's documents stay together; modules of all packages interleave
+    jobs = ((label, root, path, max_doc_chars, min_doc_chars) for label, root, path in files)
     docs = written = 0
     ctx = multiprocessing.get_context("fork")
     with atomic_path(output) as tmp:
@@ -97,10 +103,11 @@ def main(argv=None):
     parser.add_argument("--max-mb", type=float, default=24.0, help="stop after this many MB (default 24)")
     parser.add_argument("--stdlib-only", action="store_true", help="only the standard library (~2 MB)")
     parser.add_argument("--workers", type=int, default=2, help="parser processes (default 2)")
+    parser.add_argument("--seed", type=int, default=1234, help="the order files are visited in (default 1234)")
     args = parser.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     start = time.time()
-    docs, written = write_corpus(args.output, args.max_mb, args.stdlib_only, args.workers)
+    docs, written = write_corpus(args.output, args.max_mb, args.stdlib_only, args.workers, seed=args.seed)
     print(f"wrote {docs} documents, {written / 1e6:.1f} MB to {args.output} in {time.time() - start:.1f} s",
           file=sys.stderr)
 

@@ -151,3 +151,9 @@ def test_sample_corpus_is_deterministic(tmp_path):
     assert _read(a) == _read(b) and docs_a == docs_b > 10 and size_a >= 200_000
     first = json.loads(open(a, encoding="utf-8").readline())
     assert first["url"].startswith("python://stdlib/") and len(first["text"]) >= 200
+    # files are visited in a seeded shuffle, so a contiguous split mixes modules from all over the sorted listing
+    urls = [json.loads(line)["url"] for line in open(a, encoding="utf-8")]
+    assert urls != sorted(urls), urls
+    c = str(tmp_path / "c.json")
+    make_sample_corpus.write_corpus(c, max_mb=0.2, stdlib_only=True, workers=1, seed=1)
+    assert _read(c) != _read(a)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_script
+from tests.helpers import REPO, run_script, SCRIPT_TEST_SHAPE
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import prepare_sft_data  # noqa: E402
@@ -100,11 +100,11 @@ def test_missing_corpus_is_one_line(tmp_path):
 
 
 def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained):
-    """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained), then 40 LoRA steps: the validation perplexity
-    drops (5313 -> 4894 here; LoRA cannot sharpen the frozen, barely trained embeddings much further),
-    both sets of answers print."""
+    """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained), then 20 LoRA steps: the validation perplexity
+    drops by at least 3% (LoRA cannot sharpen the frozen, barely trained embeddings much further), both sets of
+    answers print."""
     base, _ = ds_pretrained
-    stdout = run_script("finetune_gpt.sh", {"SEQ_LENGTH": "64", "LOG_INTERVAL": "10", "TRAIN_ITERS": "40",
+    stdout = run_script("finetune_gpt.sh", {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
                                             "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base),
                                             "CHECKPOINT_PATH": str(tmp_path / "lora")})
     before = float(re.search(r"^validation perplexity before fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
@@ -115,7 +115,7 @@ def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained):
         block = re.search(rf"^question {number}: (.*)\n  reference: (.*)\n  before: (.*)\n  after:  (.*)$", stdout,
                           re.M)
         assert block.group(1, 2) == (row["prompt"], row["response"])
-    assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     lora = tmp_path / "lora"
     assert f"plot: {lora}/run.png and {lora}/run.html (from {lora}/log.jsonl)" in stdout
     assert (lora / "run.png").stat().st_size > 10_000 and "<svg" in (lora / "run.html").read_text()

@@ -81,7 +81,8 @@ def test_ds_pretrain_gpt_sh(ds_pretrained):
     assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL", stdout)
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(checkpoint), OUT_SEQ_LENGTH="4"))
-    assert "Context: Return the number of" in stdout and "Megatron-LM:" in stdout, stdout
+    assert "Context: Return the number of" in stdout and stdout.count("Megatron-LM:") == 2, stdout
+    assert "sampled continuation (top-p 0.9, seed 1234):" in stdout, stdout
 
 
 def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):

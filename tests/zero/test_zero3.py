@@ -539,10 +539,9 @@ def test_cli_stage3_at_mp2_dp2_equals_the_single_process(tmp_path):
 
 
 def test_ds_script_runs_the_zero3_offload_config(tmp_path, webtext_data):
-    from tests.helpers import logged_losses, run_script
+    from tests.helpers import logged_losses, run_script, SHORT_PRETRAIN
     stdout = run_script("ds_zero2_pretrain_gpt_model_parallel.sh",
-                        {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "EVAL_ITERS": "2",
-                         "SEQ_LENGTH": "64", "GPUS_PER_NODE": "2", "MP_SIZE": "1",
+                        {**SHORT_PRETRAIN, "GPUS_PER_NODE": "2", "MP_SIZE": "1",
                          "DS_CONFIG": "scripts/ds_zero3_offload_config.json",
                          "EXTRA_ARGS": "--zero-stage 3 --remote-device cpu", "CHECKPOINT_PATH": str(tmp_path / "c")})
     losses = logged_losses(stdout)
