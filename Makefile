@@ -1,6 +1,6 @@
 # The README's two commands:
 #   make pretrain   create .venv, install, build the embedded default data, train GPT-2 with ZeRO-2 (--deepspeed),
-#                   then print a greedy continuation of a fixed prompt
+#                   then print a greedy and a top-p sampled continuation of a fixed prompt
 #   make finetune   LoRA fine-tuning (ZeRO-2) of make pretrain's checkpoint on the embedded chat pairs (data/sft/):
 #                   the validation perplexity and three held-out answers before and after
 #   make test       create .venv, install with test extras, run the test suite

@@ -20,8 +20,8 @@ GEN_ARGS="$MODEL_ARGS --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --load $
   --sample-input-file $workdir/prompt.txt --out-seq-length ${OUT_SEQ_LENGTH:-32}"
 launch 1 tools/generate_samples_gpt.py $GEN_ARGS --greedy --sample-output-file "$workdir/greedy.txt" \
   > "$workdir/log.txt" 2>&1 || { cat "$workdir/log.txt"; exit 1; }
-launch 1 tools/generate_samples_gpt.py $GEN_ARGS --top_p "$TOP_P" --seed "$SEED" --sample-output-file "$workdir/top_p.txt" \
-  > "$workdir/log.txt" 2>&1 || { cat "$workdir/log.txt"; exit 1; }
+launch 1 tools/generate_samples_gpt.py $GEN_ARGS --top_p "$TOP_P" --seed "$SEED" \
+  --sample-output-file "$workdir/top_p.txt" > "$workdir/log.txt" 2>&1 || { cat "$workdir/log.txt"; exit 1; }
 echo "greedy continuation ($CHECKPOINT_PATH):"
 cat -s "$workdir/greedy.txt"   # (blank lines squeezed)
 echo "sampled continuation (top-p $TOP_P, seed $SEED):"

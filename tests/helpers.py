@@ -235,8 +235,9 @@ def build_small_corpus(directory, max_mb=0.3, vocab_size=1000):
 # ---- launch scripts: run one in a subprocess, read the losses it logs -----------------------------------------------
 
 
-# The launch scripts at a test size: a model smaller than the CPU default recipe (scripts/_common.sh), so the
-# scripts' tests (up to 4 processes on 2 cores) stay quick; the micro batch is the CPU config's.
+# The launch scripts at a test size, pinned here (the CPU default's shape at half its sequence length) so that a
+# change of the recipe in scripts/_common.sh cannot slow the scripts' tests (up to 4 processes on 2 cores); the
+# micro batch is the CPU config's.
 SCRIPT_TEST_SHAPE = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "128", "NUM_HEADS": "4", "SEQ_LENGTH": "64"}
 # scripts/ds_pretrain_gpt.sh at a test size (conftest's ds_pretrained): 20 iterations
 SHORT_PRETRAIN = dict(SCRIPT_TEST_SHAPE, TRAIN_ITERS="20", LOG_INTERVAL="5", EVAL_INTERVAL="10", EVAL_ITERS="2")
