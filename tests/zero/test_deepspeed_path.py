@@ -83,6 +83,11 @@ def test_ds_pretrain_gpt_sh(ds_pretrained):
     stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(checkpoint), OUT_SEQ_LENGTH="4"))
     assert "Context: Return the number of" in stdout and stdout.count("Megatron-LM:") == 2, stdout
     assert "sampled continuation (top-p 0.9, seed 1234):" in stdout, stdout
+    # the second continuation is sampled: a 20-step model's next-token distribution is nearly flat, so top-p 0.9
+    # (seed 1234) leaves the argmax path within 4 tokens
+    greedy, sampled = re.findall(r"^Megatron-LM:(.*?)(?=^greedy continuation|^sampled continuation|\Z)", stdout,
+                                 re.S | re.M)
+    assert greedy.strip() != sampled.strip(), stdout
 
 
 def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):
