@@ -421,7 +421,8 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
     record = operations.validation_record(split, prefix, train_state.iteration, results)
     if args.log_jsonl and args.rank == 0:
         operations.write_jsonl_record(args.log_jsonl, record)
-    parts = [f"{key} value: {value:.6E} | {key} PPL: {record['ppl'][key]:.6E}" for key, value in results.items()]
+    parts = [f"{key} value: {value:.6E}" + (f" | {key} PPL: {record['ppl'][key]:.6E}" if key in record["ppl"] else "")
+             for key, value in results.items()]
     line = f" validation loss at {prefix} | " + " | ".join(parts)
     print_rank_0("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     writer = get_tensorboard_writer()

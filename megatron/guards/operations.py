@@ -171,10 +171,17 @@ def perplexity(loss):
 
 def validation_record(split, at, iteration, losses):
     """A --log-jsonl record of one evaluation (split 'valid' during and at the end of training, 'test' once at the
-    end; `at` as the log line says it: 'iteration 100', 'the end of training'): the averaged losses and their
-    perplexities, the values the validation log line prints."""
+    end; `at` as the log line says it: 'iteration 100', 'the end of training'): the averaged values and the
+    perplexities of the losses among them (is_loss: an accuracy or a score has none), the values the validation
+    log line prints."""
     return {"type": "validation", "split": split, "at": at, "iteration": iteration, "losses": dict(losses),
-            "ppl": {key: perplexity(value) for key, value in losses.items()}}
+            "ppl": {key: perplexity(value) for key, value in losses.items() if is_loss(key)}}
+
+
+def is_loss(key):
+    """Whether a logged value is a loss, whose exp is a perplexity ('lm loss'); not an accuracy, a score or a
+    reward (the reward model's and DPO's other logged values)."""
+    return key.endswith("loss")
 
 
 def write_jsonl_record(path, record):

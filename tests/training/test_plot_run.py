@@ -75,6 +75,15 @@ def test_header_record_holds_the_run_arguments_and_layout(logged_run):
     json.dumps(header, allow_nan=False)
 
 
+def test_only_losses_have_a_perplexity():
+    """A reward model's and DPO's validation also averages an accuracy, scores and rewards: exp of those is no
+    perplexity, so neither the record nor the printed line gives one (the line printed 'accuracy PPL' once)."""
+    from megatron.guards import operations
+    losses = {"lm loss": 2.0, "accuracy": 0.5, "chosen score": -1.0, "rewards/margins": 0.25}
+    record = operations.validation_record("valid", "iteration 1", 1, losses)
+    assert record["ppl"] == {"lm loss": math.exp(2.0)} and record["losses"] == losses
+
+
 def test_validation_records_are_the_printed_validation_lines(logged_run):
     records, history = logged_run["records"], logged_run["history"]
     printed = re.findall(r" validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)",
