@@ -13,7 +13,9 @@ go to test until it holds --test-percent of the pairs, then to valid likewise, t
                                                        tools/preprocess_sft_data.py (template deepspeed-chat) with
                                                        the default data's tokenizer (data/webtext/, built if missing)
   data/sft/preference_{train,valid,test}.jsonl         toy preference pairs: chosen = the example's answer,
-                                                       rejected = another question's answer (random, --seed)
+                                                       rejected = the answer of a question from another topic
+                                                       (YAML file) of the same split, --rejected-per-example of
+                                                       them per example (random, --seed)
   data/sft/chatterbot_preference_pairs_{input_ids,loss_mask}_document.{bin,idx}
                                                        those pairs tokenized (preprocess_sft_data.py --preference):
                                                        train_reward_model.py's and --objective dpo's default data
@@ -37,7 +39,6 @@ sys.path.insert(0, REPO_ROOT)
 from megatron import cli  # noqa: E402
 from megatron.checkpoint.atomic_io import atomic_write_text  # noqa: E402
 from megatron.data.gpt_dataset import get_train_valid_test_split_  # noqa: E402
-from megatron.posttrain.sft_dataset import output_prefixes  # noqa: E402
 import prepare_default_data  # noqa: E402
 import preprocess_sft_data  # noqa: E402
 
@@ -45,6 +46,7 @@ SPLITS = ("train", "valid", "test")
 NAME = "chatterbot"
 SOURCE = "chatterbot-corpus==1.3.3"
 INSTALL_HINT = "pip install chatterbot-corpus==1.3.3 PyYAML (make install does)"
+REJECTED_PER_EXAMPLE = 4    # preference pairs per example (each with another rejected answer)
 
 
 class SourceError(RuntimeError):
@@ -113,20 +115,23 @@ def split_pairs(pairs, seed, valid_percent, test_percent):
     return splits
 
 
-def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=None, workers=1):
+def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=None, workers=1,
+            rejected_per_example=REJECTED_PER_EXAMPLE):
     """The manifest dict (plus "built": whether this call built it), building out_dir when its manifest is missing
-    (idempotent)."""
+    (idempotent; preference pairs of another kind or count are rebuilt from the splits' files)."""
     manifest_path = os.path.join(out_dir, f"{NAME}.json")
     vocab_dir = vocab_dir or os.path.join(REPO_ROOT, "data", "webtext")
     vocab, merges = os.path.join(vocab_dir, "vocab.json"), os.path.join(vocab_dir, "merges.txt")
     if os.path.exists(manifest_path):
         with open(manifest_path, encoding="utf-8") as handle:
             manifest = json.load(handle)
-        if "preference" not in manifest:    # built before the preference pairs: add them from the splits' files
+        if manifest.get("preference", {}).get("rejected_per_example") != rejected_per_example:
+            # built before these preference pairs (none, or one random answer each): rebuild them
             splits = {name: [(row["prompt"], row["response"]) for row in map(json.loads, open(
                 os.path.join(out_dir, f"{name}.jsonl"), encoding="utf-8"))] for name in SPLITS}
-            manifest["preference"] = prepare_preference_pairs(out_dir, splits, manifest["seed"], vocab, merges,
-                                                              workers)
+            topics = {(prompt, response): name for name, prompt, response in read_pairs(corpus_dir())[0]}
+            manifest["preference"] = prepare_preference_pairs(out_dir, splits, topics, manifest["seed"],
+                                                              rejected_per_example, vocab, merges, workers)
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
         return dict(manifest, built=False)
     if not (os.path.exists(vocab) and os.path.exists(merges)):
@@ -152,7 +157,9 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
         stats = preprocess_sft_data.preprocess(options)
     if stats["examples"] != sum(counts):
         raise SourceError(f"{stats['examples']} examples tokenized from {sum(counts)} pairs")
-    preference = prepare_preference_pairs(out_dir, splits, seed, vocab, merges, workers)
+    topics = {(prompt, response): name for name, prompt, response in pairs}
+    preference = prepare_preference_pairs(out_dir, splits, topics, seed, rejected_per_example, vocab, merges,
+                                          workers)
     manifest = {"source": SOURCE, "seed": seed, "valid_percent": valid_percent, "test_percent": test_percent,
                 "pairs": sum(counts), "skipped_conversations": skipped, "counts": dict(zip(SPLITS, counts)),
                 "split": split,
@@ -164,23 +171,26 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
     return dict(manifest, built=True)
 
 
-def preference_pairs(examples, seed):
-    """A toy preference set from (prompt, response) examples: each example's answer is chosen, the answer of
-    another question (random.Random(seed), a different case-folded question) rejected."""
+def preference_pairs(examples, topics, seed, per_example):
+    """A toy preference set from (prompt, response) examples: each example's answer is chosen against
+    `per_example` rejected answers (one pair each, together), drawn without replacement by random.Random(seed) from
+    the examples of another topic (`topics`: (prompt, response) -> its YAML file). Another topic, not only another
+    question: within a topic many answers fit many questions (emotion.yml's answers all fit "how are you?"), and a
+    reward model cannot learn a preference that is a coin toss."""
     rng = random.Random(seed)
     pairs = []
     for prompt, response in examples:
-        others = [r for p, r in examples if question_key(p) != question_key(prompt) and r != response]
-        if others:
-            pairs.append({"prompt": prompt, "chosen": response, "rejected": rng.choice(others)})
+        others = [r for p, r in examples if topics[(p, r)] != topics[(prompt, response)] and r != response]
+        for rejected in rng.sample(others, min(per_example, len(others))):
+            pairs.append({"prompt": prompt, "chosen": response, "rejected": rejected})
     return pairs
 
 
-def prepare_preference_pairs(out_dir, splits, seed, vocab, merges, workers):
+def prepare_preference_pairs(out_dir, splits, topics, seed, per_example, vocab, merges, workers):
     """data/sft/preference_{train,valid,test}.jsonl and chatterbot_preference_pairs_... (tokenized
     by tools/preprocess_sft_data.py --preference, pairs kept together; train, valid, test in order): the
     default data of train_reward_model.py and finetune_gpt.py --objective dpo. Returns its manifest entry."""
-    pairs = {name: preference_pairs(splits[name], seed) for name in SPLITS}
+    pairs = {name: preference_pairs(splits[name], topics, seed, per_example) for name in SPLITS}
     lines = {name: "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs[name]) for name in SPLITS}
     for name in SPLITS:
         atomic_write_text(os.path.join(out_dir, f"preference_{name}.jsonl"), lines[name])
@@ -197,7 +207,8 @@ def prepare_preference_pairs(out_dir, splits, seed, vocab, merges, workers):
     if stats["examples"] != sum(counts):
         raise SourceError(f"{stats['examples']} preference pairs tokenized from {sum(counts)}")
     return {"data_prefix": prefix, "counts": dict(zip(SPLITS, counts)),
-            "split": ",".join(str(count) for count in counts), "rejected": "another question's answer (a toy)"}
+            "split": ",".join(str(count) for count in counts), "rejected_per_example": per_example,
+            "rejected": "the answer of a question from another topic file (a toy)"}
 
 
 def main(argv=None):
@@ -209,15 +220,18 @@ def main(argv=None):
     parser.add_argument("--vocab-dir", default=None, help="vocab.json and merges.txt (default: data/webtext/, "
                         "built by tools/prepare_default_data.py when missing)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--rejected-per-example", type=int, default=REJECTED_PER_EXAMPLE,
+                        help="preference pairs per example: its answer against this many other topics' answers")
     args = parser.parse_args(argv)
-    cli.require_range(parser, args, positive=("workers",), non_negative=("valid_percent", "test_percent"))
+    cli.require_range(parser, args, positive=("workers", "rejected_per_example"),
+                      non_negative=("valid_percent", "test_percent"))
     if args.valid_percent + args.test_percent >= 100:
         parser.error(f"--valid-percent {args.valid_percent} + --test-percent {args.test_percent} leave no training "
                      "data: keep their sum under 100")
     start = time.time()
     try:
         manifest = prepare(args.output_dir, args.seed, args.valid_percent, args.test_percent, args.vocab_dir,
-                           args.workers)
+                           args.workers, args.rejected_per_example)
     except (SourceError, preprocess_sft_data.BadLine, OSError) as error:
         raise SystemExit(f"error: {error}")
     state = "exists" if not manifest["built"] else f"built in {time.time() - start:.1f} s"

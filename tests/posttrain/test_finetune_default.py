@@ -82,6 +82,28 @@ def test_split_is_deterministic_and_by_question(sft_dir, tmp_path, webtext_data)
     assert not prepare_sft_data.prepare(str(again), vocab_dir=webtext_data)["built"]
 
 
+def test_older_preference_pairs_are_rebuilt(sft_dir, tmp_path, webtext_data):
+    """A data/sft/ whose preference pairs predate rejected_per_example (one random answer each) gets today's pairs
+    on the next prepare, byte for byte a fresh build's, the SFT files untouched; another --rejected-per-example
+    rebuilds them with that many pairs per example."""
+    import shutil
+    old = tmp_path / "old"
+    shutil.copytree(sft_dir, old)
+    manifest = json.loads((old / "chatterbot.json").read_text())
+    del manifest["preference"]["rejected_per_example"]
+    (old / "chatterbot.json").write_text(json.dumps(manifest))
+    (old / "preference_valid.jsonl").write_text("")
+    sft_files = {name: (old / name).read_bytes() for name in os.listdir(old) if "preference" not in name}
+    assert not prepare_sft_data.prepare(str(old), vocab_dir=webtext_data)["built"]
+    for name in os.listdir(sft_dir):
+        assert (old / name).read_bytes() == (sft_dir / name).read_bytes(), name
+    two = prepare_sft_data.prepare(str(old), vocab_dir=webtext_data, rejected_per_example=2)["preference"]
+    assert two["counts"] == {"train": 2 * 1058, "valid": 2 * 59, "test": 2 * 59} and two["rejected_per_example"] == 2
+    assert len(_jsonl(old / "preference_test.jsonl")) == 2 * 59
+    assert {name: (old / name).read_bytes() for name in sft_files if name != "chatterbot.json"} == {
+        name: data for name, data in sft_files.items() if name != "chatterbot.json"}
+
+
 def test_another_seed_deals_other_questions():
     pairs, _ = prepare_sft_data.read_pairs(prepare_sft_data.corpus_dir())
     one, other = (prepare_sft_data.split_pairs(pairs, seed, 5.0, 5.0) for seed in (1234, 1235))
