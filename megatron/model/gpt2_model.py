@@ -110,11 +110,11 @@ class TiedLMHead(nn.Module):
     """logits_r = hidden @ W_r^T with the word embedding W (no parameters of its own: a module so that ZeRO-3 can
     gather W around this use)."""
 
-    def forward(self, hidden, word_embedding_weight, weight_t=None):
-        """weight_t: word_embedding_weight transposed, contiguous (decoding on CPU: InferenceCache)."""
+    def forward(self, hidden, word_embedding_weight, matmul=None):
+        """matmul: x -> x @ word_embedding_weight^T in a decoding layout (on CPU: InferenceCache.head_matmul)."""
         hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
-        if weight_t is not None:
-            return torch.matmul(hidden_parallel, weight_t)
+        if matmul is not None:
+            return matmul(hidden_parallel)
         return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
 
 
@@ -248,8 +248,9 @@ class GPT2Model(nn.Module):
             return self.score(hidden).squeeze(-1)                            # [b, s]
         if last_logits_only:
             hidden = hidden[:, -1:]                                           # [b, 1, h]
-        weight_t = inference_cache.weight_t(self.word_embeddings.weight) if inference_cache is not None else None
-        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, weight_t)   # [b, s, V/p]
+        matmul = None if inference_cache is None else inference_cache.head_matmul(
+            self.word_embeddings.weight, hidden.size(0) * hidden.size(1))
+        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, matmul)   # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,
                                                     real_vocab_size=self.config.real_vocab_size)

@@ -11,6 +11,7 @@ from tests.inference.test_generation import _hf_greedy, build_model
 PROMPTS = [[5, 9, 3], [11, 60, 61, 7, 33, 2, 8], [40, 2, 17, 9, 13]]     # lengths 3, 7, 5
 NEW = 12                                                                # 7 + 12 <= 24 positions
 LONG, SHORT = list(range(1, 21)), [7, 8, 9]                             # 20 tokens: room for 4 of 24
+FOUR = PROMPTS + [[3, 14, 15, 9, 26, 5]]        # 4 rows: the LM head decodes through oneDNN (1 row alone: not)
 
 
 def _hf_batched_left_padded(model, prompts, new):
@@ -64,6 +65,23 @@ def _cache_writes(model):
     return seen
 
 
+def _head_layouts(model, prompts):
+    """The kinds of decoding layout the cache holds at the second step of a generate call ("onednn": a packed
+    weight, "transposed": a transposed copy), and the shape of each."""
+    from megatron.text_generation import generate
+    seen = []
+
+    def record(module, args, output):
+        seen.append(sorted(("onednn" if isinstance(key, tuple) else "transposed", tuple(w.shape))
+                           for key, w in args[2].transposed.items()))
+    handle = model.transformer.layers[0].attention.register_forward_hook(record)
+    try:
+        generate(model, prompts, 3, greedy=True)
+    finally:
+        handle.remove()
+    return seen[1]
+
+
 def _early_stop():
     """One prompt whose first greedy token is end-of-text, 40 new tokens allowed: (output, model forwards)."""
     from megatron.text_generation import generate
@@ -89,7 +107,11 @@ def _all_cases():
               "capped_hf": [_hf_greedy(model, [LONG], 4)[0], _hf_greedy(model, [SHORT], NEW)[0]],
               "prefill": _padded_prefill_error(model),
               "writes": _cache_writes(model),
-              "early_stop": _early_stop()}
+              "early_stop": _early_stop(),
+              "four": generate(model, FOUR, NEW, greedy=True),
+              "four_alone": [generate(model, [p], NEW, greedy=True)[0] for p in FOUR],
+              "four_hf": _hf_batched_left_padded(model, FOUR, NEW),
+              "layouts": {rows: _head_layouts(model, FOUR[:rows]) for rows in (3, 4)}}
     return result
 
 
@@ -147,6 +169,37 @@ def test_decoding_layout_only_for_wide_cpu_weights_not_gathered_per_unit():
     assert decoding_weight_t({}, per_unit) is None
     per_unit.ds_manager.hooks_bypassed = True                                      # gathered_for_inference
     assert torch.equal(decoding_weight_t({}, per_unit), per_unit.detach().t())
+
+
+def test_four_rows_decode_through_onednn_and_match_each_alone_and_huggingface(cases):
+    """From ONEDNN_HEAD_MIN_ROWS = 4 rows the LM head multiplies by oneDNN's packed weight (a prompt alone: the
+    transposed copy): the tokens are each prompt's alone and HF's."""
+    h, layers, vocab = 32, 2, 64
+    layer_layouts = [("transposed", (h, 3 * h))] * layers + [("transposed", (h, 4 * h))] * layers
+    assert cases["layouts"][3] == sorted(layer_layouts + [("transposed", (h, vocab))]), cases["layouts"]
+    assert [kind for kind, _ in cases["layouts"][4]].count("onednn") == 1, cases["layouts"]
+    assert ("transposed", (h, vocab)) not in cases["layouts"][4]
+    assert cases["four"] == cases["four_alone"] == cases["four_hf"]
+
+
+def test_head_matmul_layouts_and_their_products():
+    """decoding_head_matmul: 3 rows the transposed copy, 4 rows oneDNN (float32 CPU only), both equal to
+    x @ W^T (1e-5); a bf16 weight keeps the transposed copy; a ZeRO-3 weight gathered per unit gets none."""
+    from mpu.transformer import decoding_head_matmul, ONEDNN_HEAD_MIN_ROWS
+    assert ONEDNN_HEAD_MIN_ROWS == 4
+    torch.manual_seed(0)
+    weight = torch.randn(96, 16)
+    for rows, kind in ((3, int), (4, tuple)):
+        store, x = {}, torch.randn(rows, 1, 16)
+        out = decoding_head_matmul(store, weight, rows)(x)
+        assert out.shape == (rows, 1, 96) and torch.allclose(out, x @ weight.t(), atol=1e-5, rtol=0)
+        assert [type(key) for key in store] == [kind], store.keys()
+    store = {}
+    decoding_head_matmul(store, weight.bfloat16(), 8)
+    assert [type(key) for key in store] == [int]
+    per_unit = torch.nn.Parameter(weight.clone())
+    per_unit.ds_manager = type("Manager", (), {"hooks_bypassed": False})()        # ZeRO-3, gathered per unit
+    assert decoding_head_matmul({}, per_unit, 8) is None and decoding_head_matmul({}, per_unit, 1) is None
 
 
 def test_generation_stops_at_the_first_done_check_after_every_row_ended(cases):
