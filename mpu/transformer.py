@@ -104,8 +104,10 @@ def decoding_head_matmul(store, weight, rows):
     ONEDNN_HEAD_MIN_ROWS rows on, oneDNN's linear on a weight it packed (torch.ops.mkldnn, where this build has it,
     float32): MKL's GEMM with 4-16 rows and 8192 columns runs 1.5-3x slower than that (one thread, weights out of
     cache, 8192 x 256: 8 rows 2.52 vs 1.38 ms, 4 rows 2.12 vs 0.86 ms), while at 1 or 2 rows its GEMV on the
-    transposed copy is faster (0.46 vs 0.81 ms at 1 row). Packing costs about what transposing does."""
-    if rows >= ONEDNN_HEAD_MIN_ROWS and weight.dtype == torch.float32 and _onednn_linear_available():
+    transposed copy is faster (0.46 vs 0.81 ms at 1 row). Packing costs about what transposing does. Only without
+    autograd (generate runs under no_grad); with it, the transposed copy."""
+    if (rows >= ONEDNN_HEAD_MIN_ROWS and weight.dtype == torch.float32 and not torch.is_grad_enabled()
+            and _onednn_linear_available()):      # the oneDNN op has no autograd formula
         if not _decodable(weight):
             return None
         key = ("onednn", id(weight))

@@ -183,19 +183,24 @@ def test_four_rows_decode_through_onednn_and_match_each_alone_and_huggingface(ca
 
 
 def test_head_matmul_layouts_and_their_products():
-    """decoding_head_matmul: 3 rows the transposed copy, 4 rows oneDNN (float32 CPU only), both equal to
-    x @ W^T (1e-5); a bf16 weight keeps the transposed copy; a ZeRO-3 weight gathered per unit gets none."""
+    """decoding_head_matmul: 3 rows the transposed copy, 4 rows oneDNN (float32 CPU, no autograd), both equal to
+    x @ W^T (1e-5); a bf16 weight or autograd on keeps the transposed copy; a ZeRO-3 weight gathered per unit
+    gets none."""
     from mpu.transformer import decoding_head_matmul, ONEDNN_HEAD_MIN_ROWS
     assert ONEDNN_HEAD_MIN_ROWS == 4
     torch.manual_seed(0)
     weight = torch.randn(96, 16)
-    for rows, kind in ((3, int), (4, tuple)):
-        store, x = {}, torch.randn(rows, 1, 16)
-        out = decoding_head_matmul(store, weight, rows)(x)
-        assert out.shape == (rows, 1, 96) and torch.allclose(out, x @ weight.t(), atol=1e-5, rtol=0)
-        assert [type(key) for key in store] == [kind], store.keys()
-    store = {}
-    decoding_head_matmul(store, weight.bfloat16(), 8)
+    with torch.no_grad():
+        for rows, kind in ((3, int), (4, tuple)):
+            store, x = {}, torch.randn(rows, 1, 16)
+            out = decoding_head_matmul(store, weight, rows)(x)
+            assert out.shape == (rows, 1, 96) and torch.allclose(out, x @ weight.t(), atol=1e-5, rtol=0)
+            assert [type(key) for key in store] == [kind], store.keys()
+        store = {}
+        decoding_head_matmul(store, weight.bfloat16(), 8)
+        assert [type(key) for key in store] == [int]
+    store = {}                                                   # with autograd on: the transposed copy
+    decoding_head_matmul(store, weight, 8)
     assert [type(key) for key in store] == [int]
     per_unit = torch.nn.Parameter(weight.clone())
     per_unit.ds_manager = type("Manager", (), {"hooks_bypassed": False})()        # ZeRO-3, gathered per unit
