@@ -92,6 +92,11 @@ def read_pairs(directory):
     return pairs, skipped
 
 
+def topic_of(pairs):
+    """{(prompt, response): its YAML file} of read_pairs' (file name, prompt, response) pairs."""
+    return {(prompt, response): name for name, prompt, response in pairs}
+
+
 def question_key(prompt):
     """What makes two prompts the same question: case-folded, whitespace collapsed."""
     return " ".join(prompt.casefold().split())
@@ -129,7 +134,7 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
             # built before these preference pairs (none, or one random answer each): rebuild them
             splits = {name: [(row["prompt"], row["response"]) for row in map(json.loads, open(
                 os.path.join(out_dir, f"{name}.jsonl"), encoding="utf-8"))] for name in SPLITS}
-            topics = {(prompt, response): name for name, prompt, response in read_pairs(corpus_dir())[0]}
+            topics = topic_of(read_pairs(corpus_dir())[0])
             manifest["preference"] = prepare_preference_pairs(out_dir, splits, topics, manifest["seed"],
                                                               rejected_per_example, vocab, merges, workers)
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
@@ -157,7 +162,7 @@ def prepare(out_dir, seed=1234, valid_percent=5.0, test_percent=5.0, vocab_dir=N
         stats = preprocess_sft_data.preprocess(options)
     if stats["examples"] != sum(counts):
         raise SourceError(f"{stats['examples']} examples tokenized from {sum(counts)} pairs")
-    topics = {(prompt, response): name for name, prompt, response in pairs}
+    topics = topic_of(pairs)
     preference = prepare_preference_pairs(out_dir, splits, topics, seed, rejected_per_example, vocab, merges,
                                           workers)
     manifest = {"source": SOURCE, "seed": seed, "valid_percent": valid_percent, "test_percent": test_percent,
@@ -221,7 +226,7 @@ def main(argv=None):
                         "built by tools/prepare_default_data.py when missing)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--rejected-per-example", type=int, default=REJECTED_PER_EXAMPLE,
-                        help="preference pairs per example: its answer against this many other topics' answers")
+                        help="preference pairs per example: its answer against this many answers from other topics")
     args = parser.parse_args(argv)
     cli.require_range(parser, args, positive=("workers", "rejected_per_example"),
                       non_negative=("valid_percent", "test_percent"))
