@@ -181,3 +181,17 @@ def test_bench_summaries_are_medians_with_spread_and_paired_ratios():
     assert phases == ["zero2-fp32", "20.0", "40.0", "1.0", "61.0"]
     runs["ds2-fp32"] = [run(100.0), run(80.0), run(100.0)]     # our stage 2 / DeepSpeed's: 1.2, 0.5, 1.5
     assert bench_zero.deepspeed_ratio_lines(runs) == ["# zero2-fp32 / ds2-fp32: per-repeat median 1.20x (0.50-1.50)"]
+
+
+def test_bench_zero_comm_table_gives_bytes_ideal_and_calls_per_op():
+    """A comm row: MB sent, the ideal volume for its stage, their ratio, and per op its MB and number of calls (how
+    many collectives the step launches: stage 3's gathers are one broadcast per owner of each unit's runs)."""
+    import bench_zero
+    mb = 2 ** 20
+    measured = {2: {"zero3-fp32": ({"broadcast": 10 * mb, "reduce": 10 * mb, "all_reduce": 0.0}, 20 * mb, 0, {
+        "broadcast": 9, "reduce": 6, "all_reduce": 1}), "zero2-fp32": ({"broadcast": 5 * mb, "reduce": 10 * mb},
+                                                                      20 * mb, 0, {"broadcast": 1, "reduce": 6})}}
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in bench_zero.comm_table(measured)[2:]]
+    # stage 3, dp 2, no persistent parameters: reduce-scatter + one gather = (1/2 + 1/2) x 20 MB
+    assert rows[0] == ["2", "zero3-fp32", "20.00", "20.00", "1.000", "broadcast 10.00 (9 calls), reduce 10.00 (6 calls)"]
+    assert rows[1] == ["2", "zero2-fp32", "15.00", "20.00", "0.750", "broadcast 5.00 (1 call), reduce 10.00 (6 calls)"]

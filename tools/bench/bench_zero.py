@@ -227,8 +227,8 @@ def _worker(variant, steps, warmup, zero_options, adam):
 
 
 def _comm_worker(variants, zero_options, adam):
-    """{variant: (bytes sent by op in the second step, gradient bytes, bytes of stage-3 persistent parameters)}
-    on this rank; the first step warms up."""
+    """{variant: (bytes sent by op in the second step, gradient bytes, bytes of stage-3 persistent parameters,
+    calls by op in that step)} on this rank; the first step warms up."""
     from megatron import zero
     from megatron.guards.comm_bytes import CommCounter
     numels = [p.numel() for p in GPT().parameters()]       # full sizes (stage 3 partitions the model's own)
@@ -243,7 +243,7 @@ def _comm_worker(variants, zero_options, adam):
             train_step(batch[:, :-1], batch[:, 1:])
         size = gradient_element_size(variant)
         persistent = sum(n for n in numels if n <= threshold) * size if variant.startswith("zero3") else 0
-        out[variant] = (dict(counter.bytes_by_op), sum(numels) * size, persistent)
+        out[variant] = (dict(counter.bytes_by_op), sum(numels) * size, persistent, dict(counter.calls_by_op))
         del train_step
     return out
 
@@ -418,13 +418,15 @@ def phase_table(runs):
 
 
 def comm_table(measured):
-    """Markdown rows from {dp: {variant: (bytes by op, gradient bytes, stage-3 persistent bytes)}} (rank 0's)."""
+    """Markdown rows from {dp: {variant: (bytes by op, gradient bytes, stage-3 persistent bytes, calls by op)}}
+    (rank 0's). "by collective": MB and the number of calls in the step, per op."""
     lines = ["| dp | variant     | MB sent/rank/step | ideal MB | measured/ideal | by collective |",
              "|---:|-------------|------------------:|---------:|---------------:|---------------|"]
     for dp, by_variant in measured.items():
-        for variant, (by_op, grad_bytes, persistent_bytes) in by_variant.items():
+        for variant, (by_op, grad_bytes, persistent_bytes, calls) in by_variant.items():
             sent, ideal = sum(by_op.values()), ideal_comm_bytes(variant, grad_bytes, dp, persistent_bytes)
-            split = ", ".join(f"{op} {value / 2 ** 20:.2f}" for op, value in sorted(by_op.items()) if value)
+            split = ", ".join(f"{op} {value / 2 ** 20:.2f} ({calls[op]} call{'s' * (calls[op] != 1)})" for op, value in sorted(by_op.items())
+                              if value)
             lines.append(f"| {dp:>2} | {variant:<11} | {sent / 2 ** 20:>17.2f} | {ideal / 2 ** 20:>8.2f} | "
                          f"{sent / ideal:>14.3f} | {split} |")
     return lines
