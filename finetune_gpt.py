@@ -170,10 +170,10 @@ def forward_step(step_batches, data_iterator, model):
     if not mpu.is_pipeline_last_stage():
         return losses, {}
     loss_sum, count = posttrain.masked_sum(losses, loss_mask)
-    scale = args.data_parallel_size * args.num_micro_batches / max(step_tokens, 1.0)
-    total, tokens_seen = posttrain.sum_over_group([float(loss_sum.detach()), float(count)], "sft lm loss",
+    scale = args.data_parallel_size * args.num_micro_batches / step_tokens.clamp_min(1.0)
+    total, tokens_seen = posttrain.sum_over_group([loss_sum.detach(), count], "sft lm loss",
                                                   mpu.get_data_parallel_group())
-    return loss_sum * scale, {"lm loss": (total, tokens_seen)}
+    return loss_sum * scale.to(loss_sum.dtype), {"lm loss": (total, tokens_seen)}   # read on the host once a step
 
 
 def objective_step(step_batches, reference, data_iterator, model):

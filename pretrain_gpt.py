@@ -72,7 +72,7 @@ def forward_step(data_iterator, model):
         return losses, {}   # this stage's hidden states [b, s, h], for the next pipeline stage
     loss = torch.sum(losses.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
     reduced = reduce_losses([loss])
-    return loss, {"lm loss": reduced[0].item()}
+    return loss, {"lm loss": reduced[0]}    # read on the host once per step (training.losses_to_host)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):

@@ -200,6 +200,10 @@ def _add_logging_args(parser):
     group.add_argument("--log-jsonl", type=str, default=None, metavar="FILE",
                        help="append one JSON object per log interval (rank 0): every field of the log line, the "
                             "phase timers and memory")
+    group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Megatron-LM's timer levels: 0 (default) the iteration time only, no device "
+                            "synchronization; 1 also the forward/backward/allreduce/optimizer phases, each timed "
+                            "between device synchronizations (honest phase times, slower steps on a GPU); 2 as 1")
     return parser
 
 

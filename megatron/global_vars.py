@@ -37,7 +37,7 @@ def set_global_variables(args):
     global _GLOBAL_ARGS, _GLOBAL_TIMERS, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_TOKENIZER
     _GLOBAL_ARGS = args
     _GLOBAL_TOKENIZER = _build_tokenizer(args)
-    _GLOBAL_TIMERS = Timers()
+    _GLOBAL_TIMERS = Timers(enabled=args.timing_log_level >= 1)   # level 0: no phase timers, no device syncs
     _GLOBAL_TENSORBOARD_WRITER = _build_tensorboard_writer(args)
 
 

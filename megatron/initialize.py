@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from megatron.guards import breadcrumbs, preflight
+from megatron.guards import breadcrumbs, nccl_rules, preflight
 from megatron.arguments import parse_args
 from megatron.global_vars import set_global_variables
 
@@ -20,6 +20,7 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
     """Returns the validated args; afterwards get_args()/get_timers() work."""
     breadcrumbs.install_stack_dump()
     breadcrumbs.install_collective_breadcrumbs()   # the engine's and mpu's collectives leave breadcrumbs too
+    nccl_rules.install_if_requested()              # the tests' NCCL-rules mode (MEGATRON_NCCL_RULES=1)
     args = parse_args(extra_args_provider, args_list)
     _initialize_distributed(args)
     preflight.check_agreement(args)   # one collective every rank reaches; raises PreflightError on every rank
@@ -33,23 +34,23 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
 
 
 def _initialize_distributed(args):
-    device = mpu.get_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if args.distributed_backend is None:
         args.distributed_backend = mpu.get_backend()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "6000")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
         timeout = timedelta(minutes=args.distributed_timeout_minutes)
-        store = restart_attempt_store(timeout)
-        if store is None:
-            dist.init_process_group(backend=args.distributed_backend, init_method="env://", timeout=timeout)
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            # one process started without torchrun: a store of its own, no port to collide with another job
+            mpu.init_distributed(args.distributed_backend, store=dist.HashStore(), rank=0, world_size=1,
+                                 timeout=timeout)
         else:
-            dist.init_process_group(backend=args.distributed_backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+            store = restart_attempt_store(timeout)
+            if store is None:
+                mpu.init_distributed(args.distributed_backend, init_method="env://", timeout=timeout)
+            else:
+                mpu.init_distributed(args.distributed_backend, store=store, rank=int(os.environ["RANK"]),
+                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        mpu.set_device()     # a caller that started torch.distributed itself: still bind this rank's device
     args.rank = dist.get_rank()
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,

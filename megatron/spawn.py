@@ -4,8 +4,9 @@ benchmarks' process launcher; training itself is always launched by torchrun).
     results = run_distributed(fn, world_size=2, args=(x,), model_parallel_size=2)
 
 `fn` must be a module-level function (it is pickled into spawned processes). Each worker initializes
-torch.distributed (gloo, env://; NCCL with one GPU per rank when MEGATRON_TEST_DEVICE=cuda, the tests'
---device cuda: a launch with more ranks than GPUs is skipped under pytest, refused otherwise) and, when
+torch.distributed through mpu.init_distributed, which decides device and backend (gloo on the CPU; NCCL with one GPU
+per rank where the tests' --device cuda leaves CUDA visible: a launch with more ranks than GPUs is skipped under
+pytest, refused otherwise), installs the NCCL-rules check when MEGATRON_NCCL_RULES=1 (the tests set it) and, when
 `model_parallel_size` is given, mpu's groups; calls `fn(*args)`; and sends back its return value serialized
 with torch.save (tensors are cloned, so no shared memory outlives the worker). A worker's exception fails the
 caller with that worker's traceback.
@@ -26,26 +27,27 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, model_parallel_size, queue):
+def _worker(fn, rank, world_size, port, args, model_parallel_size, queue, init_process_group=True):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
         import mpu
-        backend = "nccl" if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda" else "gloo"   # tests' --device cuda
-        if backend == "nccl":
-            torch.cuda.set_device(rank)          # one GPU per rank: _launch refuses more ranks than GPUs
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        from megatron.guards import nccl_rules
+        nccl_rules.install_if_requested()        # the tests' NCCL-rules mode (MEGATRON_NCCL_RULES=1)
+        if init_process_group:                   # mpu decides device and backend (nccl on CUDA: rank r on GPU r,
+            mpu.init_distributed(rank=rank, world_size=world_size)   # _launch refuses more ranks than GPUs)
         if model_parallel_size is not None:
             mpu.initialize_model_parallel(model_parallel_size)
         result = fn(*args)
         buffer = io.BytesIO()
         torch.save(result, buffer)
         queue.put((rank, True, buffer.getvalue()))
-        dist.barrier()
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()
+            mpu.destroy_model_parallel()
+            dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -63,15 +65,18 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=300):
+def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=300, init_process_group=True):
     """Returns [result of rank 0, result of rank 1, ...]. A launch whose rendezvous port was taken meanwhile by
-    another process (free_port() cannot hold it) is retried once on a new port."""
+    another process (free_port() cannot hold it) is retried once on a new port. `init_process_group=False`: the
+    workers only get torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and `fn` starts
+    torch.distributed itself (a DeepSpeed-style client whose `initialize` does it)."""
+    launch = (fn, world_size, args, model_parallel_size, timeout, init_process_group)
     try:
-        return _launch(fn, world_size, args, model_parallel_size, timeout)
+        return _launch(*launch)
     except RuntimeError as error:
         if "EADDRINUSE" not in str(error):
             raise
-        return _launch(fn, world_size, args, model_parallel_size, timeout)
+        return _launch(*launch)
 
 
 def too_many_ranks(world_size):
@@ -83,7 +88,7 @@ def too_many_ranks(world_size):
     return f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); this machine has {gpus}"
 
 
-def _launch(fn, world_size, args, model_parallel_size, timeout):
+def _launch(fn, world_size, args, model_parallel_size, timeout, init_process_group):
     refused = too_many_ranks(world_size)
     if refused:
         if "pytest" in sys.modules:     # a test: skipped, and named in pytest's summary (gpu_check.sh -rs)
@@ -93,7 +98,8 @@ def _launch(fn, world_size, args, model_parallel_size, timeout):
     ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, model_parallel_size, queue))
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, model_parallel_size, queue,
+                                               init_process_group))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

@@ -6,8 +6,10 @@ checkpointing).
     with timers("backward"): ...                                 # the same, as a block
     timers.log(["forward", "backward"], normalizer=10)           # rank 0: "time (ms) | forward: 1.23 | ..."
 
-Each start/stop pair synchronizes the device first (CUDA work is asynchronous), so a phase's time is its own.
-A disabled `Timers(enabled=False)` only counts calls: no synchronization, no clock.
+An enabled timer's start and stop synchronize the device first (CUDA work is asynchronous), so a phase's time is its
+own; that costs a host stall per call on a GPU, so timing is asked for (the loop's --timing-log-level 1 or 2, the
+engine's wall_clock_breakdown, activation checkpointing's profile). A disabled `Timers(enabled=False)` only counts
+calls: no synchronization, no clock, and it reports no times (`summary()` and `log()` are empty).
 """
 import time
 
@@ -87,7 +89,9 @@ class Timers:
             timer.reset()
 
     def summary(self):
-        """{name: {"count": completed pairs, "seconds": accumulated}} since the last reset."""
+        """{name: {"count": completed pairs, "seconds": accumulated}} since the last reset ({} when disabled)."""
+        if not self.enabled:
+            return {}
         return {name: {"count": t.count, "seconds": t.seconds} for name, t in self.timers.items()}
 
     def mean_ms_text(self, reset=True):
@@ -100,6 +104,6 @@ class Timers:
     def log(self, names, normalizer=1.0, reset=True):
         """Print 'time (ms) | name: ms / normalizer | ...' on rank 0."""
         parts = [f"{name}: {self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"
-                 for name in names if name in self.timers]
+                 for name in names if name in self.timers and self.enabled]
         if parts and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             print("time (ms) | " + " | ".join(parts), flush=True)

@@ -242,7 +242,24 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
                                         getattr(torch, args.params_dtype), mpu.get_device())
     losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward, args.num_micro_batches,
                                                    spec, forward_only=forward_only)
-    return schedules.broadcast_losses_from_last_stage(losses), norms[-1]
+    return schedules.broadcast_losses_from_last_stage(losses_to_host(losses)), norms[-1]
+
+
+def losses_to_host(losses):
+    """The micro-batches' loss dicts with every tensor value (a 0-d loss, or a (sum, count) pair's members) read
+    as a Python float, all in one device-to-host copy: the step's one host sync for its losses, however many
+    micro-batches and keys (a forward step returns tensors; `.item()` in each would stall the GPU each time)."""
+    tensors = [v for d in losses for value in d.values()
+               for v in (value if isinstance(value, tuple) else (value,)) if torch.is_tensor(v)]
+    if not tensors:
+        return losses
+    floats = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+
+    def host(value):
+        if isinstance(value, tuple):
+            return tuple(host(v) for v in value)
+        return next(floats) if torch.is_tensor(value) else value
+    return [{key: host(value) for key, value in d.items()} for d in losses]
 
 
 def _average(losses):

@@ -18,12 +18,15 @@ from . import fused as compiled_ops
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 
 
-def _vocab_range(partition_vocab_size, device):
+def _vocab_range(partition_vocab_size, device, vocab_size=None):
     """(first vocabulary id of this rank's logits: an exclusive prefix sum of the partition widths, the whole
-    vocabulary: their sum)."""
+    vocabulary: their sum). An even split the caller names (`vocab_size` = width x ranks: the model's padded
+    vocabulary) is rank x width: no all-reduce, no host sync; an uneven one is summed across the ranks."""
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return 0, partition_vocab_size
+    if vocab_size is not None and vocab_size == partition_vocab_size * world_size:
+        return get_model_parallel_rank() * partition_vocab_size, vocab_size
     widths = torch.zeros(world_size, dtype=torch.int64, device=device)
     widths[get_model_parallel_rank()] = partition_vocab_size
     dist.all_reduce(widths, group=get_model_parallel_group())
@@ -33,9 +36,9 @@ def _vocab_range(partition_vocab_size, device):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, real_vocab_size):
+    def forward(ctx, vocab_parallel_logits, target, real_vocab_size, vocab_size):
         group = get_model_parallel_group()
-        local_target, outside, real = _local_target(target, vocab_parallel_logits, real_vocab_size)
+        local_target, outside, real = _local_target(target, vocab_parallel_logits, real_vocab_size, vocab_size)
         logits = vocab_parallel_logits.float()
         if real > 0:
             logits_max = logits[..., :real].amax(dim=-1)
@@ -66,14 +69,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (~outside).to(grad_input.dtype)
         grad_input.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
         grad_input.mul_(grad_output.unsqueeze(-1))
-        return grad_input.to(ctx.input_dtype), None, None
+        return grad_input.to(ctx.input_dtype), None, None, None
 
 
-def _local_target(target, vocab_parallel_logits, real_vocab_size):
+def _local_target(target, vocab_parallel_logits, real_vocab_size, vocab_size=None):
     """(target - this rank's first vocabulary id, 0 where outside; the mask of targets another rank holds; how
     many of this rank's columns are real ids, the rest being padding)."""
     width = vocab_parallel_logits.size(-1)
-    vocab_start, vocab = _vocab_range(width, vocab_parallel_logits.device)
+    vocab_start, vocab = _vocab_range(width, vocab_parallel_logits.device, vocab_size)
     if real_vocab_size is None:
         real_vocab_size = vocab
     elif not 0 < real_vocab_size <= vocab:
@@ -89,9 +92,9 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     that writes the gradient into the saved logits."""
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, real_vocab_size):
+    def forward(ctx, vocab_parallel_logits, target, real_vocab_size, vocab_size):
         group = get_model_parallel_group()
-        local_target, outside, real = _local_target(target, vocab_parallel_logits, real_vocab_size)
+        local_target, outside, real = _local_target(target, vocab_parallel_logits, real_vocab_size, vocab_size)
         logits_max = compiled_ops.logits_max(vocab_parallel_logits, real)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         predicted, sum_exp = compiled_ops.target_logit_and_sum_exp(vocab_parallel_logits, logits_max, local_target,
@@ -106,13 +109,14 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         logits = ctx.saved_tensors[0]
         compiled_ops.cross_entropy_grad_(*ctx.saved_tensors, grad_output.contiguous(), ctx.real)
-        return logits, None, None
+        return logits, None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, fused=False, real_vocab_size=None):
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, fused=False, real_vocab_size=None, vocab_size=None):
     """Per-token loss [..] from logits [.., V/p] (this rank's vocabulary slice) and global target ids [..].
     fused: the compiled passes of mpu/fused.py (the same loss, fewer passes over the logits); backward then
     overwrites the logits with their gradient. real_vocab_size: ids from it on are padding, out of the softmax
-    (None: every id is real)."""
+    (None: every id is real). vocab_size: the whole (padded) vocabulary when it is split evenly, as the model's
+    is: each rank's range follows without a collective (None: found by an all-reduce of the widths)."""
     function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
-    return function.apply(vocab_parallel_logits, target, real_vocab_size)
+    return function.apply(vocab_parallel_logits, target, real_vocab_size, vocab_size)

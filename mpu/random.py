@@ -11,6 +11,7 @@ tracker 'model-parallel-rng' = seed + 2718 + model-parallel rank.
 Device-agnostic: the states are those of the generator of `get_device()` (CUDA's when present, else CPU's).
 """
 import contextlib
+import hashlib
 
 import torch
 from torch.utils.checkpoint import detach_variable
@@ -34,6 +35,22 @@ def _set_device_rng_state(state):
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def device_rng_state_from(state, saved_device_type):
+    """A generator state in this process's device format (CPU's 5056-byte Mersenne Twister state, CUDA's 16-byte
+    Philox seed and offset) from `state`, saved where the device was `saved_device_type`: `state` itself when the
+    formats agree; otherwise a fresh state seeded from a digest of `state`'s bytes (the other device's stream
+    cannot be continued, but every resume of the same checkpoint then draws the same masks, and tensor-parallel
+    ranks, whose saved states differ, keep different streams). Without this a CPU checkpoint dies on a GPU at the
+    first dropout ("RNG state is wrong size"), and a GPU checkpoint on the CPU."""
+    device = get_device()
+    if saved_device_type == device.type and state.numel() == _get_device_rng_state().numel():
+        return state
+    digest = hashlib.sha256(state.cpu().numpy().tobytes()).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return generator.get_state()
 
 
 def _manual_seed_device(seed):
@@ -63,8 +80,11 @@ class RngStatesTracker:
         """A copy of every tracked state (name -> ByteTensor)."""
         return {name: state.clone() for name, state in self.states.items()}
 
-    def set_states(self, states):
-        self.states = {name: state.clone() for name, state in states.items()}
+    def set_states(self, states, saved_device_type=None):
+        """Restore get_states()'s copy; `saved_device_type` (the device type it was taken on; None: this one)
+        converts states of another device's format (device_rng_state_from)."""
+        self.states = {name: state.clone() if saved_device_type is None else
+                       device_rng_state_from(state, saved_device_type) for name, state in states.items()}
 
     def add(self, name, seed):
         if seed in self.seeds:

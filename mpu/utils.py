@@ -16,6 +16,36 @@ def get_backend():
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+_DEVICE_SET = False
+
+
+def set_device():
+    """Bind this process to its device (`torch.cuda.set_device(LOCAL_RANK)` on CUDA) and return it. Must run before
+    the first NCCL group exists: NCCL and torch's object collectives use the *current* CUDA device, which is cuda:0
+    on every rank until set (duplicate-GPU errors, or a hang at the first object collective)."""
+    global _DEVICE_SET
+    device = get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _DEVICE_SET = True
+    return device
+
+
+def device_is_set():
+    """Whether set_device() ran in this process (the NCCL-rules check refuses collectives before it)."""
+    return _DEVICE_SET
+
+
+def init_distributed(backend=None, **kwargs):
+    """The one way this codebase starts torch.distributed: set_device(), then init_process_group with `backend`
+    (default: get_backend()) and `kwargs` (init_method, store, rank, world_size, timeout). Returns the backend."""
+    import torch.distributed as dist
+    set_device()
+    backend = backend or get_backend()
+    dist.init_process_group(backend=backend, **kwargs)
+    return backend
+
+
 def full_numel(param):
     """Elements of the whole parameter, also while ZeRO-3 holds only a partition of it (`ds_numel`, DeepSpeed's
     attribute name): what parameter counts, memory estimates and checkpoint shapes use."""

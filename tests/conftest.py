@@ -4,7 +4,8 @@
 and their spawned workers, so a GPU machine computes what this CPU machine does. `pytest --device cuda` (what
 tools/gpu_check.sh runs on the device-agnostic equivalence tests) leaves the GPUs visible: the code under test then
 picks CUDA as it does in training (mpu.get_device(), mpu.get_backend()), and MEGATRON_TEST_DEVICE=cuda tells the
-workers the run is a GPU run.
+workers the run is a GPU run. MEGATRON_NCCL_RULES=1 (megatron/guards/nccl_rules.py) makes every collective of the
+suite refuse what NCCL would: a host-offload tensor, a tensor off the rank's device, an unbound device.
 """
 import os
 import subprocess
@@ -25,6 +26,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     device = config.getoption("--device")
     os.environ[DEVICE_ENV] = device
+    # every collective of the suite (spawned workers, launched scripts) checks NCCL's rules, on gloo too
+    os.environ.setdefault("MEGATRON_NCCL_RULES", "1")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""     # read when CUDA first initializes, in this process and workers
         return

@@ -1,6 +1,7 @@
 """Every RNG state of a process (python, numpy, torch, CUDA when present, mpu's model-parallel tracker), as
 tensors and plain values so that torch.load(weights_only=True) reads them back: what a checkpoint saves for an
-exact resume (both paths; the ZeRO path in its client_state)."""
+exact resume (both paths; the ZeRO path in its client_state). Portable across device types: the tracker's states
+are saved with the device type whose format they have, and converted when a run on another type loads them."""
 import random
 
 import numpy as np
@@ -15,10 +16,19 @@ def get_rng_state():
     version, python_state, gauss = random.getstate()
     state = {"python_version": version, "python": torch.tensor(python_state, dtype=torch.int64),
              "python_gauss": gauss, "numpy": _numpy_state(), "torch": torch.get_rng_state(),
-             "tracker": mpu.get_cuda_rng_tracker().get_states()}
+             "tracker": mpu.get_cuda_rng_tracker().get_states(), "tracker_device_type": mpu.get_device().type}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def _tracker_device_type(state):
+    """The device type the tracker states were saved on; a checkpoint from before the key was written: CUDA's
+    16-byte Philox states, else the CPU."""
+    if "tracker_device_type" in state:
+        return state["tracker_device_type"]
+    sizes = {s.numel() for s in state["tracker"].values()}
+    return "cuda" if sizes == {16} else "cpu"
 
 
 def _numpy_state():
@@ -38,5 +48,5 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    if "tracker" in state:
-        mpu.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "tracker" in state:   # the tracker's states are in the saving device's format: converted on another type
+        mpu.get_cuda_rng_tracker().set_states(state["tracker"], _tracker_device_type(state))

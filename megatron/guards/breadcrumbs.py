@@ -65,14 +65,15 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 _SKIPPED = None   # the files whose frames are not a collective's caller: torch's, this module's, contextlib's
 
 
-def _caller():
-    """'file:line (function)' of the first frame outside torch, this module and contextlib (repo-relative)."""
+def _caller(also_skipped=()):
+    """'file:line (function)' of the first frame outside torch, this module, contextlib and the files
+    `also_skipped` (repo-relative)."""
     global _SKIPPED
     if _SKIPPED is None:
         import torch
         _SKIPPED = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__), contextlib.__file__)
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED + tuple(also_skipped)):
         frame = frame.f_back
     if frame is None:
         return "unknown"

@@ -111,7 +111,8 @@ def phase_ms(timers, normalizer):
     result = {}
     for name in PHASES:
         timer = timers.timers.get(name)
-        result[name] = None if timer is None or timer.count == 0 else timer.seconds * 1000.0 / normalizer
+        timed = timers.enabled and timer is not None and timer.count > 0
+        result[name] = timer.seconds * 1000.0 / normalizer if timed else None
     return result
 
 

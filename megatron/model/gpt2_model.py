@@ -253,7 +253,8 @@ class GPT2Model(nn.Module):
         logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, matmul)   # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,
-                                                    real_vocab_size=self.config.real_vocab_size)
+                                                    real_vocab_size=self.config.real_vocab_size,
+                                                    vocab_size=self.config.vocab_size)
         if self.parallel_output:
             return logits_parallel
         return mpu.gather_from_model_parallel_region(logits_parallel)

@@ -148,9 +148,8 @@ def dpo_forward_step(reference, beta, data_iterator, model):
     ref = reference.log_probs(model, tokens, position_ids, attention_mask, labels, loss_mask).view(-1, 2)
     policy = sequence_log_probs(model(tokens, position_ids, attention_mask, labels=labels), loss_mask).view(-1, 2)
     losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
-    pairs = float(losses.numel())
-    sums = [float(losses.detach().sum()), float(chosen.sum()), float(rejected.sum()), float((chosen - rejected).sum()),
-            float((chosen > rejected).float().sum()), pairs]
+    sums = [losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
+            (chosen > rejected).float().sum(), losses.numel()]     # tensors: read on the host once a step
     totals = sum_over_group(sums, "dpo metrics", mpu.get_data_parallel_group())
     count = totals[-1]
     reported = {"lm loss": (totals[0], count)}

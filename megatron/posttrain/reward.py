@@ -74,8 +74,8 @@ def reward_forward_step(loss, pad_id, data_iterator, model):
     tokens, _, _, attention_mask, position_ids = pair_batch(data_iterator)       # [2b, s]
     rewards = model(tokens, position_ids, attention_mask)                         # [2b, s]
     losses, chosen, rejected = pair_losses(rewards, tokens, pad_id, loss)
-    sums = [float(losses.detach().sum()), float((chosen > rejected).float().sum()), float(chosen.sum()),
-            float(rejected.sum()), float(losses.numel())]
+    sums = [losses.detach().sum(), (chosen > rejected).float().sum(), chosen.sum(), rejected.sum(),
+            losses.numel()]                                             # tensors: read on the host once a step
     totals = sum_over_group(sums, "reward metrics", mpu.get_data_parallel_group())
     count = totals[-1]
     reported = {"lm loss": (totals[0], count)}

@@ -62,10 +62,12 @@ def masked_sum(per_token_losses, loss_mask):
 
 
 def sum_over_group(values, name, group):
-    """[float, ...] summed over `group` (float64 on the model's device)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=mpu.get_device())
+    """[number or 0-d tensor, ...] summed over `group`: a float64 tensor on the model's device, one element per value
+    (left on the device: the training loop reads a step's losses on the host once, training.losses_to_host)."""
+    device = mpu.get_device()
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
     breadcrumbs.all_reduce(tensor, name, group=group)
-    return tensor.tolist()
+    return tensor
 
 
 class StepBatches:
@@ -78,10 +80,10 @@ class StepBatches:
         self.pending = []
 
     def next(self, data_iterator, num_micro_batches, data_parallel_group):
-        """(rows {key: int64 [b, S + 1]}, mask tokens of this step over all data-parallel ranks)."""
+        """(rows {key: int64 [b, S + 1]}, mask tokens of this step over all data-parallel ranks: a 0-d tensor)."""
         if not self.pending:
             rows = [_broadcast_rows(data_iterator) for _ in range(num_micro_batches)]
-            local = sum(float(r["loss_mask"][:, 1:].sum()) for r in rows)
+            local = sum(r["loss_mask"][:, 1:].sum() for r in rows)
             step_tokens = sum_over_group([local], "sft step mask tokens", data_parallel_group)[0]
             self.pending = [(r, step_tokens) for r in rows]
         return self.pending.pop(0)

@@ -17,6 +17,8 @@ bucket can wait for a late gradient while another group's fill), plus the in-fli
 import torch
 import torch.distributed as dist
 
+from . import offload
+
 MAX_IN_FLIGHT = 2
 
 
@@ -152,29 +154,38 @@ class _PieceStore:
         self.count_bytes(-flat.numel() * flat.element_size())
 
 
+def _partition_gradient(group, gradient_device):
+    """The zeroed reduced-gradient partition of `group`: host offload memory when `gradient_device` is given or the
+    group's partition is offloaded (offload_param), else beside the partition."""
+    if gradient_device is not None or getattr(group, "offloaded", False):
+        return offload.host_zeros(group.partition_size, group.dtype)
+    return torch.zeros(group.partition_size, dtype=group.dtype, device=group.device)
+
+
 class BucketReducer:
     """Stage 2: each rank holds only the reduced gradients of its own partition (`partition_grad`)."""
 
-    def __init__(self, groups, ctx, config, param_order, gradient_device=None):
-        """`gradient_device`: where the reduced partition gradients live (the host with offload_optimizer)."""
+    def __init__(self, groups, ctx, config, param_order, collective_device, gradient_device=None):
+        """`collective_device`: where the buckets are filled and reduced (the compute device: NCCL takes device
+        tensors only, also when the partitions live in host memory under offload_param); `gradient_device`:
+        where the reduced partition gradients live (the host with offload_optimizer, allocated as offload memory;
+        None: the partitions' device, which is the host under offload_param)."""
         self.groups, self.ctx = groups, ctx
         self.bucket_size = config.reduce_bucket_size
         self.overlap = config.overlap_comm
         self.all_reduce = not config.reduce_scatter
-        self.partition_grads = [torch.zeros(g.partition_size, dtype=g.dtype, device=gradient_device or g.device)
-                                for g in groups]
+        self.partition_grads = [_partition_gradient(g, gradient_device) for g in groups]
         self.buckets = self._build_buckets(param_order)
         self.pieces_of = {}          # param -> [(bucket, piece index)]
         for bucket in self.buckets:
             for piece_index, (param_index, _, _) in enumerate(bucket.pieces):
                 param = groups[bucket.group_index].params[param_index]
                 self.pieces_of.setdefault(param, []).append((bucket, piece_index))
-        # An empty param group's buffers live on the CPU: take dtype and device from one that has parameters.
         sample = next((g for g in groups if g.numel > 0), None)
-        dtype, device = (sample.dtype, sample.device) if sample is not None else (torch.float32, torch.device("cpu"))
+        dtype = sample.dtype if sample is not None else torch.float32
         pool_size = min(self.bucket_size, max((g.numel for g in groups), default=0))
-        self.store = (_ContiguousStore(pool_size, dtype, device, self._count) if config.contiguous_gradients
-                      else _PieceStore(dtype, device, self._count))
+        self.store = (_ContiguousStore(pool_size, dtype, collective_device, self._count) if config.contiguous_gradients
+                      else _PieceStore(dtype, collective_device, self._count))
         self.in_flight = []
         self.next_launch = 0
         self.peak_bucket_bytes = 0

@@ -142,10 +142,12 @@ def _config_source(args, config):
 
 
 def _init_distributed():
+    """DeepSpeed's `dist_init_required`: start torch.distributed from torchrun's environment, the device set first
+    (mpu.init_distributed: on CUDA every rank would otherwise use cuda:0 for NCCL and the object collectives)."""
     if dist.is_initialized() or "RANK" not in os.environ:
         return
-    from mpu.utils import get_backend
-    dist.init_process_group(backend=get_backend())
+    from mpu.utils import init_distributed
+    init_distributed()
 
 
 def _dataloader(training_data, config, ctx, collate_fn):

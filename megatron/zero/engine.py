@@ -21,7 +21,7 @@ from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.checkpoint.stage3_module import PartitionedModule
 from megatron.timers import Timers
 
-from . import stage3
+from . import offload, stage3
 from .collectives import gather_intervals
 from .optimizer import ZeroOptimizer
 
@@ -394,7 +394,7 @@ class ZeroEngine(torch.nn.Module):
             layouts = [[deepspeed_format.stage12_partition(group.numel, dp, q)] for q in range(dp)]
 
         def recut(local):
-            local = local.to(self.device)
+            local = offload.to_device(local, self.device)
             result = local.new_zeros(sum(size for _, _, size in layouts[rank]))
             position = 0
             for index, (lo, hi, size) in enumerate(layouts[rank]):   # the same index on every rank

@@ -12,37 +12,36 @@ import torch
 import torch.distributed as dist
 
 
-def local_square_sums(partition_grads, ranges):
-    """[counted, not counted] sums of squares (fp32) over this rank's partitions.
+def local_square_sums(partition_grads, ranges, device):
+    """[counted, not counted] sums of squares (fp32) over this rank's partitions, on `device` (the collective
+    device: the sums go into NCCL, which takes device tensors only; offloaded gradients sum where they live and
+    only the two totals move).
 
     `ranges[i]` is (counted, not_counted) lists of (lo, hi) ranges into `partition_grads[i]`.
     """
-    # An empty param group's buffers live on the CPU; the sums go into a collective (NCCL: device tensors only).
-    device = next((g.device for g in partition_grads if g.numel() > 0), torch.device("cpu"))
     sums = torch.zeros(2, dtype=torch.float32, device=device)
     for grad, (counted, other) in zip(partition_grads, ranges):
         for slot, pieces in enumerate((counted, other)):
             for lo, hi in pieces:
                 piece = grad[lo:hi].float()
-                sums[slot] += torch.dot(piece, piece)
+                sums[slot] += torch.dot(piece, piece).to(device)
     return sums
 
 
-def global_norm_and_overflow(partition_grads, ranges, ctx, scale=1.0, partitioned=True, device=None):
-    """(norm of the unscaled gradients, overflow) identical on every rank; norm is inf on overflow.
+def global_norm_and_overflow(partition_grads, ranges, ctx, device, scale=1.0, partitioned=True):
+    """(norm of the unscaled gradients, overflow) identical on every rank; norm is inf on overflow. `device`: where
+    the sums are reduced (the compute device).
 
     `partitioned=False` (stage 0): every data-parallel rank holds all gradients, so nothing is summed over them.
     """
-    sums = local_square_sums(partition_grads, ranges)
-    if device is not None:
-        sums = sums.to(device)      # offloaded gradients sum on the host; NCCL reduces device tensors only
+    sums = local_square_sums(partition_grads, ranges, device)
     for group, size in ((ctx.data_parallel_group, ctx.data_parallel_size if partitioned else 1),
                         (ctx.model_parallel_group, ctx.model_parallel_size),
                         (ctx.pipeline_parallel_group, ctx.pipeline_parallel_size)):
         if size > 1:
             dist.all_reduce(sums, group=group)
-    counted, total = sums.tolist()[0], float(sums.sum())
-    overflow = not math.isfinite(total)
+    counted, other = sums.tolist()      # the step's one host sync for the norm
+    overflow = not math.isfinite(counted + other)
     norm = math.inf if overflow else math.sqrt(counted) / scale
     return norm, overflow
 

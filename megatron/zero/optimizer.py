@@ -19,6 +19,7 @@ import torch
 from .bucketing import BoundaryReducer, BucketReducer
 from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
                          PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
+from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
@@ -50,7 +51,7 @@ class ZeroOptimizer:
         self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
                                                           for g in optimizer.param_groups]
         offload = zero_config.offload_optimizer
-        self.host = torch.device("cpu") if offload.enabled else None
+        self.host = offload_memory.HOST if offload.enabled else None
         self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
         optimizer.state.clear()
         # the inner optimizer steps each master in tiles of at most sub_group_size elements (views of it)
@@ -60,8 +61,13 @@ class ZeroOptimizer:
             group["params"] = tiles
             if self.host is not None and not group.get("fused") and group.get("foreach") is None:
                 group["foreach"] = True          # torch's multi-tensor AdamW on the host
+        params = list(param_order)
+        # where collectives run: the compute device (the parameters'), also when partitions and gradients live in
+        # host memory (offload): NCCL takes device tensors only
+        self.collective_device = params[0].device if params else torch.device("cpu")
         if self.stage >= 2:
-            self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order, gradient_device=self.host)
+            self.reducer = BucketReducer(self.groups, ctx, zero_config, param_order, self.collective_device,
+                                         gradient_device=self.host)
         else:
             self.reducer = BoundaryReducer(self.groups, ctx, self.stage, zero_config)
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
@@ -69,15 +75,12 @@ class ZeroOptimizer:
                                             zero_config.allgather_bucket_size, param_order)
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
-        params = list(param_order)
-        self.collective_device = params[0].device if params and self.host is not None else None
 
     @staticmethod
     def _new_master(group, host, pin_memory):
         partition = group.own_partition()
         if host is not None:                       # offload: always a host copy, even of an fp32 host partition
-            master = partition.detach().to(host, torch.float32, copy=True)
-            return master.pin_memory() if pin_memory and torch.cuda.is_available() else master
+            return offload_memory.host_copy(partition, torch.float32, pin_memory)
         if partition.dtype == torch.float32:
             return partition                       # fp32: the parameters' own slice is the master
         return partition.detach().float()
@@ -112,8 +115,8 @@ class ZeroOptimizer:
     def step(self):
         self.param_gather.wait_all()   # a gather still in flight reads the partitions this step rewrites
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
-        norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.cur_scale,
-                                                   partitioned=self.stage >= 1, device=self.collective_device)
+        norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
+                                                   self.cur_scale, partitioned=self.stage >= 1)
         self.overflow = found_inf and self.fp16
         scale = self.cur_scale
         if self.fp16:

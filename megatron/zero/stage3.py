@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from mpu.utils import full_numel, full_shape
 
+from . import offload
 from .partition import FlatLayout
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
@@ -50,10 +51,12 @@ class PartitionedGroup(FlatLayout):
     order, on every rank (it may be a collective), so at most one full parameter exists at a time here.
     """
 
-    def __init__(self, params, num_partitions, rank, full_value, dtype, device):
+    def __init__(self, params, num_partitions, rank, full_value, dtype, device, offloaded=False, pin_memory=False):
+        """`offloaded` (offload_param): the partition is host offload memory (pinned with `pin_memory` on CUDA)."""
         super().__init__(params, num_partitions, rank)
-        self.partition = torch.zeros(self.partition_size, dtype=dtype, device=device)
-        self.offloaded = False            # set for offload_param (the partition is in host memory)
+        self.offloaded = offloaded
+        self.partition = offload.host_zeros(self.partition_size, dtype, pin_memory) if offloaded else \
+            torch.zeros(self.partition_size, dtype=dtype, device=device)
         start, end = self.own_range
         with torch.no_grad():
             for index, param in enumerate(self.params):
@@ -86,7 +89,6 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     pieces. One parameter is whole at a time."""
     from .zero_init import gather_initial
     device = next(module.parameters()).device
-    host = torch.device("cpu") if zero_config.offload_param.enabled else device
 
     def full_value(param):
         if hasattr(param, "ds_tensor"):
@@ -105,10 +107,8 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     for params in [group["params"] for group in param_groups] + ([frozen] if frozen else []):
         group_dtype = dtype or (params[0].dtype if params else torch.float32)
         groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
-                                       group_dtype, host))
-        groups[-1].offloaded = zero_config.offload_param.enabled
-        if groups[-1].offloaded and zero_config.offload_param.pin_memory and torch.cuda.is_available():
-            groups[-1].partition = groups[-1].partition.pin_memory()   # faster copies to the device
+                                       group_dtype, device, zero_config.offload_param.enabled,
+                                       zero_config.offload_param.pin_memory))   # pinned: faster copies to the device
     return groups
 
 
@@ -161,6 +161,7 @@ class _Buffer:
         self.has_frozen = any(not p.requires_grad for p in params)
         self.inputs_reached = False      # has_frozen: a unit using it has finished its backward (to its inputs)
         self.stale = True                # persistent buffer: refresh at the next use
+        self.host_waits = ctx.data_parallel_size > 1 and dist.get_backend(ctx.data_parallel_group) == "gloo"
 
     def start_gather(self):
         """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""
@@ -178,7 +179,7 @@ class _Buffer:
 
     def finish_gather(self, timeout, unit_name):
         for handle in self.handles:
-            if not handle.wait(timeout=timeout):
+            if not wait_for_gather(handle, timeout, self.host_waits):
                 raise RuntimeError(f"ZeRO-3: waiting for the parameters of {unit_name!r} did not complete")
         self.handles = []
         for p in self.params:
@@ -194,6 +195,18 @@ class _Buffer:
             p.data = self.placeholder
         self.storage.untyped_storage().resize_(0)
         self.state = "released"
+
+
+def wait_for_gather(handle, timeout, host_waits):
+    """Complete a gather's broadcast. `host_waits` (gloo: the host does the work anyway): wait at most `timeout`, so
+    a rank whose peers never join raises naming the unit. Otherwise (NCCL) a plain wait(): the compute stream waits
+    for the communication stream and the host runs on (a wait with a timeout would block the host at every unit,
+    and no prefetch could overlap); a peer that never joins is reported by the process group's timeout and the
+    breadcrumbs' slow-step watchdog. Returns whether the wait completed."""
+    if host_waits:
+        return handle.wait(timeout=timeout)
+    handle.wait()
+    return True
 
 
 class _CallInBackward(torch.autograd.Function):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import offload
 from .collectives import all_gather_into_tensor
 from .config import ConfigError
 
@@ -80,9 +81,10 @@ class Init:
             if self.size > 1:
                 dist.broadcast(full, group_src=0, group=self.group)
             piece_size = -(-full.numel() // self.size)
-            device = self.remote_device or full.device
-            piece = torch.zeros(piece_size, dtype=full.dtype, device=device,
-                                pin_memory=self.pin_memory and device.type == "cpu")
+            if self.remote_device is not None:          # "cpu": host offload memory
+                piece = offload.host_zeros(piece_size, full.dtype, self.pin_memory)
+            else:
+                piece = torch.zeros(piece_size, dtype=full.dtype, device=full.device)
             lo, hi = self.rank * piece_size, min((self.rank + 1) * piece_size, full.numel())
             if lo < hi:
                 piece[:hi - lo].copy_(full.reshape(-1)[lo:hi])
@@ -112,7 +114,7 @@ def gather_initial(param, device):
     `device`, and the piece dropped; a parameter zero.Init did not partition is returned as it is."""
     if not hasattr(param, "ds_tensor"):
         return param.data
-    piece = param.ds_tensor.to(device)
+    piece = offload.to_device(param.ds_tensor, device)
     full = torch.empty(piece.numel() * param.ds_world_size, dtype=piece.dtype, device=device)
     if param.ds_world_size > 1:
         all_gather_into_tensor(full, piece, param.ds_group)

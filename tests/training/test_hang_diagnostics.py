@@ -186,7 +186,9 @@ def _engine_and_mpu_breadcrumbs():
     from tests.helpers import TinyNet, batch, ds_config, param_groups
     breadcrumbs.install_collective_breadcrumbs()
     seen = []
-    mpu.broadcast_data(["text"], {"text": torch.zeros(2, 3, dtype=torch.int64)}, torch.int64)
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    mpu.clip_grad_norm([weight], 1.0)
     seen.append(breadcrumbs.describe())
     model = TinyNet()
     engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
@@ -214,8 +216,8 @@ def test_collectives_inside_mpu_and_the_engine_leave_breadcrumbs():
     names their collectives (function, file and line of the first frame outside torch); a named breadcrumb is not
     overwritten by its own call; a failure that is not a timeout prints the 'collective failed' line, no stacks."""
     seen = run_distributed(_engine_and_mpu_breadcrumbs, 2, model_parallel_size=1)[0]
-    assert seen[0].startswith("last collective: broadcast over 1 ranks, tensor [6] int64, called from "
-                              "mpu/data.py:"), seen
+    assert seen[0].startswith("last collective: all_reduce over 1 ranks, tensor [1] float32, called from "
+                              "mpu/grads.py:"), seen
     bucket = _line_of("megatron/zero/bucketing.py", "dist.reduce(buffer[")
     assert seen[1].startswith("last collective: reduce over 2 ranks, tensor ["), seen     # a gradient bucket
     assert f", called from {bucket} (reduce_range) (collective #" in seen[1], seen

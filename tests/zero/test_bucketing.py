@@ -21,6 +21,7 @@ from megatron.zero.config import ZeroConfig
 from megatron.zero.partition import FlatGroup, ParallelContext
 
 ONE_RANK = ParallelContext(None, 0, 1, None, 0, 1)
+CPU = torch.device("cpu")
 EXAMPLE_ORDER = ["g0[8,12)", "g1[2,6)", "g1[0,2)", "g0[4,8)", "g0[0,4)"]
 
 
@@ -36,7 +37,7 @@ def flat_params(*sizes):
 def example(overlap=False, contiguous=True):
     a, c, b = flat_params(5, 7, 6)
     groups = [FlatGroup([a, c], 1, 0), FlatGroup([b], 1, 0)]
-    reducer = BucketReducer(groups, ONE_RANK, zero_config(4, overlap, contiguous), param_order=[a, b, c])
+    reducer = BucketReducer(groups, ONE_RANK, zero_config(4, overlap, contiguous), [a, b, c], CPU)
     return reducer, {"a": a, "b": b, "c": c}
 
 
@@ -92,13 +93,13 @@ def recorded(monkeypatch, reducer):
 
 def test_a_parameter_exactly_the_bucket_size_is_one_bucket_and_one_more_element_makes_two():
     (exact,) = flat_params(8)
-    reducer = BucketReducer([FlatGroup([exact], 1, 0)], ONE_RANK, zero_config(8), [exact])
+    reducer = BucketReducer([FlatGroup([exact], 1, 0)], ONE_RANK, zero_config(8), [exact], CPU)
     assert [(b.start, b.end, b.pieces) for b in reducer.buckets] == [(0, 8, [(0, 0, 8)])]
     (over,) = flat_params(9)
-    reducer = BucketReducer([FlatGroup([over], 1, 0)], ONE_RANK, zero_config(8), [over])
+    reducer = BucketReducer([FlatGroup([over], 1, 0)], ONE_RANK, zero_config(8), [over], CPU)
     assert [(b.start, b.end, b.pieces) for b in reducer.buckets] == [(1, 9, [(0, 1, 9)]), (0, 1, [(0, 0, 1)])]
     two = flat_params(4, 4)                      # two parameters filling one bucket exactly
-    reducer = BucketReducer([FlatGroup(two, 1, 0)], ONE_RANK, zero_config(8), two)
+    reducer = BucketReducer([FlatGroup(two, 1, 0)], ONE_RANK, zero_config(8), two, CPU)
     assert [(b.start, b.end, b.pieces) for b in reducer.buckets] == [(0, 8, [(0, 0, 4), (1, 4, 8)])]
 
 
@@ -155,7 +156,7 @@ def test_overlap_keeps_at_most_max_in_flight_reductions_and_waits_oldest_first(m
 def test_overlap_bound_is_the_modules_max_in_flight(monkeypatch):
     """With the real MAX_IN_FLIGHT and more buckets than it: the bound is reached, never passed."""
     params = flat_params(*[3] * (bucketing.MAX_IN_FLIGHT + 3))
-    reducer = BucketReducer([FlatGroup(params, 1, 0)], ONE_RANK, zero_config(3, overlap=True), params)
+    reducer = BucketReducer([FlatGroup(params, 1, 0)], ONE_RANK, zero_config(3, overlap=True), params, CPU)
     recorder = recorded(monkeypatch, reducer)
     for param in reversed(params):
         backward(param)
@@ -213,3 +214,19 @@ def test_boundary_reducer_chunks_at_the_bucket_size(monkeypatch, numel, chunks):
     assert recorder.events == []
     reducer.finish_micro_step(boundary=True)
     assert recorder.events == ["launch " + chunk for chunk in chunks] + ["wait " + chunk for chunk in chunks]
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_offloaded_partitions_reduce_on_the_compute_device(contiguous):
+    """offload_param (ZeRO-3's partitions in host memory) and offload_optimizer: the buckets that go into the
+    reductions are filled on the compute device (NCCL takes device tensors only), never on the partitions' host;
+    the reduced partition gradients are host offload memory. "meta" stands in for the accelerator."""
+    from megatron.zero import offload
+    from megatron.zero.stage3 import PartitionedGroup
+    params = flat_params(5, 7)
+    group = PartitionedGroup(params, 1, 0, lambda p: p.data, torch.float32, offload.HOST, offloaded=True)
+    for gradient_device in (None, offload.HOST):       # offload_param alone, and with offload_optimizer
+        reducer = BucketReducer([group], ONE_RANK, zero_config(4, contiguous=contiguous), params,
+                                torch.device("meta"), gradient_device=gradient_device)
+        assert reducer.store.device == torch.device("meta")
+        assert offload.is_host_offload(reducer.partition_grad(0))

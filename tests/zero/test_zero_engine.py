@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mpu
+
 from megatron import zero
 from megatron.spawn import run_distributed
 from tests.helpers import ds_config, engine_train_step, max_relative_difference, param_groups, reference_run, TinyNet
@@ -119,8 +121,24 @@ def test_single_process_engine_without_torch_distributed():
     assert engine.global_steps == 5 and engine.get_global_grad_norm() > 0
 
 
-def test_square_sums_live_where_the_gradients_are():
-    """An empty param group's (CPU) buffer must not put the sums that go into a collective on the CPU."""
+def test_square_sums_live_on_the_collective_device():
+    """The sums that go into the norm's all-reduce are on the collective device even when the gradients are in
+    host memory (offload) or a param group is empty: "meta" stands in for the accelerator."""
     from megatron.zero.grad_norm import local_square_sums
-    grads = [torch.zeros(0), torch.ones(3, device="meta")]
-    assert local_square_sums(grads, [([], []), ([(0, 3)], [])]).device.type == "meta"
+    grads = [torch.zeros(0), torch.full((3,), 2.0)]
+    sums = local_square_sums(grads, [([], []), ([(0, 3)], [])], torch.device("meta"))
+    assert sums.device.type == "meta"
+    assert local_square_sums(grads, [([], []), ([(0, 2)], [(2, 3)])], torch.device("cpu")).tolist() == [8.0, 4.0]
+
+
+def test_stage3_offloaded_parameters_norm_on_the_compute_device():
+    """ZeRO-3 with offload_param and no offload_optimizer: partitions and gradients are host memory, the grad
+    norm's collective device is still the parameters' (compute) device."""
+    from megatron.zero import offload
+    config = ds_config(3, micro=4)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    _, _, engine = train(config, steps=1)
+    assert engine.optimizer.collective_device == mpu.get_device()
+    assert all(offload.is_host_offload(g.partition) for g in engine.optimizer.groups)
+    assert all(offload.is_host_offload(engine.optimizer.reducer.partition_grad(i))
+               for i in range(len(engine.optimizer.groups)))

@@ -1,0 +1,115 @@
+"""NCCL's rules checked on the CPU (megatron/guards/nccl_rules.py): no collective on host offload memory or off the
+rank's device, none before the device is bound; and `zero.initialize` binds the device before it starts
+torch.distributed (DeepSpeed clients let it start the process group).
+
+tests/conftest.py turns the rules on for the whole suite (MEGATRON_NCCL_RULES=1): every spawned worker and every
+launched training script runs under them. The matrix below runs every ZeRO stage x offload x precision at dp 2 in
+one launch and checks the rules were on."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import mpu
+from megatron import zero
+from megatron.guards import nccl_rules
+from megatron.spawn import run_distributed
+from megatron.zero import offload
+from tests.helpers import ds_config, engine_train_step, max_relative_difference, param_groups, reference_run, TinyNet
+
+STEPS, MICRO, LR = 2, 2, 1e-2
+
+# (stage, offload_optimizer, offload_param, precision)
+MATRIX = [(stage, opt, param, precision) for stage in (1, 2, 3) for opt in (False, True)
+          for param in ((False, True) if stage == 3 else (False,)) for precision in ("fp32", "bf16")]
+
+
+def _config(stage, offload_optimizer, offload_param, precision):
+    zero_options = {}
+    if offload_optimizer:
+        zero_options["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:
+        zero_options["offload_param"] = {"device": "cpu"}
+    config = ds_config(stage, MICRO, **zero_options)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _train_matrix():
+    """Every config of MATRIX for STEPS steps; (rules installed?, {config: losses})."""
+    losses = {}
+    for row in MATRIX:
+        model = TinyNet()
+        optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+        engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=_config(*row),
+                                          dist_init_required=False)
+        losses[row] = [engine_train_step(engine, step, engine.train_batch_size()) for step in range(STEPS)]
+    return getattr(dist.all_reduce, "_nccl_rules", False), losses
+
+
+def test_every_stage_and_offload_runs_under_the_rules():
+    """dp 2: no collective of any stage x offload x precision takes host offload memory; fp32 losses equal the
+    single-process reference (1e-5), bf16 ones within 2e-2."""
+    rules_on, losses = run_distributed(_train_matrix, world_size=2)[0]
+    assert rules_on
+    reference, _ = reference_run(STEPS, MICRO * 2, lr=LR)
+    for row, values in losses.items():
+        tolerance = 1e-5 if row[3] == "fp32" else 2e-2
+        assert max_relative_difference(values, reference) <= tolerance, row
+
+
+def _initialize_then_save(save_dir):
+    """A DeepSpeed-style client: only torchrun's environment; zero.initialize starts torch.distributed, then a
+    step and a save (object collectives: the manifest's gather)."""
+    model = TinyNet()
+    engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=LR),
+                                      config=ds_config(2, MICRO))
+    engine_train_step(engine, 0, engine.train_batch_size())
+    engine.save_checkpoint(save_dir, tag="step1")
+    return mpu.device_is_set(), dist.get_backend()
+
+
+def test_initialize_binds_the_device_before_starting_torch_distributed(tmp_path):
+    results = run_distributed(_initialize_then_save, world_size=2, args=(str(tmp_path),), init_process_group=False)
+    assert results == [(True, "gloo")] * 2
+    assert (tmp_path / "step1").is_dir()
+
+
+def test_initialize_sets_the_cuda_device_of_local_rank_first(monkeypatch):
+    """On a mocked 2-GPU machine, LOCAL_RANK 1: torch.cuda.set_device(cuda:1) before init_process_group("nccl")."""
+    from megatron.zero import builder
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", torch.device(device))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append(("init", backend)))
+    monkeypatch.setattr(mpu.utils, "_DEVICE_SET", False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    builder._init_distributed()
+    assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]
+    assert mpu.device_is_set()
+
+
+def test_rules_refuse_offload_memory_and_an_unbound_device(monkeypatch):
+    monkeypatch.setattr(mpu.utils, "_DEVICE_SET", True)
+    on_device = torch.zeros(4)
+    host = offload.host_zeros(8, torch.float32)
+    nccl_rules.check("all_reduce", [on_device])
+    with pytest.raises(nccl_rules.NcclRuleError, match=r"all_reduce called from .*test_nccl_rules.py.* host offload"):
+        nccl_rules.check("all_reduce", [host[2:6]])          # a view of offload memory too
+    with pytest.raises(nccl_rules.NcclRuleError, match="host offload"):
+        nccl_rules.check("all_gather", [[on_device, host]])   # inside a list
+    assert offload.is_host_offload(offload.to_device(host, torch.device("cpu"))) is False
+    monkeypatch.setattr(mpu.utils, "_DEVICE_SET", False)
+    with pytest.raises(nccl_rules.NcclRuleError, match="device is not bound"):
+        nccl_rules.check("broadcast_object_list", [[{"a": 1}]])
+
+
+def test_rules_refuse_a_tensor_off_the_device(monkeypatch):
+    """On a (mocked) CUDA rank a CPU tensor in a collective is refused, naming both devices."""
+    monkeypatch.setattr(mpu.utils, "_DEVICE_SET", True)
+    monkeypatch.setattr(mpu, "get_device", lambda: torch.device("cuda", 1))
+    with pytest.raises(nccl_rules.NcclRuleError, match=r"on cpu, not on this rank's device cuda:1"):
+        nccl_rules.check("reduce", [torch.zeros(2)])
