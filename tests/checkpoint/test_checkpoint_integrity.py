@@ -1,9 +1,10 @@
 """Checkpoint integrity (DESIGN.md section 6): every checkpoint directory's manifest.json lists exactly its files
-with the sizes and crc32 an independent reading of the bytes gives (all ranks' files, both layouts); a flipped byte
-in the middle of the newest checkpoint's file, a truncated shard and a missing file are refused naming the file,
-and `--load DIR` falls back to the previous checkpoint, saying which it skipped and why; a checkpoint without a
-manifest loads with one warning line; a disk that fills up mid-save (ENOSPC, simulated) leaves the previous
-checkpoint published, tracked and verifying, with one error line and exit status 1; the tools refuse damage too.
+with the sizes and crc32 an independent reading of the bytes gives (all ranks' files, both layouts), and an entry
+whose file is not there is refused; a flipped byte in the middle of the newest checkpoint's file, a truncated shard
+and a missing file are refused naming the file, and `--load DIR` falls back to the previous checkpoint (of several,
+the newest older one that verifies), saying which it skipped and why; a checkpoint without a manifest loads with
+one warning line; a disk that fills up mid-save (ENOSPC, simulated) leaves the previous checkpoint published,
+tracked and verifying, with one error line and exit status 1; the tools refuse damage too.
 """
 import contextlib
 import io
@@ -104,6 +105,47 @@ def test_manifest_lists_sizes_and_crc32_and_refuses_each_kind_of_damage(tmp_path
         manifest.verify_file(directory, "a.pt")
     os.remove(os.path.join(directory, manifest.MANIFEST_FILENAME))
     assert manifest.verify_directory(directory) is False                       # an old checkpoint: unverified
+
+
+def test_a_manifest_entry_without_its_file_is_refused(tmp_path):
+    """write_manifest refuses an entry whose file is not in the directory (a rank's file lost before the
+    manifest), naming the file, and writes no manifest."""
+    directory = str(tmp_path / "ckpt")
+    os.makedirs(directory)
+    open(os.path.join(directory, "a.pt"), "wb").write(b"abc")
+    entries = [manifest.file_entry(directory, "a.pt"), manifest.make_entry("mp_rank_01/gone.pt", 10, 0)]
+    with pytest.raises(ValueError, match=re.escape(f"the manifest entries of {directory} do not match its files: "
+                                                   "written without an entry [], entries without a file "
+                                                   "['mp_rank_01/gone.pt'], 0 duplicates")):
+        manifest.write_manifest(directory, entries)
+    assert not os.path.exists(os.path.join(directory, manifest.MANIFEST_FILENAME))
+
+
+def _checkpoint_with_manifest(save_dir, iteration):
+    """A checkpoint directory of `iteration` holding one rank file (distinct bytes) and its manifest."""
+    directory = ckpt.checkpoint_dir(save_dir, iteration)
+    os.makedirs(os.path.join(directory, "mp_rank_00"))
+    with open(os.path.join(directory, "mp_rank_00", "model_optim_rng.pt"), "wb") as handle:
+        handle.write(bytes(range(256)) * (iteration + 1))
+    manifest.write_manifest(directory, [manifest.file_entry(directory, "mp_rank_00/model_optim_rng.pt")])
+    return directory
+
+
+def test_fallback_is_the_newest_older_checkpoint_that_verifies(tmp_path, capsys):
+    """Checkpoints at 2, 4 and 6, the tracked 6 damaged: the load falls back to 4 (not the oldest, 2); with 4
+    damaged too, to 2."""
+    from megatron.checkpoint.loading import newest_verified_checkpoint
+    save_dir = str(tmp_path / "save")
+    directories = {it: _checkpoint_with_manifest(save_dir, it) for it in (2, 4, 6)}
+    assert newest_verified_checkpoint(save_dir, 6, False) == (6, False)
+    _flip_middle_byte(os.path.join(directories[6], "mp_rank_00", "model_optim_rng.pt"))
+    capsys.readouterr()
+    assert newest_verified_checkpoint(save_dir, 6, False) == (4, False)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and printed[0].startswith(f"WARNING: skipping checkpoint {directories[6]}: ")
+    assert printed[1] == f"loading {directories[4]} instead: the newest checkpoint in {save_dir} that verifies"
+    _flip_middle_byte(os.path.join(directories[4], "mp_rank_00", "model_optim_rng.pt"))
+    assert newest_verified_checkpoint(save_dir, 6, False) == (2, False)
 
 
 def test_an_unwritable_save_directory_is_one_line(tmp_path):
