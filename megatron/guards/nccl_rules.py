@@ -83,7 +83,7 @@ def tensors_in(values):
 def check(name, values):
     """Raise NcclRuleError when the collective `name` on these arguments breaks a rule."""
     import mpu
-    from megatron.zero.offload import is_host_offload
+    from megatron.zero import offload
     if not mpu.device_is_set():
         raise NcclRuleError(_message(name, "the process's device is not bound yet (call mpu.init_distributed, or "
                                            "mpu.set_device() before torch.distributed starts)"))
@@ -92,7 +92,7 @@ def check(name, values):
         if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
             raise NcclRuleError(_message(name, f"a tensor {list(tensor.shape)} {tensor.dtype} on {tensor.device}, "
                                                f"not on this rank's device {device}"))
-        if is_host_offload(tensor):
+        if offload.is_host_offload(tensor):
             raise NcclRuleError(_message(name, f"a tensor {list(tensor.shape)} {tensor.dtype} in host offload "
                                                f"memory (NCCL takes device tensors only: stage it on {device})"))
 

@@ -27,7 +27,7 @@ from .partition import ALIGNMENT
 from .stage3 import register_external_parameter
 from .zero_init import GatheredParameters, Init
 
-from . import checkpointing
+from . import checkpointing, offload
 
 # DeepSpeed spells these deepspeed.zero.Init / .GatheredParameters / .register_external_parameter: with this package
 # imported as `deepspeed`, `deepspeed.zero` is the package itself.
@@ -35,4 +35,5 @@ zero = sys.modules[__name__]
 
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
-           "GatheredParameters", "register_external_parameter", "adam_kernel_options", "ALIGNMENT", "MAX_IN_FLIGHT", "zero"]
+           "GatheredParameters", "register_external_parameter", "adam_kernel_options", "ALIGNMENT", "MAX_IN_FLIGHT", "zero",
+           "offload"]
