@@ -38,7 +38,7 @@ def _initialize_distributed(args):
         args.distributed_backend = mpu.get_backend()
     if not dist.is_initialized():
         timeout = timedelta(minutes=args.distributed_timeout_minutes)
-        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
             # one process started without torchrun: a store of its own, no port to collide with another job
             mpu.init_distributed(args.distributed_backend, store=dist.HashStore(), rank=0, world_size=1,
                                  timeout=timeout)
