@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a CUDA machine, at most ~10 minutes.
+# The GPU check: the one command to run when a CUDA machine is at hand; at most ~8 minutes on one H200.
 #
-#   bash tools/gpu_check.sh                       # (a) equivalence tests on CUDA, (b) one-GPU benchmark table
-#   bash tools/gpu_check.sh --bench-only --models 124m --precisions bf16
-#   bash tools/gpu_check.sh --dry-run             # print the plan and the two commands and exit (works without a GPU)
+#   bash tools/gpu_check.sh                   # (a) device-agnostic tests on CUDA, then (b) the one-GPU GPT-2 benchmark
+#   bash tools/gpu_check.sh --dry-run         # the plan, its commands and expected time; runs nothing (works anywhere)
+#   bash tools/gpu_check.sh --tests-only      # or --bench-only; (b)'s options pass on to bench_gpu.py: --models 124m
+#                                             #   --precisions bf16 --stages 2,3 --steps 20 --micro-batch 8
+#                                             #   --peak-tflops 989.5 --checkpoint-activations
 #
-# (a) runs the device-agnostic equivalence tests (mpu vs single process, GPT2Model vs Hugging Face, ZeRO 0-2 vs torch
-#     AdamW, activation checkpointing, exact resume) with `pytest --device cuda` (tests/conftest.py), one NCCL rank
-#     per GPU: a test needing more ranks than the machine has GPUs is skipped and named in the summary (one GPU:
-#     only the single-rank tests run);
-# (b) runs tools/bench/bench_gpu.py: GPT-2 124M and ~1.3B on one GPU, bf16 and fp16, ZeRO-2 and stage 3 where the engine
-#     accepts it (--stages 2 to leave it out): tokens/s, TFLOP/s, MFU, max_memory_allocated against the ZeRO formula.
-# The test summary and the benchmark table come last. Logs: $LOG_DIR (default runs/gpu_check/). Reads PYTHON
-# (default .venv/bin/python, else python3), TEST_TIMEOUT (240 s), BENCH_TIMEOUT (330 s) and GPU_COUNT (default: the
-# GPUs torch sees; set it to see the plan for another machine with --dry-run).
+# (a) pytest --device cuda (tests/conftest.py) on the device-agnostic tests: mpu layers and collectives, GPT2Model vs
+#     Hugging Face, ZeRO vs torch AdamW, activation checkpointing, exact resume; one NCCL rank per GPU.
+# (b) tools/bench/bench_gpu.py: GPT-2 124M and 350M, bf16, ZeRO-2 and ZeRO-3 on one GPU, each cell a fresh process
+#     on a free port: tokens/s, MFU (the peak looked up by exact device name), peak memory against the estimate.
+# Each part's result goes to $LOG_DIR/summary.txt as soon as the part ends, and (b)'s rows to bench_gpu.json as
+# they are measured: a later failure, timeout or kill keeps them. Reads PYTHON (default .venv/bin/python, else
+# python3), LOG_DIR (runs/gpu_check), TEST_TIMEOUT (150 s), CELL_TIMEOUT (75 s), BENCH_TIMEOUT (300 s), GPU_COUNT
+# (default: the GPUs torch sees; a dry run without any plans for one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 LOG_DIR=${LOG_DIR:-runs/gpu_check}
-TEST_TIMEOUT=${TEST_TIMEOUT:-240}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
+TEST_TIMEOUT=${TEST_TIMEOUT:-150}
+CELL_TIMEOUT=${CELL_TIMEOUT:-75}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+START_S=15          # device queries and the table: the seconds of the check outside (a) and (b)
+TESTS_1GPU_S=60     # (a)'s expected seconds on one GPU, 120 with more (multi-rank tests run too): guesses until a
+TESTS_NGPU_S=120    # GPU run measures them
 TESTS="tests/model/test_mpu.py tests/model/test_gpt2_model.py tests/zero/test_zero_engine.py tests/zero/test_activation_checkpointing.py
 tests/checkpoint/test_zero_checkpoint.py"
 RUN_TESTS=1 RUN_BENCH=1 DRY_RUN=0
@@ -37,7 +42,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1 ;;
     --models|--precisions|--stages|--steps|--micro-batch|--peak-tflops)
       [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (e.g. $1 $(case "$1" in --models) echo 124m;;
-        --precisions) echo bf16;; --stages) echo 2;; *) echo 10;; esac))"
+        --precisions) echo bf16;; --stages) echo 2;; --peak-tflops) echo 989.5;; *) echo 10;; esac))"
       BENCH_ARGS+=("$1" "$2"); shift ;;
     --checkpoint-activations) BENCH_ARGS+=("$1") ;;
     *) die "unknown option '$1': see bash tools/gpu_check.sh --help" ;;
@@ -45,60 +50,96 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ "$RUN_TESTS$RUN_BENCH" != "00" ] || die "--tests-only and --bench-only together leave nothing to run: pass one"
-case "$TEST_TIMEOUT$BENCH_TIMEOUT" in *[!0-9]*) die "TEST_TIMEOUT/BENCH_TIMEOUT must be whole seconds" ;; esac
+case "$TEST_TIMEOUT$CELL_TIMEOUT$BENCH_TIMEOUT" in
+  *[!0-9]*) die "TEST_TIMEOUT/CELL_TIMEOUT/BENCH_TIMEOUT must be whole seconds" ;; esac
 case "${GPU_COUNT-}" in *[!0-9]*) die "GPU_COUNT must be a whole number of GPUs (e.g. GPU_COUNT=8)" ;; esac
 
 gpu_count() { "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
 # What (a) runs with $1 GPUs: megatron/spawn.py puts rank r on GPU r and skips a test with more ranks than GPUs.
 plan() {
   case "$1" in
-    0) echo "plan: no GPU visible: (a) needs at least one (the run stops at the CUDA check)" ;;
-    1) echo "plan: 1 GPU: single-rank tests only; every multi-rank test is skipped (one NCCL rank per GPU)" ;;
-    *) echo "plan: $1 GPUs: tests with up to $1 ranks, one NCCL rank per GPU; tests with more ranks are skipped" ;;
+    0) echo "    no GPU visible: (a) needs at least one (the run stops at the CUDA check)" ;;
+    1) echo "    1 GPU: every 1-rank test runs in a 1-rank NCCL group: NCCL's start-up, and collectives at world size 1"
+       echo "    (test_mpu.py: all_reduce, reduce_scatter_tensor, all_gather_into_tensor, broadcast, reduce, async, in"
+       echo "    fp32/bf16/fp16); the single-process tests run on the GPU without a group. Every multi-rank test is"
+       echo "    skipped (NCCL refuses two ranks on one GPU): no collective crosses ranks; that needs 2 or more GPUs" ;;
+    *) echo "    $1 GPUs: tests with up to $1 ranks, one NCCL rank per GPU (collectives across ranks); tests with more"
+       echo "    ranks are skipped (TEST_TIMEOUT is sized for one GPU: raise it if the multi-rank tests need longer)" ;;
   esac
 }
 
 TEST_CMD=("$PYTHON" -m pytest -q -rs --device cuda $TESTS)
-BENCH_CMD=("$PYTHON" tools/bench/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" "${BENCH_ARGS[@]}")
+BENCH_CMD=("$PYTHON" tools/bench/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" --cell-timeout "$CELL_TIMEOUT"
+           "${BENCH_ARGS[@]}")
+
+dry_run() {
+  local gpus=${GPU_COUNT:-$(gpu_count)} expected=$START_S bench_plan
+  [ "$gpus" = 0 ] && [ -z "${GPU_COUNT-}" ] && gpus=1
+  echo "gpu_check dry run (nothing runs): the plan for $gpus GPU$([ "$gpus" = 1 ] || echo s)"
+  if [ "$RUN_TESTS" = 1 ]; then
+    local tests_s=$([ "$gpus" -gt 1 ] && echo $TESTS_NGPU_S || echo $TESTS_1GPU_S)
+    expected=$((expected + tests_s))
+    echo "(a) device-agnostic tests on CUDA, limit $TEST_TIMEOUT s, expected ~$tests_s s (a guess: no GPU run yet):"
+    echo "    $(echo $TESTS)"
+    plan "$gpus"
+    echo "    \$ timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
+  fi
+  if [ "$RUN_BENCH" = 1 ]; then
+    bench_plan=$("$PYTHON" tools/bench/bench_gpu.py --plan --cell-timeout "$CELL_TIMEOUT" "${BENCH_ARGS[@]}") \
+      || die "bench_gpu.py --plan failed (its error is above)"
+    echo "(b) GPT-2 training on one GPU through pretrain_gpt.py --deepspeed, limit $BENCH_TIMEOUT s:"
+    echo "$bench_plan" | sed 's/^expected:/    expected:/'
+    expected=$((expected + $(echo "$bench_plan" | sed -n 's/^expected: ~\([0-9]*\) s.*/\1/p')))
+    echo "    \$ timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
+  fi
+  local bound=$START_S
+  [ "$RUN_TESTS" = 1 ] && bound=$((bound + TEST_TIMEOUT))
+  [ "$RUN_BENCH" = 1 ] && bound=$((bound + BENCH_TIMEOUT))
+  echo "whole check: expected ~$(minutes $expected) min; at most $(minutes $bound) min (the limits and ~$START_S s" \
+       "of device queries; the budget on one H200 is 8 min)"
+}
+minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
+
 if [ "$DRY_RUN" = 1 ]; then
-  [ "$RUN_TESTS" = 1 ] && plan "${GPU_COUNT:-$(gpu_count)}" && echo "timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
-  [ "$RUN_BENCH" = 1 ] && echo "timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
+  dry_run
   exit 0
 fi
 
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+GPUS=$(gpu_count)
+[ "$GPUS" -gt 0 ] || {
   echo "gpu_check: no CUDA device (torch.cuda.is_available() is False with $PYTHON): run it on a GPU machine" >&2
   exit 1; }
 mkdir -p "$LOG_DIR"
+SUMMARY=$LOG_DIR/summary.txt
 "$PYTHON" -c "import torch; p = torch.cuda.get_device_properties(0); \
-print(f'# {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')" \
-  | tee "$LOG_DIR/device.txt"
+print(f'# {torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, \
+CUDA {torch.version.cuda}')" > "$SUMMARY"
+nvidia-smi --query-gpu=name,power.default_limit,driver_version --format=csv,noheader 2>/dev/null \
+  | sed 's/^/# nvidia-smi: /' >> "$SUMMARY"
+cat "$SUMMARY"
 
 TEST_RC=skipped BENCH_RC=skipped
 if [ "$RUN_TESTS" = 1 ]; then
-  plan "$(gpu_count)" | tee "$LOG_DIR/plan.txt"
-  echo "== (a) equivalence tests on CUDA (log: $LOG_DIR/tests.log)"
+  echo "== (a) device-agnostic tests on CUDA (log: $LOG_DIR/tests.log)"
   timeout "$TEST_TIMEOUT" "${TEST_CMD[@]}" > "$LOG_DIR/tests.log" 2>&1; TEST_RC=$?
   [ "$TEST_RC" = 124 ] && echo "tests timed out after $TEST_TIMEOUT s" >> "$LOG_DIR/tests.log"
+  { plan "$GPUS"
+    echo "tests (exit $TEST_RC): $(grep -E '(passed|failed|error)' "$LOG_DIR/tests.log" | tail -1)"
+    # pytest -rs: 'SKIPPED [n] file:line: 2 NCCL ranks need 2 GPUs (one rank per GPU); this machine has 1'
+    grep -E '^(SKIPPED .*NCCL ranks need|FAILED|ERROR)' "$LOG_DIR/tests.log" | sed 's/^/  /'
+  } >> "$SUMMARY"
 fi
 if [ "$RUN_BENCH" = 1 ]; then
-  echo "== (b) one-GPU benchmark (log: $LOG_DIR/bench.log)"
+  echo "== (b) one-GPU benchmark (log: $LOG_DIR/bench.log; rows: $LOG_DIR/bench_gpu.json)"
   timeout "$BENCH_TIMEOUT" "${BENCH_CMD[@]}" > "$LOG_DIR/bench.log" 2>&1; BENCH_RC=$?
   [ "$BENCH_RC" = 124 ] && echo "benchmark timed out after $BENCH_TIMEOUT s (rows so far below)" >> "$LOG_DIR/bench.log"
+  { echo "benchmark (exit $BENCH_RC):"
+    # the rows bench_gpu printed as it measured them (also those before a timeout)
+    "$PYTHON" tools/bench/bench_gpu.py --print-log "$LOG_DIR/bench.log"
+  } >> "$SUMMARY"
 fi
 
 echo
-cat "$LOG_DIR/device.txt"
-if [ "$RUN_TESTS" = 1 ]; then
-  cat "$LOG_DIR/plan.txt"
-  echo "tests (exit $TEST_RC): $(grep -E '(passed|failed|error)' "$LOG_DIR/tests.log" | tail -1)"
-  # pytest -rs: 'SKIPPED [n] file:line: 2 NCCL ranks need 2 GPUs (one rank per GPU); this machine has 1'
-  grep -E '^SKIPPED .*NCCL ranks need' "$LOG_DIR/tests.log" | sed 's/^/  /' 
-fi
-if [ "$RUN_BENCH" = 1 ]; then
-  echo "benchmark (exit $BENCH_RC):"
-  # the table bench_gpu prints at the end, or the rows it printed before a timeout
-  "$PYTHON" tools/bench/bench_gpu.py --print-log "$LOG_DIR/bench.log"
-fi
+cat "$SUMMARY"
 [ "$TEST_RC" = 0 ] || [ "$TEST_RC" = skipped ] || exit 1
 [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ] || exit 1

@@ -165,15 +165,16 @@ class _Checkpointing:
                 _synchronize_device(self.device)
 
     def pack(self, args, slot):
-        """(tensors to save, layout): layout[i] is ("tensor", saved index, shape, requires_grad, padded numel)
-        or ("object", value); padded numel is None when the saved tensor is the whole input."""
+        """(tensors to save, layout): layout[i] is ("tensor", saved index, shape, requires_grad, padded numel,
+        device) or ("object", value); padded numel is None when the saved tensor is the whole input, device is the
+        input's own (where unpack puts it back)."""
         saved, layout = [], []
         for position, arg in enumerate(args):
             if not isinstance(arg, torch.Tensor):
                 layout.append(("object", arg))
                 continue
             kept, padded = self._keep(arg.detach(), position, slot) if arg.is_floating_point() else (arg, None)
-            layout.append(("tensor", len(saved), arg.shape, arg.requires_grad, padded))
+            layout.append(("tensor", len(saved), arg.shape, arg.requires_grad, padded, arg.device))
             saved.append(kept)
         return saved, layout
 
@@ -196,22 +197,23 @@ class _Checkpointing:
         return kept, part * self.mp_size
 
     def unpack(self, saved, layout):
-        """The inputs again, detached, whole, on the device, requiring grad as they did in forward."""
+        """The inputs again, detached, whole, on the device each came from (a module kept on the host in a CUDA
+        run gets host tensors back), requiring grad as they did in forward. Partitions are gathered on the
+        communication device (NCCL takes no host tensors) and moved afterwards."""
         inputs = []
         for entry in layout:
             if entry[0] == "object":
                 inputs.append(entry[1])
                 continue
-            _, index, shape, requires_grad, padded = entry
+            _, index, shape, requires_grad, padded, device = entry
             tensor = saved[index]
             if padded is not None:
-                tensor = tensor.to(self.device)
                 if self.partition:
                     whole = torch.empty(padded, dtype=tensor.dtype, device=self.device)
                     with self.timers("gather"):
-                        all_gather_into_tensor(whole, tensor, self.group)
+                        all_gather_into_tensor(whole, tensor.to(self.device), self.group)
                     tensor = whole
-                tensor = tensor[:shape.numel()].view(shape)  # [padded] -> original shape
+                tensor = tensor[:shape.numel()].view(shape).to(device)  # [padded] -> original shape and device
             tensor = tensor.detach()
             tensor.requires_grad_(requires_grad)
             inputs.append(tensor)

@@ -1,4 +1,9 @@
-"""mpu layers at model-parallel sizes 1, 2 and 4 against single-process torch references (fp32, 1e-6)."""
+"""mpu layers at model-parallel sizes 1, 2 and 4 against single-process torch references (fp32, 1e-6), and the
+collectives ZeRO and mpu use, on the run's backend.
+
+Device-agnostic: every tensor lives on mpu's device (the CPU on gloo, the rank's GPU on NCCL under `pytest --device
+cuda`), and the references are drawn there too (CPU and CUDA generators give different numbers for one seed).
+"""
 import math
 
 import pytest
@@ -10,11 +15,21 @@ from megatron.spawn import run_distributed
 TOL = 1e-6
 
 
+def _device():
+    import mpu
+    return mpu.get_device()
+
+
 def _master(shape, seed, std=0.02):
+    """The full-size weight a layer seeded with `seed` draws (on the device: its generator is the layer's)."""
     torch.manual_seed(seed)
-    master = torch.empty(shape)
+    master = torch.empty(shape, device=_device())
     torch.nn.init.normal_(master, std=std)
     return master
+
+
+def _device_rng_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _normal(std=0.02):
@@ -34,7 +49,7 @@ def _check_layers():
     diffs = {}
     b, s, h, out = 3, 5, 8, 12
     torch.manual_seed(1234)
-    x = torch.randn(b, s, h, requires_grad=True)
+    x = torch.randn(b, s, h, device=_device(), requires_grad=True)
     # Column-parallel linear, gathered output.
     torch.manual_seed(7)
     column = mpu.ColumnParallelLinear(h, out, gather_output=True, init_method=_normal())
@@ -70,7 +85,7 @@ def _check_layers():
     torch.manual_seed(9)
     embedding = mpu.VocabParallelEmbedding(vocab, h, init_method=_normal())
     table = _master((vocab, h), 9)
-    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(3)).to(_device())
     y = embedding(ids)
     ref_table = table.clone().requires_grad_(True)
     ref_y = F.embedding(ids, ref_table)
@@ -86,16 +101,17 @@ def _check_layers():
 def _check_cross_entropy(vocab):
     """Uneven vocabulary split when `vocab` is not divisible: rank r gets torch.tensor_split's r-th piece."""
     import mpu
+    device = _device()
     torch.manual_seed(11)
-    logits = torch.randn(4, 6, vocab) * 3
-    target = torch.randint(0, vocab, (4, 6))
+    logits = torch.randn(4, 6, vocab, device=device) * 3
+    target = torch.randint(0, vocab, (4, 6), device=device)
     rank, world = mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
     mine = torch.tensor_split(logits, world, dim=-1)[rank].clone().requires_grad_(True)
     before = mine.detach().clone()
     loss = mpu.vocab_parallel_cross_entropy(mine, target)
     ref_logits = logits.clone().requires_grad_(True)
     ref_loss = F.cross_entropy(ref_logits.view(-1, vocab), target.view(-1), reduction="none").view(4, 6)
-    weights = torch.rand(4, 6)
+    weights = torch.rand(4, 6, device=device)
     (loss * weights).sum().backward()
     (ref_loss * weights).sum().backward()
     ref_grad_mine = torch.tensor_split(ref_logits.grad, world, dim=-1)[rank]
@@ -110,7 +126,7 @@ def _check_clip_grad_norm():
     torch.manual_seed(5)
     column = mpu.ColumnParallelLinear(6, 8, gather_output=True, init_method=_normal())
     row = mpu.RowParallelLinear(8, 4, input_is_parallel=False, init_method=_normal())
-    x = torch.randn(3, 6)
+    x = torch.randn(3, 6, device=_device())
     row(column(x)).pow(2).sum().mul(100).backward()
     full = [_gather_last(column.weight.grad.t()).t(), _gather_last(column.bias.grad), _gather_last(row.weight.grad),
             row.bias.grad.clone()]
@@ -126,29 +142,71 @@ def _check_clip_grad_norm():
 
 
 def _check_rng_and_broadcast():
+    """The tracker forks and restores the generator of mpu's device (CUDA's on a GPU, whose draws differ from the
+    CPU's): references come from generators of that device."""
     import mpu
+    device = _device()
     mpu.model_parallel_cuda_manual_seed(123)
-    before = torch.get_rng_state()
+    before = _device_rng_state(device)
     tracker = mpu.get_cuda_rng_tracker()
     with tracker.fork():
-        forked = torch.rand(4)
-    after = torch.get_rng_state()
-    default_draw = torch.rand(4)
-    ref = torch.Generator().manual_seed(123 + 2718 + mpu.get_model_parallel_rank())
-    expected_default = torch.rand(4, generator=torch.Generator().manual_seed(123))
-    # broadcast_data: only model-parallel rank 0's data counts.
+        forked = torch.rand(4, device=device)
+    after = _device_rng_state(device)
+    default_draw = torch.rand(4, device=device)
+    ref = torch.Generator(device=device).manual_seed(123 + 2718 + mpu.get_model_parallel_rank())
+    expected_default = torch.rand(4, device=device, generator=torch.Generator(device=device).manual_seed(123))
+    # broadcast_data: only model-parallel rank 0's data counts; it returns the batch on mpu's device.
     rank = mpu.get_model_parallel_rank()
     data = {"a": torch.arange(6).view(2, 3) + 100 * rank, "b": torch.arange(4) * (rank + 1)}
     out = mpu.broadcast_data(["a", "b"], data, torch.int64)
     return {"restored": torch.equal(before, after),
-            "forked_stream": torch.equal(forked, torch.rand(4, generator=ref)),
+            "forked_stream": torch.equal(forked, torch.rand(4, device=device, generator=ref)),
             "default_stream": torch.equal(default_draw, expected_default),
-            "broadcast": torch.equal(out["a"], torch.arange(6).view(2, 3)) and torch.equal(out["b"], torch.arange(4))}
+            "broadcast": out["a"].device == device and torch.equal(out["a"].cpu(), torch.arange(6).view(2, 3))
+            and torch.equal(out["b"].cpu(), torch.arange(4))}
+
+
+COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_collectives():
+    """The collectives the ZeRO engine and mpu launch (all_reduce, reduce_scatter_tensor, all_gather_into_tensor,
+    broadcast, reduce; synchronous and async_op) in every training dtype, on the process group's backend with
+    tensors on mpu's device: what NCCL runs under `pytest --device cuda` (also at world size 1, one GPU). Rank r
+    contributes r + 1 everywhere, so each result is a known small integer, exact in every dtype."""
+    import mpu
+    import torch.distributed as dist
+    device, rank, world = _device(), dist.get_rank(), dist.get_world_size()
+    total = world * (world + 1) / 2
+    ok = {"backend is mpu's": dist.get_backend() == mpu.get_backend()}
+    for dtype in COLLECTIVE_DTYPES:
+        mine = torch.full((2 * world,), rank + 1.0, dtype=dtype, device=device)
+        summed = mine.clone()
+        dist.all_reduce(summed)
+        scattered = torch.empty(2, dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(scattered, mine)
+        gathered = torch.empty(2 * world, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, mine[:2].contiguous())
+        broadcast = mine.clone()
+        dist.broadcast(broadcast, src=world - 1)
+        reduced = mine.clone()
+        dist.reduce(reduced, dst=0)
+        handle_sum = mine.clone()
+        dist.all_reduce(handle_sum, async_op=True).wait()
+        expect = {"all_reduce": (summed, total), "reduce_scatter_tensor": (scattered, total),
+                  "broadcast": (broadcast, world), "all_reduce async": (handle_sum, total)}
+        if rank == 0:
+            expect["reduce"] = (reduced, total)
+        for name, (tensor, value) in expect.items():
+            ok[f"{name} {dtype}"] = tensor.device == device and bool((tensor.float() == value).all())
+        ranks = torch.arange(1, world + 1, dtype=torch.float32, device=device).repeat_interleave(2)
+        ok[f"all_gather_into_tensor {dtype}"] = bool((gathered.float() == ranks).all())
+    return ok
 
 
 def _all_checks(vocab):
     return {"layers": _check_layers(), "cross_entropy": _check_cross_entropy(vocab),
-            "clip": _check_clip_grad_norm(), "rng": _check_rng_and_broadcast()}
+            "clip": _check_clip_grad_norm(), "rng": _check_rng_and_broadcast(), "collectives": _check_collectives()}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -164,6 +222,7 @@ def test_mpu_matches_single_process(world_size):
         assert result["clip"]["norm"] <= 1e-6
         assert result["clip"]["clipped"] <= TOL
         assert all(result["rng"].values()), result["rng"]
+        assert all(result["collectives"].values()), {k: v for k, v in result["collectives"].items() if not v}
 
 
 def test_model_parallel_size_must_divide_world():

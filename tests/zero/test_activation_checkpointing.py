@@ -1,6 +1,8 @@
 """zero.checkpointing: bitwise-equal gradients for every option, saved-activation bytes, configuration errors.
 
-The model-parallel checks run once on 2 gloo processes (mp=2) and return everything the tests assert on.
+The model-parallel checks run once on 2 processes (mp=2) and return everything the tests assert on. Every tensor
+lives on mpu's device (the CPU, or the rank's GPU under `pytest --device cuda`); workers return CPU copies, so the
+parent compares ranks on one device.
 """
 import json
 import warnings
@@ -38,6 +40,23 @@ def _set_mode(model, checkpoint_activations):
     model.set_activation_checkpointing(*activation_checkpointing_pair())
 
 
+def _device_rng_state():
+    """The state of the generator dropout draws from on mpu's device (CUDA's under --device cuda)."""
+    device = mpu.get_device()
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _on_cpu(value):
+    """`value` with every tensor in it (nested in dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(item) for item in value)
+    return value
+
+
 def _train_steps(model, x, target, mask=None, input_requires_grad=True):
     """STEPS forward/backward passes from a fixed RNG state: (grads, losses, RNG states afterwards)."""
     mpu.model_parallel_cuda_manual_seed(99)
@@ -51,7 +70,7 @@ def _train_steps(model, x, target, mask=None, input_requires_grad=True):
         input_grads.append(leaf.grad)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     grads["input"] = input_grads
-    rng = (torch.get_rng_state(), mpu.get_cuda_rng_tracker().get_states())
+    rng = (torch.get_rng_state(), _device_rng_state(), mpu.get_cuda_rng_tracker().get_states())
     return grads, losses, rng
 
 
@@ -78,9 +97,10 @@ def _saved_bytes(run):
 def _mp2_worker():
     mpu.model_parallel_cuda_manual_seed(1234)
     model = mpu.ParallelTransformer(NUM_LAYERS, HIDDEN, HEADS, attention_dropout_prob=0.2, output_dropout_prob=0.2)
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)       # the same on both ranks
-    target = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+    device = mpu.get_device()
+    generator = torch.Generator().manual_seed(7)                    # a CPU generator: the same draws on any device
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=generator).to(device)       # the same on both ranks
+    target = torch.randn(BATCH, SEQ, HIDDEN, generator=generator).to(device)
     results = {"runs": {}, "bytes": {}}
 
     def run(name, checkpoint_activations, **kwargs):
@@ -98,7 +118,7 @@ def _mp2_worker():
     results["profile"] = checkpointing.profile_summary()
 
     # Inputs that do not require grad, and a tensor mask next to the checkpointed hidden states.
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked out
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).triu(1).view(1, 1, SEQ, SEQ)  # True = masked out
     for name, kwargs in (("no input grad", dict(input_requires_grad=False)), ("mask", dict(mask=mask))):
         checkpointing.unconfigure()
         run(f"{name} none", False, **kwargs)
@@ -116,7 +136,7 @@ def _mp2_worker():
         results["bytes"][name] = _saved_bytes(lambda: model(leaf))
         checkpointing.reset()  # forwards without backward: free the contiguous slots
     results["bytes"]["final layernorm"] = _saved_bytes(
-        lambda: model.final_layernorm(torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)))
+        lambda: model.final_layernorm(torch.randn(BATCH, SEQ, HIDDEN, device=device, requires_grad=True)))
 
     # Contiguous: the partitioned chunk inputs of every step live in one buffer, allocated once.
     _configure((True, False, True))
@@ -128,7 +148,7 @@ def _mp2_worker():
         results["contiguous storages"].append(
             {storage for (_, nbytes), storage in seen.items() if nbytes == ACTIVATION_BYTES // 2})
     checkpointing.unconfigure()
-    return results
+    return _on_cpu(results)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +167,9 @@ def _assert_bitwise_equal(name, got, want):
             if g is not None:
                 assert torch.equal(g, ref), f"{name}: gradient of {key} differs by {(g - ref).abs().max()}"
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), f"{name}: losses {losses} != {ref_losses}"
-    assert torch.equal(rng[0], ref_rng[0]), f"{name}: the default RNG stream moved differently"
-    assert rng[1].keys() == ref_rng[1].keys() and all(torch.equal(rng[1][k], ref_rng[1][k]) for k in rng[1]), \
+    assert torch.equal(rng[0], ref_rng[0]), f"{name}: the CPU's default RNG stream moved differently"
+    assert torch.equal(rng[1], ref_rng[1]), f"{name}: the device's default RNG stream moved differently"
+    assert rng[2].keys() == ref_rng[2].keys() and all(torch.equal(rng[2][k], ref_rng[2][k]) for k in rng[2]), \
         f"{name}: the tracker's RNG stream moved differently"
 
 
@@ -265,22 +286,31 @@ def test_bad_configurations_are_clear_errors(kwargs, message):
     assert not checkpointing.is_configured()
 
 
-def _dropout_mlp():
+def _dropout_mlp(device=None):
+    """A dropout MLP on `device` (default: mpu's, the GPU under --device cuda)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, 8))
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, 8))
+    return model.to(device or mpu.get_device())
+
+
+def _input(device=None, requires_grad=False):
+    return torch.randn(4, 8, device=device or mpu.get_device(), requires_grad=requires_grad)
 
 
 def _grads_of(model, step):
+    """Gradients of 3 steps from one seed, and the state of the generator the model's dropout drew from."""
     torch.manual_seed(5)
     model.zero_grad(set_to_none=True)
     for _ in range(3):
         step().sum().backward()
-    return [p.grad.clone() for p in model.parameters()], torch.get_rng_state()
+    device = next(model.parameters()).device
+    rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return [p.grad.clone() for p in model.parameters()], rng
 
 
 def test_partition_at_mp1_warns_once_and_changes_nothing():
     model = _dropout_mlp()
-    x = torch.randn(4, 8)
+    x = _input()
     want = _grads_of(model, lambda: model(x))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -293,7 +323,7 @@ def test_partition_at_mp1_warns_once_and_changes_nothing():
 
 def test_non_tensor_arguments_and_input_without_grad_reach_the_parameters():
     model = _dropout_mlp()
-    x = torch.randn(4, 8)  # requires no grad: the parameters must still get theirs
+    x = _input()  # requires no grad: the parameters must still get theirs
 
     def scaled(inputs, scale, unused):
         assert unused is None
@@ -305,9 +335,22 @@ def test_non_tensor_arguments_and_input_without_grad_reach_the_parameters():
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and torch.equal(got[1], want[1])
 
 
+def test_inputs_come_back_on_their_own_device(monkeypatch):
+    """A module kept on the host in a run whose device (mpu's) is a GPU: its checkpointed input is restored on the
+    host, where the module is, not on the run's device. mpu's device is set to "cuda" for the checkpointing
+    module only; the host checkpoint keeps the data off that device, so no GPU is needed (the restore moved it)."""
+    monkeypatch.setattr(checkpointing, "get_device", lambda: torch.device("cuda"))
+    model = _dropout_mlp("cpu")
+    x = _input("cpu", requires_grad=True)
+    want = _grads_of(model, lambda: model(x))
+    checkpointing.configure(_SingleRankMpu, checkpoint_in_cpu=True, contiguous_checkpointing=True, num_checkpoints=1)
+    got = _grads_of(model, lambda: checkpointing.checkpoint(model, x))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and torch.equal(got[1], want[1])
+
+
 def test_more_checkpoints_than_slots_is_an_error_until_reset():
     model = _dropout_mlp()
-    x = torch.randn(4, 8, requires_grad=True)
+    x = _input(requires_grad=True)
     checkpointing.configure(_SingleRankMpu, contiguous_checkpointing=True, num_checkpoints=2)
     h = checkpointing.checkpoint(model, checkpointing.checkpoint(model, x))
     with pytest.raises(RuntimeError, match="more than num_checkpoints=2 checkpoints before a backward"):
@@ -358,7 +401,7 @@ def _seeding_worker():
     out["torch.manual_seed"] = [_dropout_mask(device) for _ in range(DRAWS)]
     out["generator(seed)"] = _masks_from_generator(SEED, device)
     out["generator(seed + 2718 + rank)"] = _masks_from_generator(SEED + 2718 + rank, device)
-    return out
+    return _on_cpu(out)
 
 
 def test_model_parallel_seeding_draws_the_documented_streams():

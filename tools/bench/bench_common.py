@@ -1,6 +1,4 @@
 """Helpers shared by the benchmark commands."""
-import os
-import socket
 
 
 def peak_rss_mb():
@@ -45,14 +43,19 @@ def default_precisions():
 
 
 def init_single_process():
-    """torch.distributed (gloo) and mpu's groups for one process, on a free local port."""
+    """torch.distributed and mpu's groups for one process. Backend and device come from mpu (NCCL on the GPU of
+    LOCAL_RANK, gloo on the CPU), so a benchmark never runs gloo on CUDA tensors; the GPU is set before the group
+    exists (NCCL binds a communicator to the current device). The rendezvous is a free port handed to
+    init_method, not MASTER_PORT: a fixed or inherited port may be another job's, and a subprocess the benchmark
+    starts must not inherit the port this process's store holds."""
+    import torch
     import torch.distributed as dist
     import mpu
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.spawn import free_port
+    device = mpu.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(mpu.get_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     mpu.initialize_model_parallel(1)
 
 

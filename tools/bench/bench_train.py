@@ -9,6 +9,8 @@ median over rounds with its min-max, and "vs plain PyTorch" the median of the pe
 round, so slow phases of the shared machine cancel). "ours, torch-default AdamW" is ours with --no-fused-adam: its
 ratio to "ours" is the step-time gain of the fused AdamW kernel (printed after the table); `--adam-step-only` times
 AdamW.step() alone for torch's three kernels.
+Every implementation runs on mpu's device with mpu's backend (the CPU and gloo here; a GPU and NCCL where CUDA is
+present, timed after a device synchronize), so the comparison is always on one device.
 Peak RSS is measured separately (one short subprocess per cell) because a process's peak only grows.
 TFLOP/s = tokens/s x megatron.training.flops_per_token, the count the training log's TFLOP/s uses (Narayanan et
 al. 2021: 3 passes of 24 L h^2 (1 + s/(6h)) per token plus 3 x 2 h V for the LM head).
@@ -27,7 +29,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import median_and_spread  # noqa: E402
+import mpu  # noqa: E402
+from bench_common import init_single_process, median_and_spread  # noqa: E402
+
+DEVICE = mpu.get_device()
 
 CONFIGS = {
     "tiny": dict(layers=2, hidden=128, heads=4, seq=128, vocab=8192, batch=8),
@@ -63,7 +68,7 @@ class PlainGPT(nn.Module):
         self.ln_f = nn.LayerNorm(c["hidden"])
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
@@ -72,19 +77,25 @@ class PlainGPT(nn.Module):
 
 def _batch(c, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), generator=g)
+    return torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), generator=g).to(DEVICE)
+
+
+def _synchronize():
+    """Wait for the device's queued work (CUDA runs asynchronously: a timer read without it measures launches)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def make_plain(c, dtype, compile_model=False):
     """nanoGPT-style loop; compile_model: the whole model under torch.compile (the reference of --torch-compile)."""
     torch.manual_seed(0)
-    model = PlainGPT(c)
+    model = PlainGPT(c).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = dtype == "bf16"
     forward = torch.compile(model) if compile_model else model
 
     def step(text):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
             loss = forward(text[:, :-1], text[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,12 +109,12 @@ def make_hf(c, dtype):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=c["vocab"], n_positions=c["seq"], n_embd=c["hidden"], n_layer=c["layers"],
                         n_head=c["heads"], resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = dtype == "bf16"
 
     def step(text):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=text[:, :-1], labels=text[:, :-1]).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -125,7 +136,7 @@ def make_ours(c, dtype, extra_flags=()):
              "--make-vocab-size-divisible-by", "1", "--clip-grad", "1.0"] + (["--bf16"] if dtype == "bf16" else []) \
         + list(extra_flags)
     args = parse_args(args_list=flags)
-    args.rank, args.distributed_backend = 0, "gloo"
+    args.rank, args.distributed_backend = 0, mpu.get_backend()
     set_global_variables(args)
     set_random_seed(0)
     model, optimizer, scheduler, _ = setup_model_and_optimizer(pretrain_gpt.model_provider)
@@ -148,15 +159,6 @@ GAINS = (("ours", UNFUSED), ("ours --torch-compile", "ours"),
          ("ours --torch-compile", "plain PyTorch, torch.compile"))
 
 
-def _init_process_group():
-    import torch.distributed as dist
-    import mpu
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
-                      WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(1)
-
-
 def flops_per_token(c):
     """The training log's count for config `c` (make_ours pads the vocabulary to a multiple of 1: V itself)."""
     from megatron.training import flops_per_token as training_flops_per_token
@@ -176,9 +178,11 @@ def measure_throughput(config_name, dtype, rounds, steps, impls=tuple(IMPLS)):
     names = list(steppers)
     for index in range(rounds):  # alternate so machine noise hits every implementation alike
         for name in (names if index % 2 == 0 else names[::-1]):
+            _synchronize()
             start = time.perf_counter()
             for _ in range(steps):
                 steppers[name](text)
+            _synchronize()
             samples[name].append(steps * c["batch"] * c["seq"] / (time.perf_counter() - start))
     return samples
 
@@ -200,7 +204,7 @@ def measure_adam_step(config_name, rounds, steps=3):
     """{kernel: [ms per AdamW.step() of round 0, ...]} on fp32 parameters of the config's model (random
     gradients), the kernels alternating (reversed every other round)."""
     torch.manual_seed(0)
-    params = list(PlainGPT(CONFIGS[config_name]).parameters())
+    params = list(PlainGPT(CONFIGS[config_name]).to(DEVICE).parameters())
     for p in params:
         p.grad = torch.randn_like(p)
     optimizers = {name: torch.optim.AdamW(params, lr=1e-4, **options) for name, options in ADAM_KERNELS.items()}
@@ -209,9 +213,11 @@ def measure_adam_step(config_name, rounds, steps=3):
     samples, names = {name: [] for name in optimizers}, list(optimizers)
     for index in range(rounds):
         for name in (names if index % 2 == 0 else names[::-1]):
+            _synchronize()
             start = time.perf_counter()
             for _ in range(steps):
                 optimizers[name].step()
+            _synchronize()
             samples[name].append((time.perf_counter() - start) / steps * 1e3)
     return samples
 
@@ -219,11 +225,10 @@ def measure_adam_step(config_name, rounds, steps=3):
 def peak_rss_mb(config_name, dtype, impl):
     """Peak RSS of a fresh process that builds `impl` and runs 3 steps."""
     code = (f"import sys; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-            f"import bench_train as b; b._init_process_group(); c=b.CONFIGS[{config_name!r}]; "
+            f"import bench_train as b; b.init_single_process(); c=b.CONFIGS[{config_name!r}]; "
             f"s=b.IMPLS[{impl!r}](c, {dtype!r}); t=b._batch(c, 0); [s(t) for _ in range(3)]; "
             f"import bench_common; print(bench_common.peak_rss_mb())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, MASTER_PORT="29512"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
         return float("nan")
     return float(out.stdout.strip().splitlines()[-1])
@@ -261,7 +266,7 @@ def main():
                 print(f"| {config_name} | {count / 1e6:.2f}M | {name} | {median_and_spread(ms)[0]:.2f} | "
                       f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f}) |")
         return
-    _init_process_group()
+    init_single_process()
     rows, gains = [], []
     print(f"# median of {args.rounds} alternating rounds of {args.steps} steps (min-max in brackets)")
     print("| config | dtype | implementation | tokens/s | vs plain PyTorch | TFLOP/s | peak RSS (MB) |")
