@@ -81,6 +81,8 @@ def pretraining_loader(dataset, consumed_samples, micro_batch_size, data_paralle
                                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                                          data_parallel_size=data_parallel_size)
     # Its own generator: iter(loader) draws a seed, and from the global one that would shift the RNG state a
-    # checkpoint restored (the iterators are built after load_checkpoint).
+    # checkpoint restored (the iterators are built after load_checkpoint). Pinned batches on CUDA: the copy to the
+    # device (mpu.broadcast_data, non_blocking) then does not wait for the host.
+    import mpu
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       generator=torch.Generator())
+                                       generator=torch.Generator(), pin_memory=mpu.get_device().type == "cuda")

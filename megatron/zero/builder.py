@@ -10,6 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from mpu.utils import get_device, init_distributed
+
 from .config import Config, ConfigError, load_config, resolve_auto_values
 from .engine import ZeroEngine
 from .lr_schedules import SCHEDULERS
@@ -146,7 +148,6 @@ def _init_distributed():
     (mpu.init_distributed: on CUDA every rank would otherwise use cuda:0 for NCCL and the object collectives)."""
     if dist.is_initialized() or "RANK" not in os.environ:
         return
-    from mpu.utils import init_distributed
     init_distributed()
 
 
@@ -162,4 +163,5 @@ def _dataloader(training_data, config, ctx, collate_fn):
     else:
         sampler = torch.utils.data.RandomSampler(training_data)
     return torch.utils.data.DataLoader(training_data, batch_size=config.train_micro_batch_size_per_gpu,
+                                       pin_memory=get_device().type == "cuda",   # DeepSpeed pins on accelerators
                                        sampler=sampler, collate_fn=collate_fn, drop_last=config.dataloader_drop_last)
