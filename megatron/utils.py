@@ -1,17 +1,16 @@
 """Training-script utilities (what the seed tutorial puts here): logging on rank 0, loss reduction across the
-data-parallel group, and unwrapping a model from its DDP / ZeRO-engine wrappers. Checkpoints (save, load, RNG
-states, any-topology reading) are megatron.checkpoint's.
+data-parallel group, unwrapping a model from its DDP / ZeRO-engine wrappers, and the tutorial's two checkpoint
+functions under its names and signatures (save_ds_checkpoint, load_checkpoint). Those only translate the argparse
+arguments into megatron.checkpoint's explicit objects: checkpoints (save, load, RNG states, any-topology reading)
+are megatron.checkpoint's, which the training loop calls directly.
 """
 import torch
-import torch.distributed as dist
 
 import mpu
+from megatron import checkpoint
+from megatron import print_rank_0, unwrap_model  # noqa: F401  (defined at the root; imported from here too)
 from megatron.guards import breadcrumbs
-
-
-def print_rank_0(message):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+from megatron.train_state import CheckpointOptions, TrainState
 
 
 def reduce_losses(losses):
@@ -21,8 +20,17 @@ def reduce_losses(losses):
     return reduced / mpu.get_data_parallel_world_size()
 
 
-def unwrap_model(model):
-    """The bare module inside DDP wrappers or the ZeRO engine."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def save_ds_checkpoint(iteration, model, args):
+    """The tutorial's save through the ZeRO engine (--deepspeed): iteration and every RNG state (unless
+    --no-save-rng) into the engine's client_state, under args.save; megatron.checkpoint.save_ds_checkpoint.
+    Only the iteration is known here: the other counters (consumed samples, skipped iterations) are saved as 0,
+    so a run resumed from it reads its data from the start; the training loop saves its whole TrainState with
+    megatron.checkpoint.save_checkpoint."""
+    checkpoint.save_ds_checkpoint(TrainState(iteration=iteration), model, CheckpointOptions.from_args(args))
+
+
+def load_checkpoint(model, optimizer, lr_scheduler, args):
+    """The tutorial's load of args.load (either path: the ZeRO engine loads itself with --deepspeed), restoring
+    the RNG states unless --no-load-rng; megatron.checkpoint.load_checkpoint. Returns the TrainState to continue
+    from (its .iteration is what the tutorial's version returned; a fresh one when args.load holds no checkpoint)."""
+    return checkpoint.load_checkpoint(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))

@@ -111,11 +111,11 @@ launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
 }
 
-plot_log() {  # plot_log LOG_JSONL OUT_DIR: run.png and run.html of a --log-jsonl next to the checkpoint (matplotlib)
-  if "$PYTHON" -c "import matplotlib" 2>/dev/null; then
-    "$PYTHON" tools/plot_run.py "$1" --output "$2/run.png" --html "$2/run.html" >/dev/null \
-      && echo "plot: $2/run.png and $2/run.html (from $1)" || echo "plot: tools/plot_run.py failed (above); the log is $1"
-  else
-    echo "plot: pip install matplotlib, then $PYTHON tools/plot_run.py $1 --output run.png (log: $1)"
+plot_log() {  # plot_log LOG_JSONL OUT_DIR: run.png and run.html of a --log-jsonl next to the checkpoint
+  if ! "$PYTHON" -c "import matplotlib" 2>/dev/null; then   # a requirement (make install); one line if it is missing
+    echo "plot: not written: matplotlib is missing from $PYTHON (pip install -r requirements.txt); the log is $1"
+    return
   fi
+  "$PYTHON" tools/plot_run.py "$1" --output "$2/run.png" --html "$2/run.html" >/dev/null \
+    && echo "plot: $2/run.png and $2/run.html (from $1)" || echo "plot: tools/plot_run.py failed (above); the log is $1"
 }

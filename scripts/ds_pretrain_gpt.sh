@@ -9,8 +9,8 @@
 # scripts/ds_zero2_config.json on CPU, scripts/ds_zero2_config_bf16.json on GPU); a command-line flag that disagrees
 # with it is an error. Reads: PYTHON, DS_CONFIG, NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH TRAIN_ITERS LR,
 # DATA_PATH VOCAB_FILE MERGE_FILE or DATA_ARGS, CHECKPOINT_PATH (default checkpoints/gpt2_zero2), EXTRA_ARGS,
-# LOG_JSONL (default $CHECKPOINT_PATH/log.jsonl, appended to on resume; empty: none). With matplotlib installed the
-# run ends by plotting the log next to the checkpoint (run.png, run.html: tools/plot_run.py).
+# LOG_JSONL (default $CHECKPOINT_PATH/log.jsonl, appended to on resume; empty: none). The run ends by plotting the
+# log next to the checkpoint and printing where (run.png, run.html: tools/plot_run.py; matplotlib is a requirement).
 source "$(dirname "$0")/_common.sh"
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_zero2}
 LOG_JSONL=${LOG_JSONL-$CHECKPOINT_PATH/log.jsonl}

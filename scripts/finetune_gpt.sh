@@ -11,7 +11,7 @@
 # perplexity, (3) greedy answers of both checkpoints to the first three test questions (tools/generate_samples_gpt.py
 # --chat-template deepspeed-chat; the LoRA checkpoint loads with the same --lora-* flags). Rerunning resumes, or only
 # re-evaluates, the run in CHECKPOINT_PATH (delete it to start over). The fine-tuning run's log is kept as
-# CHECKPOINT_PATH/log.jsonl and plotted next to it (run.png, run.html) when matplotlib is installed.
+# CHECKPOINT_PATH/log.jsonl and plotted next to it (run.png, run.html; the script prints where).
 # Reads: PYTHON, BASE_CHECKPOINT (default checkpoints/gpt2_zero2; made with the same model shape: NUM_LAYERS
 # HIDDEN_SIZE NUM_HEADS SEQ_LENGTH), CHECKPOINT_PATH (default checkpoints/gpt2_lora), SFT_DATA_DIR (default data/sft),
 # TRAIN_ITERS (default 100), LR (default 1e-2), LORA_RANK (8), LORA_ALPHA (16), EVAL_ITERS (default: the

@@ -9,7 +9,7 @@ panel to the other runs; a panel no run has is omitted (one line names it). The 
 shortest distinct path ends) or --labels. --html writes one self-contained page: the same charts as inline SVG and
 a table of each run's settings (its header record; a log without one: its first record). A resumed run appends to
 the same log: the last record written for an iteration is the one plotted. The records: docs/operations-jsonl.md.
-Needs matplotlib (pip install matplotlib). Bad input: one line naming it, exit status 1.
+Needs matplotlib (a requirement: requirements.txt). Bad input: one line naming it, exit status 1.
 """
 import dataclasses
 import html
@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 from megatron import cli  # noqa: E402
 
-INSTALL_HINT = "pip install matplotlib (or: pip install -r requirements-test.txt)"
+INSTALL_HINT = "pip install -r requirements.txt (or: pip install matplotlib)"
 RECORD_TYPES = ("header", "train", "validation")
 
 
@@ -309,7 +309,7 @@ def main(argv=None):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print(f"error: plotting needs matplotlib, an optional dependency: {INSTALL_HINT}", file=sys.stderr)
+        print(f"error: plotting needs matplotlib, which is not installed: {INSTALL_HINT}", file=sys.stderr)
         return 1
     try:
         runs = [read_run(path, label) for path, label in zip(args.runs, args.labels or default_labels(args.runs))]

@@ -17,14 +17,16 @@
     train_state = load_checkpoint(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
     save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
 
-This package builds on mpu, megatron.train_state and megatron.utils only: the ZeRO engine (megatron.zero) uses its
-layout and atomic writes, and is recognised here by its DeepSpeed API, so no import goes the other way.
+This package builds on mpu, megatron.train_state and the package root's print_rank_0 and unwrap_model only
+(megatron.utils, which wraps save_ds_checkpoint and load_checkpoint with the seed tutorial's signatures, builds on
+it); the ZeRO engine (megatron.zero) uses its layout and atomic writes, and is recognised here by its DeepSpeed
+API, so no import goes the other way.
 """
 from .layout import CheckpointError
 from .loading import get_checkpoint_iteration, load_checkpoint, newest_verified_checkpoint
 from .rng import get_rng_state, set_rng_state
-from .saving import checkpoint_state, finalize_async_save, model_shape, save_checkpoint
+from .saving import checkpoint_state, finalize_async_save, model_shape, save_checkpoint, save_ds_checkpoint
 
 __all__ = ["CheckpointError", "get_checkpoint_iteration", "load_checkpoint", "newest_verified_checkpoint",
            "get_rng_state", "set_rng_state", "checkpoint_state", "finalize_async_save", "model_shape",
-           "save_checkpoint"]
+           "save_checkpoint", "save_ds_checkpoint"]

@@ -15,12 +15,12 @@ import os
 import torch.distributed as dist
 
 import mpu
+from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import atomic_io, reshard, reshard_load
 from megatron.checkpoint import layout as ckpt
 from megatron.checkpoint.rng import set_rng_state
 from megatron.checkpoint.saving import is_zero_engine, iterations_saved, model_shape, rank_file
 from megatron.train_state import TrainState
-from megatron.utils import print_rank_0, unwrap_model
 
 
 def get_checkpoint_iteration(load_dir):

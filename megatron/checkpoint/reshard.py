@@ -5,7 +5,7 @@ of any other topology or path. Files are memory-mapped: a process touches only t
     saved = SavedCheckpoint(load_dir)                      # layout, sizes, names (follows tracker / latest)
     saved.full_tensor("word_embeddings.weight")            # [real vocab, h]: the padding rows dropped
     saved.full_tensor(name, "exp_avg")                     # also "exp_avg_sq" and "master" (fp32 masters)
-    load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (megatron.utils calls it)
+    load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (loading.py calls it)
     megatron.checkpoint.full_checkpoint                               # the tools' entry points (zero_to_fp32, HF, resize)
 
 How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it

@@ -4,12 +4,12 @@ model-parallel size differs from this run's)."""
 import torch
 
 import mpu
+from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import layout as ckpt
 from megatron.checkpoint.reshard import partitioning
 from megatron.checkpoint.rng import set_rng_state
 from megatron.checkpoint.saving import is_zero_engine, optimizer_param_names
 from megatron.train_state import TrainState
-from megatron.utils import print_rank_0, unwrap_model
 
 
 def check_same_model(saved, config):

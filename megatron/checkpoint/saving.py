@@ -14,9 +14,9 @@ import shutil
 import torch.distributed as dist
 
 import mpu
+from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import atomic_io, layout as ckpt
 from megatron.checkpoint.rng import get_rng_state
-from megatron.utils import print_rank_0, unwrap_model
 
 
 def is_zero_engine(model):

@@ -1,6 +1,7 @@
 """Engine checkpoints: exact resume at the same data-parallel size, re-partitioning to 1 and 4, client_state,
-weights-only loading, and the atomic/safe file helpers."""
+weights-only loading, the atomic/safe file helpers, and the seed tutorial's megatron.utils names."""
 import os
+import types
 
 import numpy as np
 import pytest
@@ -189,3 +190,33 @@ def test_a_failed_write_on_one_rank_raises_everywhere(tmp_path):
     messages = run_distributed(_save_with_rank_1_failing, 2, args=(str(tmp_path),))
     assert "No space left on device" in messages[1] and "another rank failed" in messages[0]
     assert open(os.path.join(str(tmp_path), ckpt.LATEST_FILE)).read() == "good"
+
+
+def _tutorial_save_then_load(save_dir):
+    """The seed tutorial's calls, megatron.utils.save_ds_checkpoint(iteration, model, args) and
+    load_checkpoint(model, optimizer, lr_scheduler, args), on a ZeRO-2 engine: (what the load returned, the engine's
+    steps after it, weights equal, the torch RNG draw after the save and after the load)."""
+    from megatron import utils
+    args = types.SimpleNamespace(save=save_dir, load=save_dir, save_keep_last=None, no_save_optim=False,
+                                 no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False)
+    engine = _engine()
+    _run(engine, 0, 2)
+    utils.save_ds_checkpoint(7, engine, args)       # the loop's iteration, not the engine's 2 steps
+    weights, draw_after_save = _state(engine), torch.rand(3)
+    fresh = _engine()
+    torch.manual_seed(99)
+    train_state = utils.load_checkpoint(fresh, fresh.optimizer, None, args)
+    weights_equal = all(torch.equal(v, weights[k]) for k, v in _state(fresh).items())
+    return train_state, fresh.global_steps, weights_equal, draw_after_save, torch.rand(3)
+
+
+def test_tutorial_names_in_utils_save_and_load_through_megatron_checkpoint(tmp_path):
+    """megatron.utils keeps the tutorial's save_ds_checkpoint and load_checkpoint, delegating to
+    megatron.checkpoint: the iteration passed in is the one tracked and read back, the RNG states restored."""
+    from megatron.train_state import TrainState
+    train_state, steps, weights_equal, draw_after_save, draw_after_load = \
+        run_distributed(_tutorial_save_then_load, 1, args=(str(tmp_path),), model_parallel_size=1)[0]
+    assert ckpt.read_tracker(str(tmp_path)) == (7, False)
+    assert os.path.isdir(tmp_path / "iter_0000007")
+    assert train_state == TrainState(iteration=7) and steps == 2 and weights_equal
+    assert torch.equal(draw_after_load, draw_after_save)

@@ -4,24 +4,22 @@ rate-limited printer, megatron.cli.ProgressLine) driven by a fake clock."""
 import contextlib
 import copy
 import functools
-import importlib.util
 import io
 import json
 import math
 import os
 import re
 import struct
+import subprocess
+import sys
 
 import pytest
 
 from megatron import cli
 from megatron.spawn import run_distributed
-from tests.helpers import NO_DROPOUT, TINY, build_small_corpus, write_jsonl  # also puts tools/ on sys.path
+from tests.helpers import NO_DROPOUT, REPO, TINY, build_small_corpus, write_jsonl  # also puts tools/ on sys.path
 
 import plot_run  # noqa: E402  (tools/)
-
-plotting = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                              reason="matplotlib is a test requirement (requirements-test.txt)")
 
 ITERS, LOG_INTERVAL, EVAL_INTERVAL, EVAL_ITERS = 6, 2, 3, 2
 
@@ -128,7 +126,6 @@ def _line_points(line):
     return list(zip(map(int, line.get_xdata()), map(float, line.get_ydata())))
 
 
-@plotting
 def test_figure_panels_hold_the_logged_values(logged_run, tmp_path, capsys):
     run = plot_run.read_run(logged_run["path"], "log.jsonl")
     figure = plot_run.build_figure([run])
@@ -169,7 +166,6 @@ def _affine(drawn, values):
     return all(abs(d0 + (v - v0) * scale - d) <= 1e-4 * abs(d1 - d0) + 2e-6 for v, d in zip(values, drawn))
 
 
-@plotting
 def test_html_page_holds_every_panel_and_the_settings(logged_run, tmp_path):
     page = str(tmp_path / "run.html")
     assert plot_run.main([logged_run["path"], "--html", page]) == 0
@@ -212,7 +208,6 @@ def _older_log(record):
     return record
 
 
-@plotting
 def test_two_runs_overlay_with_labels_and_a_field_missing_in_one(logged_run, tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
@@ -241,7 +236,6 @@ def test_two_runs_overlay_with_labels_and_a_field_missing_in_one(logged_run, tmp
     assert '<tr class="differs"><td>layout: zero_stage</td><td>2</td><td></td></tr>' in text
 
 
-@plotting
 def test_a_panel_no_run_has_is_omitted_in_one_line(logged_run, tmp_path, capsys):
     def loss_and_lr_only(record):
         return None if record["type"] != "train" else {"iteration": record["iteration"],
@@ -257,7 +251,6 @@ def test_a_panel_no_run_has_is_omitted_in_one_line(logged_run, tmp_path, capsys)
     assert [ax.get_title() for ax in figure.axes] == ["training loss", "learning rate"]
 
 
-@plotting
 def test_a_resumed_log_plots_the_last_record_of_a_replayed_iteration(logged_run, tmp_path):
     """A run resumed from its iteration-4 checkpoint after logging iteration 6 appends a header and logs 6 again."""
     records = logged_run["records"] + [dict(logged_run["records"][0], iteration=4)]
@@ -284,7 +277,6 @@ BAD = {
 }
 
 
-@plotting
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_log_is_one_line_naming_it(tmp_path, capsys, case):
     content, message = BAD[case]
@@ -297,7 +289,6 @@ def test_bad_log_is_one_line_naming_it(tmp_path, capsys, case):
     assert not os.path.exists(tmp_path / "x.png")
 
 
-@plotting
 def test_bad_command_lines_are_one_line(tmp_path, capsys, monkeypatch):
     good = tmp_path / "good.jsonl"
     good.write_text('{"iteration": 1, "losses": {"lm loss": 3.0}}\n')
@@ -315,7 +306,25 @@ def test_bad_command_lines_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)      # matplotlib not installed
     assert plot_run.main([str(good), "--output", "x.png"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install matplotlib" in err, err
+    assert err.count("\n") == 1 and "pip install -r requirements.txt" in err, err
+
+
+def test_the_scripts_plot_step_without_matplotlib_is_one_line(tmp_path):
+    """plot_log (scripts/_common.sh), the last step of make pretrain and make finetune: matplotlib is a requirement,
+    but a Python without it gets one line saying what to install and where the log is, and the script goes on."""
+    hidden = tmp_path / "site" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not installed')\n")
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"iteration": 1, "losses": {"lm loss": 3.0}}\n')
+    env = dict(os.environ, PYTHON=sys.executable, DATA_ARGS="--mock-data", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(["bash", "-c", 'source scripts/_common.sh; plot_log "$0" "$1"; echo next', str(log),
+                             str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.splitlines() == [f"plot: not written: matplotlib is missing from {sys.executable} "
+                                          f"(pip install -r requirements.txt); the log is {log}", "next"]
+    assert not (tmp_path / "run.png").exists() and not (tmp_path / "run.html").exists()
 
 
 # ---- progress lines -----------------------------------------------------------------------------------------------

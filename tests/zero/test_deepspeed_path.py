@@ -74,12 +74,16 @@ SHORT = SHORT_PRETRAIN
 
 def test_ds_pretrain_gpt_sh(ds_pretrained):
     """`make pretrain`'s two steps: train through ZeRO-2 (validation and test-split perplexity at the end; the
-    session's ds_pretrained run), then a greedy continuation of a fixed prompt from the checkpoint."""
+    session's ds_pretrained run) ending with the plot of its log, named; then a greedy continuation of a fixed
+    prompt from the checkpoint."""
     checkpoint, stdout = ds_pretrained
     losses = logged_losses(stdout)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
     assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL", stdout)
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    assert stdout.splitlines()[-1] == \
+        f"plot: {checkpoint}/run.png and {checkpoint}/run.html (from {checkpoint}/log.jsonl)", stdout[-2000:]
+    assert (checkpoint / "run.png").stat().st_size > 10_000 and "<svg" in (checkpoint / "run.html").read_text()
     stdout = run_script("generate_text.sh", dict(SHORT, CHECKPOINT_PATH=str(checkpoint), OUT_SEQ_LENGTH="4"))
     assert "Context: Return the number of" in stdout and stdout.count("Megatron-LM:") == 2, stdout
     assert "sampled continuation (top-p 0.9, seed 1234):" in stdout, stdout
