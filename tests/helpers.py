@@ -1,10 +1,12 @@
 """What the tests share (one module): repository paths, the tiny Megatron model's flags and the run helper, the
 tracker and ds_config writers, the ZeRO engine tests' tiny model and single-process reference, the data tests'
 small corpus, and the launch-script runner."""
+import contextlib
 import copy
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -247,6 +249,16 @@ def script_env(env_overrides):
     """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
     return dict(env, **env_overrides)
+
+
+@contextlib.contextmanager
+def port_taken(port):
+    """Another job's server on `port` (when nothing else already holds it, which is just as taken)."""
+    with socket.socket() as server:
+        with contextlib.suppress(OSError):
+            server.bind(("", port))
+            server.listen()
+        yield
 
 
 def run_script(script, env_overrides, timeout=600):

@@ -1,17 +1,15 @@
 """The CPU-only parts of the GPU check: tools/gpu_check.sh's dry run (plan, commands, expected time) and argument
 handling; tools/bench/bench_gpu.py's arguments, peak table, estimates, rows kept as measured, and one benchmark cell
 run on the CPU through the real training loop on a port of its own."""
-import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import port_taken, REPO
 sys.path.insert(0, os.path.join(REPO, "tools"))
 sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 import bench_gpu  # noqa: E402
@@ -250,22 +248,12 @@ def test_rows_reach_the_json_as_they_are_measured(monkeypatch, tmp_path):
     assert json.loads(out.read_text()) == [{**ROW, "stage": 2}]
 
 
-@contextlib.contextmanager
-def _port_taken(port):
-    """Another job's server on `port` (when nothing else already holds it, which is just as taken)."""
-    with socket.socket() as server:
-        with contextlib.suppress(OSError):
-            server.bind(("127.0.0.1", port))
-            server.listen()
-        yield
-
-
 def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     """The plumbing on a CPU: a tiny GPT-2 trained by pretrain_gpt.py under ZeRO-2 while the habitual ports 6000 and
     29500 are taken (a cell rendezvous on a free port of its own); TFLOP/s per token is Megatron's formula for that
     shape, the model-state formula the ZeRO paper's 16 bytes per parameter (fp32)."""
     out = tmp_path / "rows.json"
-    with _port_taken(6000), _port_taken(29500):
+    with port_taken(6000), port_taken(29500):
         done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench", "bench_gpu.py"), "--models",
                                "tiny", "--precisions", "fp32", "--stages", "2", "--device", "cpu", "--steps", "2",
                                "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)

@@ -1,25 +1,14 @@
 """The Megatron-path launch scripts run as-is on CPU (embedded default data) and the loss falls; the launch port."""
-import contextlib
 import socket
 import subprocess
 
-from tests.helpers import logged_losses, REPO, run_script, script_env, SHORT_PRETRAIN as SHORT
-
-
-@contextlib.contextmanager
-def listening_on(port):
-    """Another job's server on `port` (when nothing else already holds it, which is just as taken)."""
-    with socket.socket() as server:
-        with contextlib.suppress(OSError):
-            server.bind(("", port))
-            server.listen()
-        yield
+from tests.helpers import logged_losses, port_taken, REPO, run_script, script_env, SHORT_PRETRAIN as SHORT
 
 
 def test_pretrain_gpt_sh(tmp_path, webtext_data):
     """MASTER_PORT unset on one node while Megatron's habitual port 6000 is taken: torchrun --standalone picks a free
     one."""
-    with listening_on(6000):
+    with port_taken(6000):
         stdout = run_script("pretrain_gpt.sh", dict(SHORT, CHECKPOINT_PATH=str(tmp_path / "ckpt")))
     losses = logged_losses(stdout)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
