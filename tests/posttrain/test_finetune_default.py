@@ -127,6 +127,7 @@ def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained):
     answers print."""
     base, _ = ds_pretrained
     stdout = run_script("finetune_gpt.sh", {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
+                                            "EVAL_ITERS": "4",   # 4 validation batches, not the whole split
                                             "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base),
                                             "CHECKPOINT_PATH": str(tmp_path / "lora")})
     before = float(re.search(r"^validation perplexity before fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
