@@ -377,9 +377,16 @@ def write_tracker(save_dir, iteration, release=False):
 _SAFE_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, int, float, bool, str, bytes, type(None))
 
 
+def _bytes_viewed(tensor):
+    """Bytes of storage a non-empty tensor's shape, strides and offset reach."""
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
 def check_weights_only_safe(obj, name="checkpoint"):
     """Raise CheckpointError naming the first value weights_only loading would refuse (e.g. a numpy array:
-    store it as a tensor or a list). Returns whether `obj` holds stand-ins of DeepSpeed's classes (which
+    store it as a tensor or a list), or a tensor whose storage no longer backs its shape (freed in place: torch.save
+    would write a file that cannot be loaded). Returns whether `obj` holds stand-ins of DeepSpeed's classes (which
     safe_torch_load reads: megatron.checkpoint.deepspeed_classes.SAFE_GLOBALS)."""
     if isinstance(obj, dict):
         found = [check_weights_only_safe(key, f"{name} key") for key in obj]
@@ -389,6 +396,10 @@ def check_weights_only_safe(obj, name="checkpoint"):
         return any([check_weights_only_safe(value, f"{name}[{i}]") for i, value in enumerate(obj)])
     if isinstance(obj, STAND_INS):
         return True
+    if torch.is_tensor(obj) and obj.numel() > 0 and obj.untyped_storage().nbytes() < _bytes_viewed(obj):
+        raise CheckpointError(f"{name} is a tensor of shape {list(obj.shape)} whose memory is gone (its storage "
+                              f"holds {obj.untyped_storage().nbytes()} bytes): a ZeRO-3 parameter read after its "
+                              "gather was released? Copy it inside zero.GatheredParameters; nothing was written")
     if not isinstance(obj, _SAFE_LEAVES):
         raise CheckpointError(f"{name} holds a {type(obj).__module__}.{type(obj).__qualname__}, which "
                               "torch.load(weights_only=True) refuses; store tensors, numbers, str, lists or dicts")

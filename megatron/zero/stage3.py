@@ -8,8 +8,8 @@ Units: every element of an nn.ModuleList (a transformer layer, with its whole su
 that owns parameters directly (the embeddings, the final layer norm). A module that uses another module's
 parameter in its forward declares it with `register_external_parameter` (the LM head and the tied word
 embedding). A unit's own parameters live in one buffer whose storage is allocated when the unit is gathered and
-freed (resized to 0) when it is released; the parameters are views of it while gathered and empty tensors
-(`ds_shape` / `ds_numel` keep the real shape) while released. Parameters of at most
+dropped when it is released (a tensor a user took from it meanwhile stays valid); the parameters are views of it
+while gathered and empty tensors (`ds_shape` / `ds_numel` keep the real shape) while released. Parameters of at most
 `stage3_param_persistence_threshold` elements share one buffer that is never released (refreshed after each
 optimizer step).
 
@@ -150,10 +150,10 @@ class _Buffer:
             run = next(r for r in self.runs if r[0] is groups[gi] and r[1] <= lo < r[2])
             self.view_of[id(p)] = run[3] + lo - run[1]
         self.numel = offset
-        self.storage = torch.empty(self.numel, dtype=self.dtype, device=device)
-        self.nbytes = self.storage.untyped_storage().nbytes()
-        self.storage.untyped_storage().resize_(0)
+        self.device = device
         self.placeholder = torch.empty(0, dtype=self.dtype, device=device)
+        self.storage = self.placeholder  # a fresh tensor per gather (see release)
+        self.nbytes = self.numel * self.placeholder.element_size()
         self.state = "released"          # released | in_flight | ready
         self.handles = []
         self.holders = 0                 # units using it in a forward now (GatheredParameters counts too)
@@ -165,7 +165,7 @@ class _Buffer:
 
     def start_gather(self):
         """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""
-        self.storage.untyped_storage().resize_(self.nbytes)
+        self.storage = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         group, rank = self.ctx.data_parallel_group, self.ctx.data_parallel_rank
         for flat_group, lo, hi, offset in self.runs:
             for owner, a, b in flat_group.owners(lo, hi):
@@ -193,7 +193,10 @@ class _Buffer:
         self.handles = []
         for p in self.params:
             p.data = self.placeholder
-        self.storage.untyped_storage().resize_(0)
+        # Drop the reference instead of freeing the storage in place (DeepSpeed swaps param.data the same way): the
+        # memory returns to the allocator, unless a tensor taken while gathered still views it (`p.data.cpu()`
+        # inside GatheredParameters is such a view on the CPU), which stays valid, as a user expects.
+        self.storage = self.placeholder
         self.state = "released"
 
 

@@ -113,3 +113,25 @@ def test_rules_refuse_a_tensor_off_the_device(monkeypatch):
     monkeypatch.setattr(mpu, "get_device", lambda: torch.device("cuda", 1))
     with pytest.raises(nccl_rules.NcclRuleError, match=r"on cpu, not on this rank's device cuda:1"):
         nccl_rules.check("reduce", [torch.zeros(2)])
+
+
+class _Handle:
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, *args, **kwargs):
+        self.waits.append((args, kwargs))
+        return True
+
+
+def test_stage3_gathers_block_the_host_only_on_gloo():
+    """NCCL: a plain wait() (the compute stream waits for the communication stream, the host runs on); a wait with
+    a timeout would stall the host at every unit. gloo: the host waits anyway, with the timeout that names a unit a
+    lonely rank waits for."""
+    import datetime
+    from megatron.zero.stage3 import wait_for_gather
+    timeout = datetime.timedelta(seconds=3)
+    nccl, gloo = _Handle(), _Handle()
+    assert wait_for_gather(nccl, timeout, host_waits=False) and wait_for_gather(gloo, timeout, host_waits=True)
+    assert nccl.waits == [((), {})]
+    assert gloo.waits == [((), {"timeout": timeout})]

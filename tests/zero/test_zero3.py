@@ -598,3 +598,38 @@ def test_megatron_checkpoint_continues_in_stage3_at_another_data_parallel_size(t
                                                                       "--load", save],))[0]
     assert resumed["iteration"] == [4, 5, 6]
     assert max(abs(a - b) for a, b in zip(resumed["lm loss"], straight["lm loss"][3:])) <= 1e-5
+
+
+# ---- what a user takes inside GatheredParameters ---------------------------------------------------------------
+def _taken_inside_gathered_parameters():
+    """DeepSpeed-Chat's save_zero_three_model: `v.data.cpu()` inside GatheredParameters (on the CPU an alias of the
+    gathered storage), kept after exit, then torch.save. Returns (taken, the whole weights read again, a
+    CheckpointError's text for a tensor whose storage was freed in place)."""
+    import torch.distributed as dist
+    from megatron.checkpoint import layout
+    engine = _engine(_stage3(stage3_prefetch_bucket_size=0))
+    engine_train_step(engine, 0, engine.train_batch_size())
+    taken = {}
+    for name, p in engine.module.named_parameters():
+        with zero.GatheredParameters([p]):
+            taken[name] = p.data.cpu()
+    refused = torch.ones(4, 3)
+    refused.untyped_storage().resize_(0)          # what the old in-place release left in `taken`
+    try:
+        layout.check_weights_only_safe({"w": refused}, "pytorch_model.bin")
+        error = None
+    except layout.CheckpointError as e:
+        error = str(e)
+    whole = engine.module_state_dict()
+    return {n: t.clone() for n, t in taken.items()}, {n: whole[n].clone() for n in taken}, \
+        [t.untyped_storage().nbytes() for t in taken.values()], error, dist.get_world_size()
+
+
+def test_a_tensor_taken_inside_gathered_parameters_survives_the_release():
+    taken, whole, nbytes, error, _ = run_distributed(_taken_inside_gathered_parameters, 2)[0]
+    assert all(n > 0 for n in nbytes)
+    for name in whole:
+        assert taken[name].shape == whole[name].shape and torch.equal(taken[name], whole[name]), name
+    assert error == ("pytorch_model.bin['w'] is a tensor of shape [4, 3] whose memory is gone (its storage holds 0 "
+                     "bytes): a ZeRO-3 parameter read after its gather was released? Copy it inside "
+                     "zero.GatheredParameters; nothing was written")
