@@ -73,6 +73,20 @@ def _session_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory, webtext_data):
+    """The default chat data (tools/prepare_sft_data.py into a directory of its own), built once per test run and
+    read-only for its users (the fine-tuning script's test, the reward model's default-data test)."""
+    from tests.helpers import TOOLS
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    import prepare_sft_data
+    out = _session_dir(tmp_path_factory) / "sft"
+    _build_once(_session_dir(tmp_path_factory) / "sft.lock", out / "chatterbot.json",
+                lambda: prepare_sft_data.prepare(str(out), vocab_dir=webtext_data))
+    return out
+
+
+@pytest.fixture(scope="session")
 def ds_pretrained(tmp_path_factory, webtext_data):
     """`make pretrain`'s training step (scripts/ds_pretrain_gpt.sh, ZeRO-2) run once per test run at SHORT_PRETRAIN:
     (checkpoint directory, the script's stdout). Read-only for its users (the script's own test and the fine-tuning
@@ -83,3 +97,20 @@ def ds_pretrained(tmp_path_factory, webtext_data):
     _build_once(root / "ds_pretrained.lock", stdout_file, lambda: stdout_file.write_text(
         run_script("ds_pretrain_gpt.sh", dict(SHORT_PRETRAIN, CHECKPOINT_PATH=str(checkpoint)))))
     return checkpoint, stdout_file.read_text()
+
+
+# The files that take longest (measured in a full run, their tests together), started first: with `--dist loadfile`
+# a worker that picks one of them up at the end of the run keeps the run going alone for minutes. The ones on mock
+# data come before those that wait for the default data to be built once.
+LONGEST_FIRST = ["tests/training/test_restarts.py", "tests/model/test_fused_compute.py",
+                 "tests/posttrain/test_finetune_default.py", "tests/posttrain/test_reward.py",
+                 "tests/zero/test_deepspeed_path.py", "tests/training/test_scripts.py",
+                 "tests/training/test_hang_diagnostics.py", "tests/zero/test_zero3.py",
+                 "tests/zero/test_zero_engine.py", "tests/posttrain/test_sft.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the collected tests so the LONGEST_FIRST files come first (the rest keep their order): pytest-xdist
+    hands files out in collection order."""
+    position = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: position.get(os.path.relpath(str(item.fspath), REPO), len(position)))

@@ -18,14 +18,6 @@ yaml = pytest.importorskip("yaml")
 pytest.importorskip("chatterbot_corpus")
 
 
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory, webtext_data):
-    out = tmp_path_factory.mktemp("sft")
-    manifest = prepare_sft_data.prepare(str(out), vocab_dir=webtext_data)
-    assert manifest["built"]
-    return out
-
-
 def _jsonl(path):
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]

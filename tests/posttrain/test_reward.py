@@ -297,7 +297,7 @@ TINY_DEFAULT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
 HELD_OUT_PAIRS = 224     # of the 236 validation pairs: 14 batches of 16
 
 
-def test_default_data_reward_model_generalises(tmp_path, webtext_data):
+def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir):
     """The default chat pairs (tools/prepare_sft_data.py) train a reward model that scores held-out pairs well above
     chance. A tiny GPT-2 (h64, L2, from a random init) is fine-tuned on the default SFT data (200 steps of 16, lr
     3e-3: the embeddings learn which words go together), then trained as a reward model on the default pairs (200
@@ -313,8 +313,9 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data):
     from megatron.model.hf_interchange import from_hf_state_dict
     from tests.posttrain.test_sft import _run_jobs
     from transformers import GPT2Config, GPT2Model as HFGPT2Model
-    sft_dir = str(tmp_path / "sft")
-    manifest = prepare_sft_data.prepare(sft_dir, vocab_dir=webtext_data)
+    sft_dir = str(sft_dir)                   # the session's default chat data (conftest.py)
+    with open(os.path.join(sft_dir, "chatterbot.json")) as handle:
+        manifest = json.load(handle)
     preference = manifest["preference"]
     rows = [json.loads(line) for line in open(os.path.join(sft_dir, "preference_valid.jsonl"), encoding="utf-8")]
     examples = [json.loads(line) for line in open(os.path.join(sft_dir, "valid.jsonl"), encoding="utf-8")]
