@@ -40,6 +40,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     get_{model,data}_parallel_{rank,group,world_size} getters (None: data parallel over the whole world).
     `dist_init_required=False` trusts the caller's torch.distributed setup; otherwise torch.distributed is
     initialized from torchrun's environment when it is not yet (a single process without it runs alone).
+    Neither `optimizer` nor a JSON "optimizer": an engine for forward only, at stage 0 or 3, returned with
+    optimizer None and lr scheduler None (DeepSpeed's inference engines: DeepSpeed-Chat's reference, EMA and reward
+    models; DeepSpeed 0.19.8 returns its stage-3 parameter coordinator as the optimizer there).
     """
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -54,21 +57,33 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     resolved = resolve_auto_values(cfg, hidden_size)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _print_start_up_notes(cfg, resolved, hidden_size)
-    if optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError("no optimizer: pass optimizer= or add an \"optimizer\" block to the config")
+    if optimizer is None and cfg.optimizer is not None:
         optimizer = build_optimizer(cfg.optimizer, model_parameters if model_parameters is not None
                                     else [p for p in model.parameters() if p.requires_grad])
+    elif optimizer is None:
+        _check_inference_engine(cfg)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (Adam/AdamW), got {type(optimizer).__name__}")
     engine = ZeroEngine(model, optimizer, cfg, ctx)
-    if lr_scheduler is None and cfg.scheduler is not None:
+    if optimizer is None:        # DeepSpeed configures no lr scheduler without an optimizer
+        lr_scheduler = None
+    elif lr_scheduler is None and cfg.scheduler is not None:
         lr_scheduler = SCHEDULERS[cfg.scheduler.type](optimizer, **cfg.scheduler.params)
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
     engine.lr_scheduler = lr_scheduler
     dataloader = _dataloader(training_data, cfg, ctx, collate_fn)
     return engine, engine.optimizer, dataloader, lr_scheduler
+
+
+def _check_inference_engine(cfg):
+    """No optimizer anywhere: an engine for forward only (DeepSpeed-Chat's reference, EMA and reward models). As in
+    DeepSpeed 0.19.8 it exists at stage 0 (plain data parallel) and stage 3 (parameters partitioned, no optimizer
+    state); stages 1 and 2 partition optimizer state and gradients, so they need an optimizer."""
+    stage = cfg.zero_optimization.stage
+    if stage in (1, 2):
+        raise ConfigError(f"zero stage {stage} requires an optimizer: pass optimizer= or add an \"optimizer\" "
+                          "block to the config (an engine for forward only: stage 0 or 3)")
 
 
 def _print_start_up_notes(cfg, resolved, hidden_size):

@@ -24,9 +24,17 @@ from megatron.timers import Timers
 from . import offload, stage3
 from .collectives import gather_intervals
 from .optimizer import ZeroOptimizer
+from .throughput import ThroughputTimer
 
 
 class ZeroEngine(torch.nn.Module):
+    """`optimizer` None: an inference engine (DeepSpeed's engine built without an optimizer, as DeepSpeed-Chat's
+    reference, EMA and reward models): forward only, at stage 0 or 3 (stage 3 partitions every parameter, without
+    optimizer state, and gathers per unit as in training); backward() and step() are refused, as DeepSpeed does.
+
+    Names the engine does not define are looked up on the module (DeepSpeed's __getattr__): engine.forward_value,
+    engine.gradient_checkpointing_enable() reach the client's model."""
+
     def __init__(self, module, optimizer, config, ctx, lr_scheduler=None):
         super().__init__()
         self.module = module
@@ -40,30 +48,61 @@ class ZeroEngine(torch.nn.Module):
         dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
         zero_config = config.zero_optimization
         param_order = list(module.parameters())
+        param_groups = optimizer.param_groups if optimizer is not None else []
         self.stage3, groups = None, None
         frozen_bytes = 0                  # parameters in no optimizer group (requires_grad False): no state
         if zero_config.stage == 3:
-            groups = stage3.partition_parameters(module, optimizer.param_groups, ctx, zero_config, dtype)
+            groups = stage3.partition_parameters(module, param_groups, ctx, zero_config, dtype)
             self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
-            if len(groups) > len(optimizer.param_groups):   # the frozen parameters' group: gathered, not stepped
+            if len(groups) > len(param_groups):   # the stateless parameters' group: gathered, not stepped
                 frozen_bytes = groups[-1].parameter_bytes()
-                groups = groups[:len(optimizer.param_groups)]
+                groups = groups[:len(param_groups)]
         else:
             self._broadcast_parameters()
         if dtype is not None:
             module.to(dtype)              # stage 3: the (released) parameters are already in it
         if self.stage3 is None:
             frozen_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
-        self.optimizer = ZeroOptimizer(optimizer, ctx, zero_config, config.fp16,
-                                       config.gradient_clipping, param_order=param_order, groups=groups)
-        self.optimizer.frozen_parameter_bytes = frozen_bytes
-        if zero_config.overlap_param_gather:
-            self.optimizer.param_gather.install_hooks(module)   # each module's forward waits for its own buckets
+        self.optimizer = None if optimizer is None else \
+            self._wrap_optimizer(optimizer, groups, param_order, frozen_bytes)
         if self.stage3 is not None:
             self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
-            self.stage3.on_partition_edited = lambda param: self.optimizer.refresh_masters_from_parameters()
-            self.optimizer.resident_parameter_bytes = self.stage3.persistent.nbytes if self.stage3.persistent else 0
         self.timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
+        self.tput_timer = ThroughputTimer(batch_size=config.train_batch_size)
+
+    def _wrap_optimizer(self, optimizer, groups, param_order, frozen_bytes):
+        """The client's torch optimizer as the partitioned ZeroOptimizer, with the hooks it needs on the module."""
+        zero_config = self.config.zero_optimization
+        wrapped = ZeroOptimizer(optimizer, self.ctx, zero_config, self.config.fp16, self.config.gradient_clipping,
+                                param_order=param_order, groups=groups)
+        wrapped.frozen_parameter_bytes = frozen_bytes
+        if zero_config.overlap_param_gather:
+            wrapped.param_gather.install_hooks(self.module)   # each module's forward waits for its own buckets
+        if self.stage3 is not None:
+            self.stage3.on_partition_edited = lambda param: wrapped.refresh_masters_from_parameters()
+            wrapped.resident_parameter_bytes = self.stage3.persistent.nbytes if self.stage3.persistent else 0
+        return wrapped
+
+    def __getattr__(self, name):
+        """A name found neither on the engine nor in nn.Module's registries (its own parameters, buffers,
+        submodules) is looked up on the client's module, as DeepSpeed's engine does: DeepSpeed-Chat calls
+        engine.forward_value(...) and engine.gradient_checkpointing_enable() on its models' engines."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _require_optimizer(self, call):
+        """backward() and step() of an inference engine: refused, as DeepSpeed asserts."""
+        if self.optimizer is None:
+            raise RuntimeError(f"must provide optimizer during init in order to use {call} (DeepSpeed's rule): this "
+                               "engine was built without an optimizer, for forward only")
 
     @property
     def device(self):
@@ -72,8 +111,9 @@ class ZeroEngine(torch.nn.Module):
     def wait_for_parameters(self):
         """Complete the parameter all-gathers the last step left in flight (overlap_param_gather): call it before
         reading parameters directly between step() and the next forward (forward, state_dict(), checkpoints
-        and the optimizer's state wait by themselves)."""
-        self.optimizer.param_gather.wait_all()
+        and the optimizer's state wait by themselves). Nothing to wait for without an optimizer."""
+        if self.optimizer is not None:
+            self.optimizer.param_gather.wait_all()
 
     def _broadcast_parameters(self):
         """Every data-parallel rank starts from data-parallel rank 0's parameters."""
@@ -88,10 +128,13 @@ class ZeroEngine(torch.nn.Module):
         """The module's forward; floating-point tensor inputs are cast to the parameters' dtype."""
         dtype = next(self.module.parameters()).dtype
         cast = (lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x)
+        self.tput_timer.start()
         with self.timers("forward"):
             output = self.module(*map(cast, inputs), **{k: cast(v) for k, v in kwargs.items()})
         if self.stage3 is not None:
             self.stage3.end_forward()
+            if self.optimizer is None:    # no backward will follow: nothing stays gathered for it
+                self.stage3.release_all()
         return output
 
     def backward(self, loss, output_grad=None, before_reduce=None):
@@ -103,6 +146,7 @@ class ZeroEngine(torch.nn.Module):
         as it is (into the flat gradient buffer that `param.grad` views). `before_reduce()` runs after the
         backward and before any reduction: the schedule sends the input gradient to the previous stage there
         (which would otherwise wait on it while this stage waits in a reduction) and sums the tied embedding."""
+        self._require_optimizer("backward")
         with self.timers("backward"):
             if output_grad is None:
                 self.optimizer.backward(loss, self.gradient_accumulation_steps())
@@ -130,7 +174,9 @@ class ZeroEngine(torch.nn.Module):
             yield
 
     def step(self):
-        """At the accumulation boundary: optimizer step (skipped on fp16 overflow), lr scheduler step."""
+        """At the accumulation boundary: optimizer step (skipped on fp16 overflow or when the client set
+        optimizer.skip_step), lr scheduler step."""
+        self._require_optimizer("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             with self.timers("step"):
@@ -144,6 +190,7 @@ class ZeroEngine(torch.nn.Module):
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
                 self._print_progress()
+        self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         self.micro_steps += 1
 
     def was_step_applied(self):
@@ -182,11 +229,13 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
 
     def get_lr(self):
-        return [group["lr"] for group in self.optimizer.param_groups]
+        """Each param group's learning rate; [] without an optimizer (DeepSpeed's answer)."""
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self):
-        """Norm of the unscaled, unclipped gradients of the last optimizer step (inf on overflow)."""
-        return self.optimizer.last_grad_norm
+        """Norm of the unscaled, unclipped gradients of the last optimizer step (inf on overflow); None before
+        the first step and without an optimizer."""
+        return self.optimizer.last_grad_norm if self.optimizer is not None else None
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, async_save=False,
@@ -197,6 +246,9 @@ class ZeroEngine(torch.nn.Module):
         CheckpointError (none waits forever) and the previous checkpoint stays the latest.
         `async_save`: returns once the states are copied to host memory; the files are written in a background
         thread and published by the next save or load (megatron.checkpoint.atomic_io.finish_pending_save)."""
+        if self.optimizer is None:
+            raise RuntimeError("save_checkpoint of an engine without an optimizer is not supported here: save its "
+                               "weights with save_16bit_model() or module_state_dict()")
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
@@ -428,7 +480,7 @@ class ZeroEngine(torch.nn.Module):
         Optimizer state saved at any data-parallel size is re-partitioned for this one. A background save in flight
         is finished (published) first. DeepSpeed-written checkpoints load too (megatron.checkpoint.deepspeed_format).
         """
-        if load_module_only:
+        if load_module_only or self.optimizer is None:   # an inference engine has only weights to load
             load_optimizer_states = load_lr_scheduler_states = False
         atomic_io.finish_pending_save()
         self.wait_for_parameters()      # an in-flight gather would overwrite the loaded weights
@@ -464,7 +516,7 @@ class ZeroEngine(torch.nn.Module):
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
             # Memory-mapped: only this rank's pieces are read.
             self.optimizer.load_partitioned_state_dicts(optim_states)
-        else:
+        elif self.optimizer is not None:
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:
             self.lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])

@@ -4,7 +4,8 @@ It wraps the client's torch optimizer (Adam/AdamW) *in place*: each of its param
 rank's fp32 master slice of that group's flat buffer, so a learning-rate scheduler built on the client optimizer
 keeps working. In fp32 the master slice is a view of the parameters' own flat buffer (no copy).
 
-    step():  1. norm + overflow over all partitions, data- and model-parallel ranks
+    step():  0. the client set `skip_step`: zero gradients, clear it, return False
+             1. norm + overflow over all partitions, data- and model-parallel ranks
              2. loss-scaler update; on overflow: zero gradients, return False (every rank skips); in fp32/bf16 the
                 same for a NaN/inf gradient when `skip_nonfinite` is set (the training loop sets it, then stops
                 the run or counts the skip)
@@ -15,6 +16,7 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
              6. zero gradients; return True
 """
 import torch
+import torch.distributed as dist
 
 from .bucketing import BoundaryReducer, BucketReducer
 from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
@@ -73,6 +75,9 @@ class ZeroOptimizer:
         self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
         self.param_gather = ParameterGather(self.groups if self.stage in (1, 2) else [], ctx.data_parallel_group,
                                             zero_config.allgather_bucket_size, param_order)
+        # a client's request to skip the next step (DeepSpeed-Chat's --align_overflow: when the actor overflows the
+        # critic skips too); step() honours it once and clears it
+        self.skip_step = False
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
 
@@ -101,6 +106,25 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none=None):
         self.reducer.zero()
 
+    def check_overflow(self, partition_gradients=True, external=False):
+        """Whether any rank's reduced gradients hold an inf or NaN, into `overflow` (DeepSpeed's ZeRO optimizers);
+        also returned, which DeepSpeed 0.19.8 does not do (it returns None and has no `external` keyword: the
+        DeepSpeed-Chat call check_overflow(external=True) is a TypeError there). Collective over every rank; call
+        it after backward() at the accumulation boundary, before step(). `partition_gradients`, `external`:
+        accepted, no effect (the reduced partitions are always what is checked)."""
+        self.param_gather.wait_all()
+        partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
+        _, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
+                                                self.cur_scale, partitioned=self.stage >= 1)
+        self.overflow = bool(found_inf)
+        return self.overflow
+
+    def quantize_nontrainable_params(self):
+        """DeepSpeed's ZeRO-3 re-quantizes frozen weights here when zero_quantized_nontrainable_weights is on, and
+        otherwise warns and does nothing; this engine never quantizes weights, so: nothing, said on rank 0."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("[zero] quantize_nontrainable_params(): no effect (weights are never quantized here)", flush=True)
+
     # ---- the step ------------------------------------------------------------------------------------------
     def backward(self, loss, accumulation_steps=1):
         """Scale the loss (loss scale / accumulation steps) and backpropagate."""
@@ -114,6 +138,10 @@ class ZeroOptimizer:
 
     def step(self):
         self.param_gather.wait_all()   # a gather still in flight reads the partitions this step rewrites
+        if self.skip_step:             # the client asked to skip this one: as an overflow, without a scale change
+            self.skip_step = False
+            self.reducer.zero()
+            return False
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
                                                    self.cur_scale, partitioned=self.stage >= 1)

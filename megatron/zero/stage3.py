@@ -84,7 +84,8 @@ class PartitionedGroup(FlatLayout):
 def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own), then one more for
     the frozen parameters (requires_grad False: in no optimizer group, e.g. LoRA's base weights) when there are
-    any: partitioned and gathered like the others, without optimizer state. A parameter built whole is first
+    any: partitioned and gathered like the others, without optimizer state. Without an optimizer (no param
+    groups: an inference engine) every parameter is in that stateless group. A parameter built whole is first
     broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is gathered from its
     pieces. One parameter is whole at a time."""
     from .zero_init import gather_initial
@@ -102,9 +103,10 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
         return value if dtype is None else value.to(dtype)
 
     in_groups = {id(p) for group in param_groups for p in group["params"]}
-    frozen = [p for p in module.parameters() if id(p) not in in_groups and not p.requires_grad]
+    stateless = [p for p in module.parameters()
+                 if id(p) not in in_groups and (not p.requires_grad or not param_groups)]
     groups = []
-    for params in [group["params"] for group in param_groups] + ([frozen] if frozen else []):
+    for params in [group["params"] for group in param_groups] + ([stateless] if stateless else []):
         group_dtype = dtype or (params[0].dtype if params else torch.float32)
         groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
                                        group_dtype, device, zero_config.offload_param.enabled,
