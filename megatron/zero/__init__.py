@@ -23,6 +23,7 @@ from .builder import adam_kernel_options, add_config_arguments, build_optimizer,
 from .config import Config, ConfigError, load_config
 from .engine import ZeroEngine
 from .optimizer import ZeroOptimizer
+from .param_status import ZeroParamStatus
 from .partition import ALIGNMENT
 from .stage3 import register_external_parameter
 from .zero_init import GatheredParameters, Init
@@ -35,5 +36,5 @@ zero = sys.modules[__name__]
 
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
-           "GatheredParameters", "register_external_parameter", "adam_kernel_options", "ALIGNMENT", "MAX_IN_FLIGHT", "zero",
-           "offload"]
+           "GatheredParameters", "register_external_parameter", "ZeroParamStatus", "adam_kernel_options",
+           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload"]

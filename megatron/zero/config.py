@@ -155,7 +155,7 @@ _ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer": bool, "prescale_gradient
                        "graph_harvesting": bool, "disable_allgather": bool}
 NO_EFFECT_REASONS = {
     "zero_allow_untested_optimizer": "any torch Adam/AdamW client optimizer is stepped as it is",
-    "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
+    "zero_force_ds_cpu_optimizer": "offload steps any client Adam on the host, DeepSpeedCPUAdam included",
     "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
     "seq_parallel_communication_data_type": "there is no sequence parallelism",
     "prescale_gradients": "gradients are averaged once, after the reduction",

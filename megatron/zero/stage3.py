@@ -9,7 +9,8 @@ that owns parameters directly (the embeddings, the final layer norm). A module t
 parameter in its forward declares it with `register_external_parameter` (the LM head and the tied word
 embedding). A unit's own parameters live in one buffer whose storage is allocated when the unit is gathered and
 dropped when it is released (a tensor a user took from it meanwhile stays valid); the parameters are views of it
-while gathered and empty tensors (`ds_shape` / `ds_numel` keep the real shape) while released. Parameters of at most
+while gathered and empty tensors (`ds_shape` / `ds_numel` keep the real shape) while released (`ds_status` says
+which, for DeepSpeed clients: param_status.py). Parameters of at most
 `stage3_param_persistence_threshold` elements share one buffer that is never released (refreshed after each
 optimizer step).
 
@@ -39,6 +40,7 @@ from torch.utils._pytree import tree_map
 from mpu.utils import full_numel, full_shape
 
 from . import offload
+from .param_status import ZeroParamStatus, assign_id, set_status
 from .partition import FlatLayout
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
@@ -108,6 +110,8 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     groups = []
     for params in [group["params"] for group in param_groups] + ([stateless] if stateless else []):
         group_dtype = dtype or (params[0].dtype if params else torch.float32)
+        for param in params:
+            assign_id(param)
         groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
                                        group_dtype, device, zero_config.offload_param.enabled,
                                        zero_config.offload_param.pin_memory))   # pinned: faster copies to the device
@@ -178,6 +182,7 @@ class _Buffer:
                 if self.ctx.data_parallel_size > 1:
                     self.handles.append(dist.broadcast(piece, group_src=owner, group=group, async_op=True))
         self.state = "in_flight"
+        self.publish_status()
 
     def finish_gather(self, timeout, unit_name):
         for handle in self.handles:
@@ -188,6 +193,7 @@ class _Buffer:
             offset = self.view_of[id(p)]
             p.data = self.storage[offset:offset + full_numel(p)].view(full_shape(p))
         self.state, self.stale = "ready", False
+        self.publish_status()
 
     def release(self):
         for handle in self.handles:
@@ -200,6 +206,13 @@ class _Buffer:
         # inside GatheredParameters is such a view on the CPU), which stays valid, as a user expects.
         self.storage = self.placeholder
         self.state = "released"
+        self.publish_status()
+
+    def publish_status(self):
+        """`param.ds_status` for DeepSpeed clients (param_status.py): AVAILABLE only when ready and up to date."""
+        status = ZeroParamStatus.AVAILABLE if self.state == "ready" and not self.stale else \
+            ZeroParamStatus.INFLIGHT if self.state == "in_flight" else ZeroParamStatus.NOT_AVAILABLE
+        set_status(self.params, status)
 
 
 def wait_for_gather(handle, timeout, host_waits):
@@ -446,6 +459,7 @@ class Stage3Parameters:
         self._release_unheld()
         if self.persistent is not None:
             self.persistent.stale = True
+            self.persistent.publish_status()
 
     def _release_unheld(self):
         for buffer in self.buffers:

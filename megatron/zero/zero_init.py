@@ -23,6 +23,7 @@ from torch import nn
 from . import offload
 from .collectives import all_gather_into_tensor
 from .config import ConfigError
+from .param_status import ZeroParamStatus, assign_id, set_status
 
 
 class Init:
@@ -92,6 +93,8 @@ class Init:
             param.ds_shape, param.ds_numel = full.shape, full.numel()
             param.ds_group, param.ds_world_size = self.group, self.size
             param.data = torch.empty(0, dtype=full.dtype, device=full.device)
+            assign_id(param)
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _module_classes():
@@ -138,6 +141,7 @@ class GatheredParameters:
         init_params = [p for p in self.params if hasattr(p, "ds_tensor")]
         for p in init_params:
             p.data = gather_initial(p, p.data.device).clone()
+        set_status(init_params, ZeroParamStatus.AVAILABLE)
         managed = [p for p in self.params if getattr(p, "ds_manager", None) is not None]
         self._held = [(p.ds_manager, p.ds_manager.gather([p])) for p in managed]
         return self
@@ -150,6 +154,7 @@ class GatheredParameters:
                         _broadcast(p.data, self.modifier_rank, p.ds_group, p.ds_world_size)
                         _repartition_initial(p)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             for manager, buffers in self._held:
                 if self.modifier_rank is not None:
                     for p in (q for q in self.params if getattr(q, "ds_manager", None) is manager):

@@ -251,7 +251,7 @@ def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
                           "hybrid_engine": {"enabled": False},
                           "zero_optimization": {"stage": 3, "round_robin_gradients": True}}, 2)
     assert config.no_effect == {
-        "zero_force_ds_cpu_optimizer": "offload steps the client optimizer on the host; there is no DeepSpeedCPUAdam",
+        "zero_force_ds_cpu_optimizer": "offload steps any client Adam on the host, DeepSpeedCPUAdam included",
         "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
         "tensorboard": "use --tensorboard-dir",
         "zero_optimization.round_robin_gradients": "gradient partitions are contiguous ranges"}
