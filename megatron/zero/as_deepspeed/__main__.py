@@ -10,9 +10,13 @@ USAGE = "usage: python -m megatron.zero.as_deepspeed (script.py | -m module) [ar
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help") or argv == ["-m"]:
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\nRuns the DeepSpeed client script (or module) with `import deepspeed` resolving to "
+              "megatron.zero; the arguments after it are the script's own.")
+        return 0
+    if not argv or argv == ["-m"]:
+        print(f"{USAGE} (see --help)", file=sys.stderr)
+        return 2
     install()
     if argv[0] == "-m":
         sys.argv = argv[1:]
