@@ -1,6 +1,8 @@
 """DeepSpeed's JSON config, parsed once into explicit dataclasses.
 
-A user's existing ds_config.json loads unchanged; anything we do not understand is an error that names the key,
+A user's existing ds_config.json loads unchanged: every key of DeepSpeed 0.19.8's schema is honoured (a field of
+the dataclasses below), accepted and named in `Config.no_effect` with the reason, or refused by name when it
+switches on a feature we do not have (the table DEEPSPEED_KEYS). Anything else is an error that names the key,
 the value and, for a misspelt key, the closest valid one:
 
     >>> load_config({"train_batch_size": 8, "zero_optimisation": {"stage": 2}}, data_parallel_size=2)
@@ -86,6 +88,7 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000      # elements per gradient reduction ("auto": h^2)
     contiguous_gradients: bool = False # stage 2/3: copy gradients into preallocated bucket buffers as they arrive
     cpu_offload: bool = False          # old name of offload_optimizer {"device": "cpu"}
+    cpu_offload_param: bool = False    # old name of offload_param {"device": "cpu"}
     load_from_fp32_weights: bool = True  # accepted for compatibility (we always restore fp32 slices)
     elastic_checkpoint: bool = True    # accepted for compatibility (our checkpoints always re-partition)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: masters + moments on host
@@ -146,42 +149,135 @@ class Config:
     no_effect: dict = field(default_factory=dict, compare=False)  # {key: why it has no effect here}, as given
 
 
-# Keys DeepSpeed 0.19.8 accepts that change nothing here; accepted so existing files load unchanged, and named in
-# one start-up line (Config.no_effect) with the reason.
-_ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer": bool, "prescale_gradients": bool,
-                       "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool,
-                       "zero_force_ds_cpu_optimizer": bool, "communication_data_type": str,
-                       "seq_parallel_communication_data_type": str,
-                       "graph_harvesting": bool, "disable_allgather": bool}
-NO_EFFECT_REASONS = {
-    "zero_allow_untested_optimizer": "any torch Adam/AdamW client optimizer is stepped as it is",
-    "zero_force_ds_cpu_optimizer": "offload steps any client Adam on the host, DeepSpeedCPUAdam included",
-    "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
-    "seq_parallel_communication_data_type": "there is no sequence parallelism",
-    "prescale_gradients": "gradients are averaged once, after the reduction",
-    "gradient_predivide_factor": "gradients are averaged once, after the reduction",
-    "memory_breakdown": "memory is reported by --log-jsonl and the start-up estimate",
-    "dump_state": "the config is printed by tools/estimate_memory.py",
-    "graph_harvesting": "CUDA graphs are not captured",
-    "disable_allgather": "stages 1-2 always gather the updated slices",
-    "allgather_partitions": "updated slices are always all-gathered",
-    "load_from_fp32_weights": "the fp32 slices are always restored",
-    "elastic_checkpoint": "checkpoints always re-partition",
-    "ignore_unused_parameters": "unused parameters get zero gradients",
-    "round_robin_gradients": "gradient partitions are contiguous ranges",
+# Every DeepSpeed 0.19.8 key that is not a field of the dataclasses above (those are honoured), with what we do:
+#   NO_EFFECT: accepted at any value so existing files load unchanged, and named with the reason in one start-up
+#     line (Config.no_effect);
+#   REFUSED: accepted (and named) while off; refused by name when on, because it would change training in a way
+#     we do not implement. `off` is DeepSpeed's default: a scalar is on when it differs; a block is on when any
+#     "enabled" inside it is true, or, where `off` is a dict, when one of those switch keys differs.
+# Nested keys are dotted ("zero_optimization.memory_efficient_linear"). tests/zero/test_zero_config.py walks
+# DeepSpeed's own schema and checks that no key of it is "unknown" here.
+NO_EFFECT, REFUSED = "no effect", "refused when enabled"
+_NOT_YET = "issue 45 row 12, not yet: generate through gathered_for_inference() / generate_from_training_model"
+DEEPSPEED_KEYS = {
+    # top level
+    "zero_allow_untested_optimizer": (NO_EFFECT, "any torch Adam/AdamW client optimizer is stepped as it is"),
+    "zero_force_ds_cpu_optimizer": (NO_EFFECT, "offload steps any client Adam on the host, DeepSpeedCPUAdam "
+                                               "included"),
+    "communication_data_type": (NO_EFFECT, "gradients are reduced in the parameters' dtype (fp32 masters are "
+                                           "never sent)"),
+    "seq_parallel_communication_data_type": (NO_EFFECT, "there is no sequence parallelism"),
+    "prescale_gradients": (NO_EFFECT, "gradients are averaged once, after the reduction"),
+    "gradient_predivide_factor": (NO_EFFECT, "gradients are averaged once, after the reduction"),
+    "memory_breakdown": (NO_EFFECT, "memory is reported by --log-jsonl and the start-up estimate"),
+    "dump_state": (NO_EFFECT, "the config is printed by tools/estimate_memory.py"),
+    "graph_harvesting": (NO_EFFECT, "CUDA graphs are not captured"),
+    "disable_allgather": (NO_EFFECT, "stages 1-2 always gather the updated slices"),
+    "disable_python_gc": (NO_EFFECT, "Python's garbage collector is left as it is"),
+    "log_level": (NO_EFFECT, "megatron.zero prints on rank 0 only"),
+    "managed_gradient_accumulation": (NO_EFFECT, "the engine always counts micro-steps to the boundary"),
+    "vocabulary_size": (NO_EFFECT, "read by DeepSpeed's pipeline engine only"),
+    "use_data_before_expert_parallelism": (NO_EFFECT, "there is no expert parallelism"),
+    "timers": (NO_EFFECT, "the log line prints the step time"),
+    "flops_profiler": (NO_EFFECT, "the log line prints TFLOP/s"),
+    "tensorboard": (NO_EFFECT, "use --tensorboard-dir"),
+    "csv_monitor": (NO_EFFECT, "use --log-jsonl"), "wandb": (NO_EFFECT, "use --log-jsonl"),
+    "comet": (NO_EFFECT, "use --log-jsonl"),
+    "comms_logger": (NO_EFFECT, "bench_zero prints the communication table"),
+    "aio": (NO_EFFECT, "there is no NVMe offload"),
+    "checkpoint": (NO_EFFECT, "checkpoints are written as docs/ describe"),
+    "autotuning": (NO_EFFECT, "there is no autotuner"),
+    "optimizer.legacy_fusion": (NO_EFFECT, "the optimizer is torch's"),
+    "gradient_allreduce_op": (REFUSED, "gradients are averaged (\"mean\"), never summed", "mean"),
+    "amp": (REFUSED, "use bf16 or fp16", None), "elasticity": (REFUSED, "launch with a fixed world size", None),
+    "compression_training": (REFUSED, "not supported", None), "sparse_attention": (REFUSED, "not supported", {}),
+    "curriculum_learning": (REFUSED, "not supported", None), "data_efficiency": (REFUSED, "not supported", None),
+    "progressive_layer_drop": (REFUSED, "not supported", None), "eigenvalue": (REFUSED, "not supported", None),
+    "quantize_training": (REFUSED, "not supported", None),
+    "hybrid_engine": (REFUSED, _NOT_YET, None),
+    "pipeline": (REFUSED, "use --pipeline-model-parallel-size", None),
+    "sparse_gradients": (REFUSED, "not supported", False),
+    "nebula": (REFUSED, "checkpoints are written with torch.save", None),
+    "datastates_ckpt": (REFUSED, "checkpoints are written with torch.save", None),
+    "torch_autocast": (REFUSED, "use bf16 or fp16", None),
+    "compile": (REFUSED, "DeepCompile is not implemented; torch.compile the model yourself", {"deepcompile": False}),
+    "weight_quantization": (REFUSED, "weights are never quantized here",
+                            {"quantized_initialization": {}, "post_init_quant": {}}),
+    "data_types": (REFUSED, "gradients accumulate in the parameters' dtype; fp32 masters are kept by bf16/fp16",
+                   {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
+                    "keep_in_fp32_modules": "auto"}),
+    "tensor_parallel": (REFUSED, "use --tensor-model-parallel-size", {"autotp_size": 0}),
+    "expert_parallel": (REFUSED, "there is no expert parallelism", {"enabled": False}),
+    # fp16 / bf16
+    "fp16.auto_cast": (REFUSED, "the model runs in the dtype it is given", False),
+    "fp16.consecutive_hysteresis": (REFUSED, "the hysteresis budget is refilled only when the scale grows", False),
+    "fp16.fp16_master_weights_and_grads": (REFUSED, "masters are fp32", False),
+    "bf16.immediate_grad_update": (NO_EFFECT, "gradients are accumulated into the fp32 masters at the boundary"),
+    "bf16.check_grad_overflow": (NO_EFFECT, "bf16 steps are never skipped"),
+    "bf16.bf16_master_weights_and_grads": (REFUSED, "masters are fp32", False),
+    "bf16.bf16_optimizer_states": (REFUSED, "optimizer states are fp32", False),
+    # zero_optimization (the fields of ZeroConfig are honoured; these are accepted as shown)
+    "zero_optimization.allgather_partitions": (NO_EFFECT, "updated slices are always all-gathered"),
+    "zero_optimization.load_from_fp32_weights": (NO_EFFECT, "the fp32 slices are always restored"),
+    "zero_optimization.elastic_checkpoint": (NO_EFFECT, "checkpoints always re-partition"),
+    "zero_optimization.ignore_unused_parameters": (NO_EFFECT, "unused parameters get zero gradients"),
+    "zero_optimization.round_robin_gradients": (NO_EFFECT, "gradient partitions are contiguous ranges"),
+    "zero_optimization.memory_efficient_linear": (NO_EFFECT, "linears are torch's; their backward keeps no extra "
+                                                             "copy to save"),
+    "zero_optimization.use_multi_rank_bucket_allreduce": (NO_EFFECT, "each bucket is reduced to its owners"),
+    "zero_optimization.legacy_stage1": (NO_EFFECT, "there is one stage-1 implementation"),
+    "zero_optimization.parameter_alignment": (NO_EFFECT, "partitions are padded as partition.py draws"),
+    "zero_optimization.stage3_model_persistence_threshold": (NO_EFFECT, "stage3_param_persistence_threshold "
+                                                                        "alone decides what stays whole"),
+    "zero_optimization.stage3_module_granularity_threshold": (NO_EFFECT, "parameters are fetched per module"),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (NO_EFFECT, "parameters are fetched by "
+                                                                            "all-gather"),
+    "zero_optimization.stage3_allgather_sequential": (NO_EFFECT, "parameters are fetched by all-gather"),
+    "zero_optimization.zero_hpz_partition_size": (NO_EFFECT, "there is one partition group (no ZeRO++ hpZ "
+                                                             "secondary copy); the numbers are the same"),
+    "zero_optimization.pipeline_loading_checkpoint": (NO_EFFECT, "checkpoints load into the partitions"),
+    "zero_optimization.override_module_apply": (NO_EFFECT, "module.apply is never patched"),
+    "zero_optimization.log_trace_cache_warnings": (NO_EFFECT, "there is no trace cache"),
+    "zero_optimization.enable_sanity_checks": (NO_EFFECT, "the engine's checks always run"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (NO_EFFECT, "there is no Muon optimizer"),
+    "zero_optimization.leaf_module": (NO_EFFECT, "parameters are fetched per module"),
+    "zero_optimization.cpu_offload_use_pin_memory": (NO_EFFECT, "pin_memory is set in offload_optimizer / "
+                                                                "offload_param"),
+    "zero_optimization.compute_grad_norm": (REFUSED, "the gradient norm is always computed", True),
+    "zero_optimization.zero_quantized_weights": (REFUSED, "weights are gathered unquantized", False),
+    "zero_optimization.zero_quantized_nontrainable_weights": (REFUSED, "weights are never quantized", False),
+    "zero_optimization.zero_quantized_gradients": (REFUSED, "gradients are reduced unquantized", False),
+    "zero_optimization.zenflow": (REFUSED, "ZenFlow is not implemented", None),
+    "zero_optimization.mics_shard_size": (REFUSED, "MiCS was removed in DeepSpeed 0.19.8 too", -1),
+    "zero_optimization.mics_hierarchical_params_gather": (REFUSED, "MiCS was removed in DeepSpeed 0.19.8 too",
+                                                          False),
+    "zero_optimization.offload_optimizer.super_offload": (REFUSED, "SuperOffload is not implemented", False),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (NO_EFFECT, "torch chooses its own threads"),
+    "zero_optimization.offload_optimizer.ratio": (NO_EFFECT, "the whole partition is offloaded; the numbers are "
+                                                             "the same"),
+    "zero_optimization.offload_optimizer.fast_init": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_optimizer.pipeline_read": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_optimizer.pipeline_write": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_optimizer.buffer_count": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_optimizer.nvme_path": (NO_EFFECT, "there is no NVMe offload (device \"nvme\" is "
+                                                                 "refused)"),
+    "zero_optimization.offload_param.buffer_count": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_param.buffer_size": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_param.max_in_cpu": (NO_EFFECT, "there is no NVMe offload"),
+    "zero_optimization.offload_param.nvme_path": (NO_EFFECT, "there is no NVMe offload (device \"nvme\" is "
+                                                             "refused)"),
 }
-# Sections DeepSpeed uses for monitoring and I/O: accepted whole; we log through --log-jsonl / --tensorboard-dir.
-_ACCEPTED_SECTIONS = {"flops_profiler": "the log line prints TFLOP/s", "tensorboard": "use --tensorboard-dir",
-                      "csv_monitor": "use --log-jsonl", "wandb": "use --log-jsonl", "comet": "use --log-jsonl",
-                      "comms_logger": "bench_zero prints the communication table",
-                      "aio": "there is no NVMe offload", "checkpoint": "checkpoints are written as docs/ describe",
-                      "autotuning": "there is no autotuner"}
-# Features DeepSpeed has and we do not: refused by name when enabled (a disabled block loads).
-_REFUSED_WHEN_ENABLED = {"amp": "use bf16 or fp16", "elasticity": "launch with a fixed world size",
-                         "compression_training": "not supported", "sparse_attention": "not supported",
-                         "curriculum_learning": "not supported", "data_efficiency": "not supported",
-                         "hybrid_engine": "not supported yet", "pipeline": "use --pipeline-model-parallel-size",
-                         "sparse_gradients": "not supported"}
+# Types checked for top-level no-effect scalars (a wrong type is still an error).
+_NO_EFFECT_TYPES = {"zero_allow_untested_optimizer": bool, "prescale_gradients": bool,
+                    "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool,
+                    "zero_force_ds_cpu_optimizer": bool, "communication_data_type": str,
+                    "seq_parallel_communication_data_type": str, "graph_harvesting": bool,
+                    "disable_allgather": bool}
+# DeepSpeed's pydantic field names for keys spelt with "stage3_" (it accepts both): the same keys here.
+ZERO_ALIASES = {name: "stage3_" + name for name in (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "allgather_sequential")}
 _OPTIMIZER_PARAMS = {"lr": float, "betas": list, "eps": float, "weight_decay": float, "adam_w_mode": bool,
                      "torch_adam": bool, "bias_correction": bool, "amsgrad": bool, "max_grad_norm": float}
 _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
@@ -217,20 +313,19 @@ def load_config(source, data_parallel_size=1):
     raw = read_config_file(source) if path is not None else source
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
-    known = set(_SCALARS) | set(_SECTIONS) | set(_ACCEPTED_NO_EFFECT) | set(_ACCEPTED_SECTIONS) | \
-        set(_REFUSED_WHEN_ENABLED) | {"optimizer", "scheduler"}
+    known = set(_SCALARS) | set(_SECTIONS) | set(_deepspeed_keys("")) | {"optimizer", "scheduler"}
     _check_keys(raw, known, "the config")
-    _refuse_enabled_features(raw)
+    no_effect = _accept_deepspeed_keys(raw, "", {})
     values = {}
-    for key, kind in {**_SCALARS, **_ACCEPTED_NO_EFFECT}.items():
+    for key, kind in {**_SCALARS, **_NO_EFFECT_TYPES}.items():
         if key in raw and raw[key] is not None:
             values[key] = _typed(raw[key], kind, key)
     sections = {}
     for key, cls in _SECTIONS.items():
         if key in raw:
             name = "bf16" if key == "bfloat16" else key
-            sections[name] = _section(raw[key], cls, key)
-    optimizer = _optimizer(raw["optimizer"]) if raw.get("optimizer") is not None else None
+            sections[name] = _section(raw[key], cls, key, no_effect)
+    optimizer = _optimizer(raw["optimizer"], no_effect) if raw.get("optimizer") is not None else None
     scheduler = _scheduler(raw["scheduler"]) if raw.get("scheduler") is not None else None
     train, micro, accumulation = resolve_batch_triangle(values.get("train_batch_size"),
                                                         values.get("train_micro_batch_size_per_gpu"),
@@ -242,28 +337,45 @@ def load_config(source, data_parallel_size=1):
                                                                        "wall_clock_breakdown", "dataloader_drop_last")
                                        if k in values})
     _validate(config)
-    config.no_effect = _no_effect_keys(raw, config)
+    config.no_effect = no_effect
     return config
 
 
-def _refuse_enabled_features(raw):
-    for key, reason in _REFUSED_WHEN_ENABLED.items():
-        value = raw.get(key)
-        enabled = value.get("enabled", True) if isinstance(value, dict) else bool(value)
-        if key in raw and enabled:
-            raise ConfigError(f"{key} is enabled in the config, but megatron.zero has no {key} ({reason}): remove "
-                              f"the block or set \"enabled\": false")
+def _deepspeed_keys(prefix):
+    """{name: entry} of DEEPSPEED_KEYS directly under the dotted `prefix` ("" for the top level)."""
+    head = prefix + "." if prefix else ""
+    return {key[len(head):]: entry for key, entry in DEEPSPEED_KEYS.items()
+            if key.startswith(head) and "." not in key[len(head):]}
 
 
-def _no_effect_keys(raw, config):
-    """{key: reason} of what the config sets that has no effect here (printed once at start-up)."""
-    keys = {key: NO_EFFECT_REASONS.get(key, "no effect here") for key in _ACCEPTED_NO_EFFECT if key in raw}
-    keys.update({key: _ACCEPTED_SECTIONS[key] for key in _ACCEPTED_SECTIONS if key in raw})
-    zero_raw = raw.get("zero_optimization")
-    if isinstance(zero_raw, dict):
-        keys.update({f"zero_optimization.{key}": NO_EFFECT_REASONS[key] for key in zero_raw
-                     if key in NO_EFFECT_REASONS})
-    return keys
+def _accept_deepspeed_keys(raw, prefix, no_effect):
+    """Refuse what `raw` (the block at `prefix`) switches on of the REFUSED keys; name the rest in `no_effect`."""
+    for name, (what, why, *off) in _deepspeed_keys(prefix).items():
+        if name not in raw:
+            continue
+        key, value = f"{prefix}.{name}" if prefix else name, raw[name]
+        if what == REFUSED and _is_on(value, off[0]):
+            if off[0] is None or off[0] == {}:
+                raise ConfigError(f"{key} is enabled in the config, but megatron.zero has no {key} ({why}): "
+                                  f"remove the block or set \"enabled\": false")
+            if isinstance(off[0], dict):
+                raise ConfigError(f"{key}: {value!r} switches on what megatron.zero does not have ({why}): remove "
+                                  f"it or leave {off[0]!r} at DeepSpeed's defaults")
+            raise ConfigError(f"{key}: {value!r} is not supported ({why}): remove it or set DeepSpeed's default "
+                              f"{off[0]!r}")
+        no_effect[key] = why if what == NO_EFFECT else f"off; refused when on: {why}"
+    return no_effect
+
+
+def _is_on(value, off):
+    """Whether a REFUSED key's value switches its feature on (`off` as in DEEPSPEED_KEYS)."""
+    if isinstance(value, dict) and off == {}:      # on by being there, unless "enabled": false
+        return value.get("enabled", True) is not False
+    if isinstance(value, dict) and isinstance(off, dict):      # switch keys, missing ones at DeepSpeed's default
+        return any(value.get(switch, default) != default for switch, default in off.items())
+    if isinstance(value, dict):        # a block: on when any "enabled" inside it is true
+        return value.get("enabled") is True or any(_is_on(v, None) for v in value.values() if isinstance(v, dict))
+    return bool(value) if off is None else value != off
 
 
 def resolve_batch_triangle(train, micro, accumulation, data_parallel_size):
@@ -302,9 +414,10 @@ def _validate(config):
     zero = config.zero_optimization
     if zero.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage: {zero.stage} is not supported (0, 1, 2 or 3)")
-    if zero.cpu_offload:
-        if zero.offload_optimizer.device == "none":
-            zero.offload_optimizer.device = "cpu"
+    if zero.cpu_offload and zero.offload_optimizer.device == "none":
+        zero.offload_optimizer.device = "cpu"
+    if zero.cpu_offload_param and zero.offload_param.device == "none":
+        zero.offload_param.device = "cpu"
     for key in ("offload_optimizer", "offload_param"):
         device = getattr(zero, key).device
         if device not in ("none", "cpu"):
@@ -358,18 +471,24 @@ def _typed(value, kind, key):
     return value
 
 
-def _section(raw, cls, key):
+def _section(raw, cls, key, no_effect):
     if cls is ZeroConfig and isinstance(raw, bool):   # old DeepSpeed: "zero_optimization": true == stage 1
         return ZeroConfig(stage=int(raw))
     if not isinstance(raw, dict):
         raise ConfigError(f"{key}: expected an object, got {type(raw).__name__} {raw!r}")
+    if cls is ZeroConfig:
+        raw = {ZERO_ALIASES.get(name, name): value for name, value in raw.items()}
+    table_key = "bf16" if key == "bfloat16" else key
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    _check_keys(raw, set(fields), f"'{key}'")
+    _check_keys(raw, set(fields) | set(_deepspeed_keys(table_key)), f"'{key}'")
+    _accept_deepspeed_keys(raw, table_key, no_effect)
     values = {}
     for name, value in raw.items():
+        if name not in fields or value is None:    # null: DeepSpeed's default (overlap_comm, offload_*, ...)
+            continue
         kind = fields[name].type
         if dataclasses.is_dataclass(kind):
-            values[name] = _section(value, kind, f"{key}.{name}")
+            values[name] = _section(value, kind, f"{key}.{name}", no_effect)
             continue
         if name in AUTO_RULES and value == AUTO:
             values[name] = AUTO
@@ -383,10 +502,11 @@ def _section(raw, cls, key):
     return cls(**values)
 
 
-def _optimizer(raw):
+def _optimizer(raw, no_effect):
     if not isinstance(raw, dict):
         raise ConfigError(f"optimizer: expected an object, got {type(raw).__name__} {raw!r}")
-    _check_keys(raw, {"type", "params"}, "'optimizer'")
+    _check_keys(raw, {"type", "params"} | set(_deepspeed_keys("optimizer")), "'optimizer'")
+    _accept_deepspeed_keys(raw, "optimizer", no_effect)
     kind = _typed(raw.get("type", "AdamW"), str, "optimizer.type")
     names = {"adam": "Adam", "adamw": "AdamW"}
     if kind.lower() not in names:

@@ -1,5 +1,6 @@
 """DeepSpeed-documentation configs load unchanged; every kind of bad config names its key and value."""
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from megatron import zero
-from megatron.zero.config import ConfigError, load_config, resolve_batch_triangle
+from megatron.zero.config import ZERO_ALIASES, Config, ConfigError, load_config, resolve_batch_triangle
 from megatron.zero.lr_schedules import WarmupDecayLR, WarmupLR
 from tests.helpers import REPO, TinyNet, ZERO_CONFIGS
 
@@ -254,6 +255,8 @@ def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
         "zero_force_ds_cpu_optimizer": "offload steps any client Adam on the host, DeepSpeedCPUAdam included",
         "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
         "tensorboard": "use --tensorboard-dir",
+        "hybrid_engine": "off; refused when on: issue 45 row 12, not yet: generate through gathered_for_inference() "
+                         "/ generate_from_training_model",
         "zero_optimization.round_robin_gradients": "gradient partitions are contiguous ranges"}
     assert load_config({"train_batch_size": 8}, 2).no_effect == {}
     with pytest.raises(ConfigError) as info:
@@ -262,3 +265,146 @@ def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
                                "with a fixed world size): remove the block or set \"enabled\": false")
     fp16 = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "min_loss_scale": 1e-5}}, 2).fp16
     assert fp16.min_loss_scale == 1e-5      # DeepSpeed's pydantic wants an int here; a float is what users mean
+
+
+def _deepspeed_schema():
+    """{dotted key: DeepSpeed 0.19.8's default} from DeepSpeed's own source: every top-level key its
+    DeepSpeedConfig reads (recorded while it parses a minimal config), the key constants of its constants module
+    (a NAME with a NAME_DEFAULT) that belong to fp16/bf16/optimizer, and the fields and aliases of its pydantic
+    zero_optimization / offload / fp16 / bf16 models; activation_checkpointing's ACT_CHKPT_* constants."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.activation_checkpointing import config as checkpointing
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+    read = set()
+
+    class Recording(dict):      # records every key DeepSpeedConfig asks its param dict about
+        def get(self, key, *default):
+            read.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            read.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            owner = self
+
+            class Keys:
+                def __contains__(self, key):
+                    read.add(key)
+                    return dict.__contains__(owner, key)
+
+                def __iter__(self):
+                    return iter(dict.keys(owner))
+            return Keys()
+    DeepSpeedConfig(Recording(train_batch_size=1))
+    schema = {key: getattr(constants, name + "_DEFAULT", {}) for name, key in vars(constants).items()
+              if isinstance(key, str) and key in read and name.isupper()}
+    schema.update({key: {} for key in read if key not in schema})
+    for key in ("fp16", "bf16", "bfloat16", "zero_optimization", "activation_checkpointing", "optimizer",
+                "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        schema.pop(key, None)                  # walked field by field below, or the batch triangle itself
+    schema["optimizer.legacy_fusion"] = constants.LEGACY_FUSION_DEFAULT
+    schema.update({f"activation_checkpointing.{key}": getattr(checkpointing, name + "_DEFAULT")
+                   for name, key in vars(checkpointing).items()
+                   if name.startswith("ACT_CHKPT_") and hasattr(checkpointing, name + "_DEFAULT")})
+    models = {"fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config, "zero_optimization": DeepSpeedZeroConfig,
+              "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig,
+              "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig}
+    for prefix, model in models.items():
+        for name, info in model.model_fields.items():
+            default = info.get_default(call_default_factory=True)
+            default = default.model_dump() if hasattr(default, "model_dump") else default
+            for spelling in {name, info.alias or name}:
+                schema[f"{prefix}.{spelling}"] = default
+    return schema
+
+
+def _nested(key, value):
+    *blocks, name = key.split(".")
+    raw = {name: value}
+    for block in reversed(blocks):
+        raw = {block: raw}
+    return {"train_batch_size": 8, **raw}
+
+
+def _our_fields(cls=None, prefix=""):
+    """Dotted names of every field of our Config dataclasses (the keys we honour)."""
+    names = set()
+    for f in dataclasses.fields(cls or Config):
+        names.add(prefix + f.name)
+        if dataclasses.is_dataclass(f.type):
+            names |= _our_fields(f.type, f"{prefix}{f.name}.")
+    return names
+
+
+def test_every_deepspeed_key_at_its_default_is_known():
+    """DeepSpeed 0.19.8's whole schema, walked from its own source: no key at its default value is "unknown";
+    each is honoured (a field of our dataclasses) or named in no_effect; only blocks DeepSpeed 0.19.8 itself
+    refuses may be refused at their default."""
+    schema = _deepspeed_schema()
+    removed = {"graph_harvesting", "sparse_attention"}      # DeepSpeed 0.19.8 refuses these itself
+    assert len(schema) > 130 and "zero_optimization.memory_efficient_linear" in schema
+    ours, kinds = _our_fields() | {"bfloat16.enabled"}, {}
+    for key, default in sorted(schema.items()):
+        try:
+            config = load_config(_nested(key, default), 2)
+        except ConfigError as e:
+            assert "unknown key" not in str(e) and key in removed, (key, default, str(e))
+            continue
+        *block, name = key.split(".")
+        canonical = ".".join(block + [ZERO_ALIASES.get(name, name) if block == ["zero_optimization"] else name])
+        if canonical in config.no_effect:
+            kinds[key] = "refused when on" if config.no_effect[canonical].startswith("off; ") else "no effect"
+        else:
+            assert canonical in ours, (key, "neither honoured nor named")
+            kinds[key] = "honoured"
+    assert kinds["zero_optimization.prefetch_bucket_size"] == "honoured"    # DeepSpeed's field name for the key
+    assert kinds["zero_optimization.memory_efficient_linear"] == "no effect"
+    assert kinds["zero_optimization.zero_quantized_weights"] == kinds["hybrid_engine"] == "refused when on"
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("zero_optimization.zero_quantized_weights", True, "zero_optimization.zero_quantized_weights: True is not "
+                                                       "supported \\(weights are gathered unquantized\\)"),
+    ("zero_optimization.zero_quantized_gradients", True, "gradients are reduced unquantized"),
+    ("zero_optimization.offload_optimizer.super_offload", True, "SuperOffload"),
+    ("hybrid_engine", {"enabled": True, "max_out_tokens": 512}, "hybrid_engine is enabled .*issue 45 row 12"),
+    ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}, "compression"),
+    ("compile", {"deepcompile": True}, "compile: .*DeepCompile"),
+    ("gradient_allreduce_op", "sum", "gradient_allreduce_op: 'sum' is not supported"),
+    ("bf16.bf16_optimizer_states", True, "optimizer states are fp32"),
+    ("data_types", {"grad_accum_dtype": "fp32"}, "data_types: .*gradients accumulate"),
+])
+def test_deepspeed_features_we_do_not_have_are_refused_when_on(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_nested(key, value), 2)
+
+
+def test_deepspeed_chat_keys_are_named_and_misspellings_still_unknown():
+    config = load_config({"train_batch_size": 8, "hybrid_engine": {"enabled": False, "max_out_tokens": 512},
+                          "zero_optimization": {"stage": 3, "memory_efficient_linear": False,
+                                                "prefetch_bucket_size": 3e7, "zero_quantized_weights": False,
+                                                "offload_param": None, "overlap_comm": None},
+                          "compile": {"deepcompile": False, "debug_log": True}}, 2)
+    assert config.no_effect["zero_optimization.memory_efficient_linear"].startswith("linears are torch's")
+    assert config.no_effect["hybrid_engine"].startswith("off; refused when on: issue 45 row 12")
+    assert config.no_effect["zero_optimization.zero_quantized_weights"].startswith("off; ")
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 30_000_000
+    assert not config.zero_optimization.offload_param.enabled and config.zero_optimization.overlap_comm is False
+    assert load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+                       2).zero_optimization.offload_param.device == "cpu"
+    with pytest.raises(ConfigError, match="unknown key 'memory_efficent_linear' in 'zero_optimization'; did you "
+                                          "mean 'memory_efficient_linear'"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"memory_efficent_linear": True}}, 2)
+    with pytest.raises(ConfigError, match="unknown key 'hybrid_engin' in the config; did you mean 'hybrid_engine'"):
+        load_config({"train_batch_size": 8, "hybrid_engin": {}}, 2)
