@@ -14,7 +14,9 @@ after its module was built (e.g. a custom init) does so inside `GatheredParamete
 The engine (zero.initialize, stage 3) gathers each piece set once more, one parameter at a time, into its own
 contiguous partitions.
 """
+import enum
 import functools
+import json
 
 import torch
 import torch.distributed as dist
@@ -24,15 +26,102 @@ from . import offload
 from .collectives import all_gather_into_tensor
 from .config import ConfigError
 from .param_status import ZeroParamStatus, assign_id, set_status
+from .stage3 import register_external_parameter
+
+# DeepSpeed's deepspeed.runtime.zero.partition_parameters is this module (megatron.zero.as_deepspeed): the names
+# below are DeepSpeed 0.19.8's, with its semantics. transformers' prevent_arange_dtype_change replaces
+# zero_wrapper_for_fp_tensor_constructor for the length of a model build and compares against _orig_torch_arange;
+# Init looks the wrapper up here at each entry, so such a replacement is honoured as in DeepSpeed.
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+class DeepSpeedTensorOverride(enum.Enum):
+    dtype = 1
+    device = 2
+
+
+DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverride.device]
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
+    """DeepSpeed's: `fn` (a torch constructor) with `device` defaulted to `target_device` and a floating-point
+    result converted to `target_fp_dtype` (either None: left alone)."""
+    def wrapped_fn(*args, **kwargs):
+        if kwargs.get("device", None) is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+    return wrapped_fn
+
+
+def _config_dict(config_dict_or_path):
+    if config_dict_or_path is None or isinstance(config_dict_or_path, dict):
+        return config_dict_or_path
+    with open(config_dict_or_path) as f:
+        return json.load(f)
+
+
+def _config_dtype(config):
+    """DeepSpeed's Init._set_dtype with a config: bf16, fp16, else fp32."""
+    bf16 = (config.get("bf16") or config.get("bfloat16") or {}).get("enabled", False)
+    fp16 = (config.get("fp16") or {}).get("enabled", False)
+    if bf16 is True and fp16 is True:
+        raise ConfigError("zero.Init: bfloat16 and fp16 cannot be enabled at once")
+    return torch.bfloat16 if bf16 is True else torch.half if fp16 is True else torch.float
 
 
 class Init:
-    def __init__(self, module=None, data_parallel_group=None, mpu=None, remote_device=None, pin_memory=False,
-                 config_dict_or_path=None, config=None, enabled=True, dtype=None, mem_efficient_linear=True):
+    """DeepSpeed 0.19.8's signature. Accepted with no effect here: `mem_efficient_linear` (torch's linear is
+    used; its memory saving is DeepSpeed's own autograd function), `param_swapper` (NVMe), the `device` member of
+    `tensor_overrides` (constructors inside the context keep torch's default device; parameters go to
+    `remote_device` when partitioned). `zero_param_parallel_group` (hpZ), `zero_quantized_weights` and
+    `zero_quantized_nontrainable_weights` are refused when given. `config_dict_or_path` (or the deprecated
+    `config`), a dict or a JSON path, gives as in DeepSpeed the dtype when `dtype` is None (bf16, fp16, else fp32)
+    and, when `remote_device` is None, `zero_optimization.offload_param.device` and `pin_memory`. With a dtype
+    (given or from the config) and `DeepSpeedTensorOverride.dtype` in `tensor_overrides`, torch's tensor
+    constructors inside the context return floating-point tensors in that dtype, as in DeepSpeed; without one,
+    parameters keep the dtype they were built in."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None,
+                 tensor_overrides=DEFAULT_TENSOR_OVERRIDES):
         self.enabled = enabled
         self._patched = {}
+        self._constructors = {}
         if not enabled:
             return
+        for name, value in (("zero_param_parallel_group", zero_param_parallel_group),
+                            ("zero_quantized_weights", zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
+            if value not in (None, False):
+                raise ConfigError(f"zero.Init({name}=...) is not supported: hpZ and quantized weights are not "
+                                  "implemented here")
+        if sequence_data_parallel_group is not None:
+            if data_parallel_group is not None:
+                raise ValueError("Both 'data_parallel_group' and 'sequence_data_parallel_group' were specified. "
+                                 "Please provide only one of these arguments.")
+            data_parallel_group = sequence_data_parallel_group
+        ds_config = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
+        if ds_config is not None:
+            if dtype is None:
+                dtype = _config_dtype(ds_config)
+            offload_param = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+            if remote_device is None and offload_param.get("device") is not None:
+                remote_device = offload_param["device"]
+                pin_memory = offload_param.get("pin_memory", pin_memory)
+        self.tensor_overrides = list(tensor_overrides or [])
         if remote_device not in (None, "none", "cpu"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}) is not supported: use 'cpu' (host "
                               "memory) or 'none' (the training device)")
@@ -54,12 +143,21 @@ class Init:
                 if "__init__" in cls.__dict__:
                     self._patched[cls] = cls.__dict__["__init__"]
                     cls.__init__ = self._wrap(cls.__dict__["__init__"])
+            if self.dtype is not None and DeepSpeedTensorOverride.dtype in self.tensor_overrides:
+                for name in _CONSTRUCTORS:
+                    self._constructors[name] = getattr(torch, name)
+                    # looked up at each entry: a client's replacement of the wrapper (transformers) applies
+                    setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(
+                        globals()[f"_orig_torch_{name}"], target_fp_dtype=self.dtype, target_device=None))
         return self
 
     def __exit__(self, *exc):
         for cls, original in self._patched.items():
             cls.__init__ = original
         self._patched = {}
+        for name, original in self._constructors.items():
+            setattr(torch, name, original)
+        self._constructors = {}
         return False
 
     def _wrap(self, init):

@@ -18,8 +18,8 @@ import importlib.machinery
 import sys
 import types
 
-from .. import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 from .. import __all__ as ZERO_API
+from .. import zero_init
 from . import accelerator, adam, comm, module_utils
 
 DEEPSPEED_VERSION = "0.19.8"      # the DeepSpeed release whose API this mirrors (clients and transformers read it)
@@ -38,9 +38,10 @@ MODULES = {
     "deepspeed.comm": comm,
     "deepspeed.runtime": {},
     "deepspeed.runtime.zero": {},
-    "deepspeed.runtime.zero.partition_parameters": {
-        "ZeroParamStatus": ZeroParamStatus, "Init": Init, "GatheredParameters": GatheredParameters,
-        "register_external_parameter": register_external_parameter},
+    # ZeroParamStatus, Init, GatheredParameters, register_external_parameter, and the tensor-constructor names
+    # transformers' ZeRO-3 model building reads and replaces (zero_wrapper_for_fp_tensor_constructor,
+    # _orig_torch_arange, ...): the module itself, so that a replacement reaches Init
+    "deepspeed.runtime.zero.partition_parameters": zero_init,
     "deepspeed.utils": {},
     "deepspeed.utils.module_utils": module_utils,
     "deepspeed.compression": {},
