@@ -25,7 +25,7 @@ from .engine import ZeroEngine
 from .optimizer import ZeroOptimizer
 from .param_status import ZeroParamStatus
 from .partition import ALIGNMENT
-from .stage3 import register_external_parameter
+from .zero_init import register_external_parameter
 from .zero_init import GatheredParameters, Init
 
 from . import checkpointing, offload

@@ -118,14 +118,6 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype):
     return groups
 
 
-def register_external_parameter(module, parameter):
-    """Declare that `module`'s forward uses `parameter` owned by another module (DeepSpeed's name): stage 3 then
-    gathers it for `module` too. A no-op for the other stages."""
-    external = module.__dict__.setdefault("_zero_external_params", [])
-    if all(p is not parameter for p in external):
-        external.append(parameter)
-
-
 class Unit:
     def __init__(self, name, module, params, external):
         self.name, self.module = name, module

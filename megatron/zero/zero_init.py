@@ -26,7 +26,6 @@ from . import offload
 from .collectives import all_gather_into_tensor
 from .config import ConfigError
 from .param_status import ZeroParamStatus, assign_id, set_status
-from .stage3 import register_external_parameter
 
 # DeepSpeed's deepspeed.runtime.zero.partition_parameters is this module (megatron.zero.as_deepspeed): the names
 # below are DeepSpeed 0.19.8's, with its semantics. transformers' prevent_arange_dtype_change replaces
@@ -41,6 +40,16 @@ _orig_torch_arange = torch.arange
 _orig_torch_eye = torch.eye
 _orig_torch_randn = torch.randn
 _CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+
+def register_external_parameter(module, parameter):
+    """Declare that `module`'s forward uses `parameter` owned by another module (DeepSpeed's name, in its
+    partition_parameters module, which this module stands for): stage 3 then gathers it for `module` too (read by
+    stage3._find_units). A no-op for the other stages."""
+    external = module.__dict__.setdefault("_zero_external_params", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
 
 
 class DeepSpeedTensorOverride(enum.Enum):
