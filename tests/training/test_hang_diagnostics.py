@@ -262,8 +262,10 @@ if mode == "zero":
     from tests.helpers import TinyNet, batch, ds_config, param_groups
     mpu.initialize_model_parallel(1, timeout=timedelta(seconds=timeout))
     model = TinyNet()
+    optimizer = torch.optim.AdamW(param_groups(model))  # its first use imports torch._dynamo: a cold .pyc cache
+    optimizer.step()                                    # or a loaded machine can skew the ranks by seconds there
     dist.barrier()                                     # in step before the engine's first collective (4 s timeout)
-    engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
                                       config=ds_config(2, micro=2, overlap_comm=True), mpu=mpu,
                                       dist_init_required=False)
     if rank == 1:                                      # rank 1 stalls inside a gradient bucket's reduction
