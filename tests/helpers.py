@@ -128,6 +128,19 @@ def engine_train_step(engine, step, global_batch):
     return float(total) / (ctx.data_parallel_size * accumulation)
 
 
+def count_stage3_gathers():
+    """(names of the ZeRO-3 buffers gathered from now on, in this process; a function undoing the count)."""
+    from megatron.zero import stage3
+    calls = []
+    original = stage3._Buffer.start_gather
+
+    def counting(buffer):
+        calls.append(buffer.name)
+        return original(buffer)
+    stage3._Buffer.start_gather = counting
+    return calls, lambda: setattr(stage3._Buffer, "start_gather", original)
+
+
 def param_groups(model, weight_decay=0.01):
     """Megatron-style groups: weights decay, biases and norms do not."""
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]

@@ -9,7 +9,9 @@
 Stages 0 (data parallel), 1 (optimizer state partitioned), 2 (gradients too) and 3 (parameters too, gathered per
 unit: stage3.py; build with `zero.Init`, read with `zero.GatheredParameters`); offload of the optimizer (stages 1-3)
 and of the parameters (stage 3) to host memory; fp32, fp16, bf16.
-`zero.checkpointing` is activation checkpointing. Checkpoint file names and keys: megatron.checkpoint.layout.
+`engine.generate(...)` is DeepSpeed's Hybrid Engine (hybrid_engine.py; `register_generator` lets a model without
+Hugging Face's `generate` take part). `zero.checkpointing` is activation checkpointing. Checkpoint file names and
+keys: megatron.checkpoint.layout.
 
 Code outside this package imports only what this file exports (tests/test_layout.py pins it); the loss scaler it
 shares with the Megatron fp16 path lives in megatron.fp16, whole parameter sizes in mpu (full_numel/full_shape).
@@ -22,6 +24,7 @@ from .bucketing import MAX_IN_FLIGHT
 from .builder import adam_kernel_options, add_config_arguments, build_optimizer, initialize
 from .config import Config, ConfigError, load_config
 from .engine import ZeroEngine
+from .hybrid_engine import register_generator
 from .optimizer import ZeroOptimizer
 from .param_status import ZeroParamStatus
 from .partition import ALIGNMENT
@@ -37,4 +40,4 @@ zero = sys.modules[__name__]
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
            "GatheredParameters", "register_external_parameter", "ZeroParamStatus", "adam_kernel_options",
-           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload"]
+           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator"]

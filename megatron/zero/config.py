@@ -131,6 +131,21 @@ class SchedulerConfig:
 
 
 @dataclass
+class HybridEngineConfig:
+    """DeepSpeed's "hybrid_engine" block (megatron/zero/hybrid_engine.py). engine.generate(...) works whether it is
+    on or off; `enabled` also routes the client module's own `generate` through it, as DeepSpeed's Hybrid Engine
+    does (DeepSpeed-Chat calls `actor.module.generate(...)`). The other keys are DeepSpeed's inference-kernel
+    settings: accepted and typed so DeepSpeed files load, named with no effect (DEEPSPEED_KEYS)."""
+    enabled: bool = False
+    max_out_tokens: int = 512          # DeepSpeed: its inference workspace, in tokens (must be positive)
+    inference_tp_size: int = 1         # DeepSpeed: generation re-sharded over this many tensor-parallel ranks
+    release_inference_cache: bool = False   # DeepSpeed: free its inference workspace after each call
+    pin_parameters: bool = True        # DeepSpeed at ZeRO-3: gather every layer once per call (else layer by layer)
+    tp_gather_partition_size: int = 8  # DeepSpeed: layers gathered at a time when inference_tp_size > 1
+    enable_cuda_graph: bool = False    # DeepSpeed: capture decode steps in CUDA graphs
+
+
+@dataclass
 class Config:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
@@ -139,6 +154,7 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)   # engine.generate's block
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
@@ -158,7 +174,6 @@ class Config:
 # Nested keys are dotted ("zero_optimization.memory_efficient_linear"). tests/zero/test_zero_config.py walks
 # DeepSpeed's own schema and checks that no key of it is "unknown" here.
 NO_EFFECT, REFUSED = "no effect", "refused when enabled"
-_NOT_YET = "issue 45 row 12, not yet: generate through gathered_for_inference() / generate_from_training_model"
 DEEPSPEED_KEYS = {
     # top level
     "zero_allow_untested_optimizer": (NO_EFFECT, "any torch Adam/AdamW client optimizer is stepped as it is"),
@@ -194,7 +209,6 @@ DEEPSPEED_KEYS = {
     "curriculum_learning": (REFUSED, "not supported", None), "data_efficiency": (REFUSED, "not supported", None),
     "progressive_layer_drop": (REFUSED, "not supported", None), "eigenvalue": (REFUSED, "not supported", None),
     "quantize_training": (REFUSED, "not supported", None),
-    "hybrid_engine": (REFUSED, _NOT_YET, None),
     "pipeline": (REFUSED, "use --pipeline-model-parallel-size", None),
     "sparse_gradients": (REFUSED, "not supported", False),
     "nebula": (REFUSED, "checkpoints are written with torch.save", None),
@@ -208,6 +222,15 @@ DEEPSPEED_KEYS = {
                     "keep_in_fp32_modules": "auto"}),
     "tensor_parallel": (REFUSED, "use --tensor-model-parallel-size", {"autotp_size": 0}),
     "expert_parallel": (REFUSED, "there is no expert parallelism", {"enabled": False}),
+    # hybrid_engine ("enabled" is honoured: HybridEngineConfig); DeepSpeed's inference-kernel settings
+    "hybrid_engine.max_out_tokens": (NO_EFFECT, "the KV cache is sized per call, for its prompts and new tokens"),
+    "hybrid_engine.inference_tp_size": (NO_EFFECT, "generation runs at the training's tensor-parallel layout; the "
+                                                   "tokens are the same"),
+    "hybrid_engine.release_inference_cache": (NO_EFFECT, "the KV cache is built per call and dropped after it"),
+    "hybrid_engine.pin_parameters": (NO_EFFECT, "ZeRO-3 gathers every parameter once per call and releases them "
+                                                "after it"),
+    "hybrid_engine.tp_gather_partition_size": (NO_EFFECT, "generation is never re-sharded (inference_tp_size)"),
+    "hybrid_engine.enable_cuda_graph": (NO_EFFECT, "CUDA graphs are not captured"),
     # fp16 / bf16
     "fp16.auto_cast": (REFUSED, "the model runs in the dtype it is given", False),
     "fp16.consecutive_hysteresis": (REFUSED, "the hysteresis budget is refilled only when the scale grows", False),
@@ -285,7 +308,7 @@ _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float
                      "WarmupDecayLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
                                        "warmup_type": str, "last_batch_iteration": int, "total_num_steps": int}}
 _SECTIONS = {"fp16": FP16Config, "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig,
-             "activation_checkpointing": ActivationCheckpointingConfig}
+             "activation_checkpointing": ActivationCheckpointingConfig, "hybrid_engine": HybridEngineConfig}
 _SCALARS = {"train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
             "gradient_clipping": float, "steps_per_print": int, "wall_clock_breakdown": bool,
             "dataloader_drop_last": bool}
@@ -443,6 +466,10 @@ def _validate(config):
                           f"({fp16.min_loss_scale}) positive")
     if config.steps_per_print <= 0:
         raise ConfigError(f"steps_per_print must be positive, got {config.steps_per_print}")
+    hybrid = config.hybrid_engine
+    for key in ("max_out_tokens", "inference_tp_size", "tp_gather_partition_size"):   # DeepSpeed's checks too
+        if getattr(hybrid, key) <= 0:
+            raise ConfigError(f"hybrid_engine.{key} must be positive, got {getattr(hybrid, key)}")
 
 
 def _check_keys(raw, known, where):

@@ -23,6 +23,7 @@ from megatron.timers import Timers
 
 from . import offload, stage3
 from .collectives import gather_intervals
+from .hybrid_engine import HybridEngine
 from .optimizer import ZeroOptimizer
 from .throughput import ThroughputTimer
 
@@ -69,6 +70,7 @@ class ZeroEngine(torch.nn.Module):
             self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
         self.timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
         self.tput_timer = ThroughputTimer(batch_size=config.train_batch_size)
+        self.hybrid_engine = HybridEngine(self, module, config.hybrid_engine)
 
     def _wrap_optimizer(self, optimizer, groups, param_order, frozen_bytes):
         """The client's torch optimizer as the partitioned ZeroOptimizer, with the hooks it needs on the module."""
@@ -164,14 +166,28 @@ class ZeroEngine(torch.nn.Module):
         """The module's parameters whole for the body (DeepSpeed's Hybrid Engine: generation between training
         steps): stage 3 gathers every one once, bypasses the per-unit hooks (nothing per forward, so the
         data-parallel ranks may run different numbers of no-grad forwards inside) and releases them after; every
-        data-parallel rank enters. megatron.text_generation.generate_from_training_model(engine, ...) decodes in
-        it (this package cannot call generation itself: megatron.model imports megatron.zero)."""
+        data-parallel rank enters. engine.generate(...) and
+        megatron.text_generation.generate_from_training_model(engine, ...) decode in it."""
         self.wait_for_parameters()
         if self.stage3 is None:
             yield
             return
         with self.stage3.gathered_for_inference():
             yield
+
+    def generate(self, input_ids=None, attention_mask=None, max_length=None, max_new_tokens=None, do_sample=None,
+                 pad_token_id=None, synced_gpus=False, **kwargs):
+        """DeepSpeed's Hybrid Engine call (hybrid_engine.py): the module's generation with every parameter gathered
+        once, in eval mode; returns a LongTensor of prompt + new ids, as Hugging Face's `generate`. A Hugging Face
+        causal LM runs its own `generate` (these keywords and any other of its own: eos_token_id, top_k, ...; None
+        leaves a keyword to its GenerationConfig); megatron's GPT2Model runs
+        megatron.text_generation.generate_from_training_model. Every data-parallel rank calls it, with its own
+        prompts and lengths if it likes. The training flags and every RNG state are left as found, also when
+        do_sample draws (unlike DeepSpeed): training is bitwise what it is without the call. `synced_gpus` is
+        passed to Hugging Face's `generate` (its ranks then decode in lockstep); it is not needed here, where
+        nothing is gathered per step."""
+        return self.hybrid_engine.generate(self, input_ids, attention_mask, max_length, max_new_tokens, do_sample,
+                                           pad_token_id, synced_gpus, kwargs)
 
     def step(self):
         """At the accumulation boundary: optimizer step (skipped on fp16 overflow or when the client set

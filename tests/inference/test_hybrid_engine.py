@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.spawn import run_distributed
+from tests.helpers import count_stage3_gathers
 from tests.inference.test_generation import CONFIG, _hf_greedy
 from tests.posttrain.test_sft import _finetune_args, setup  # noqa: F401  (setup: the SFT fixture)
 
@@ -60,19 +61,6 @@ def _buffer_bytes(engine, persistent=True):
     return sum(b.storage.untyped_storage().nbytes() for b in engine.stage3.buffers if persistent or not b.persistent)
 
 
-def _count_gathers():
-    """(names of the buffers gathered from now on, a function undoing the count)."""
-    from megatron.zero import stage3
-    calls = []
-    original = stage3._Buffer.start_gather
-
-    def counting(buffer):
-        calls.append(buffer.name)
-        return original(buffer)
-    stage3._Buffer.start_gather = counting
-    return calls, lambda: setattr(stage3._Buffer, "start_gather", original)
-
-
 def _zero3_dp2():
     """ZeRO-3 at data-parallel 2 after one training step: gathers per call, storage, modes, tokens vs HF."""
     from megatron import zero
@@ -82,7 +70,7 @@ def _zero3_dp2():
     _engine_step(engine, 0)
     result = {"buffers": len(engine.stage3.buffers), "bytes_before": _buffer_bytes(engine),
               "released_buffers": sum(not b.persistent for b in engine.stage3.buffers)}
-    calls, restore = _count_gathers()
+    calls, restore = count_stage3_gathers()
     live, inner = [], hybrid.generate
 
     def watched(*args, **kwargs):           # what is gathered while generating

@@ -249,14 +249,13 @@ def test_auto_values_resolve_from_the_hidden_size_and_cpu_offload_is_offload_opt
 def test_deepspeed_keys_with_no_effect_are_named_and_missing_features_refused():
     config = load_config({"train_batch_size": 8, "zero_force_ds_cpu_optimizer": False,
                           "communication_data_type": "fp32", "tensorboard": {"enabled": True, "output_path": "tb"},
-                          "hybrid_engine": {"enabled": False},
+                          "hybrid_engine": {"enabled": False, "release_inference_cache": True},
                           "zero_optimization": {"stage": 3, "round_robin_gradients": True}}, 2)
     assert config.no_effect == {
         "zero_force_ds_cpu_optimizer": "offload steps any client Adam on the host, DeepSpeedCPUAdam included",
         "communication_data_type": "gradients are reduced in the parameters' dtype (fp32 masters are never sent)",
         "tensorboard": "use --tensorboard-dir",
-        "hybrid_engine": "off; refused when on: issue 45 row 12, not yet: generate through gathered_for_inference() "
-                         "/ generate_from_training_model",
+        "hybrid_engine.release_inference_cache": "the KV cache is built per call and dropped after it",
         "zero_optimization.round_robin_gradients": "gradient partitions are contiguous ranges"}
     assert load_config({"train_batch_size": 8}, 2).no_effect == {}
     with pytest.raises(ConfigError) as info:
@@ -271,11 +270,12 @@ def _deepspeed_schema():
     """{dotted key: DeepSpeed 0.19.8's default} from DeepSpeed's own source: every top-level key its
     DeepSpeedConfig reads (recorded while it parses a minimal config), the key constants of its constants module
     (a NAME with a NAME_DEFAULT) that belong to fp16/bf16/optimizer, and the fields and aliases of its pydantic
-    zero_optimization / offload / fp16 / bf16 models; activation_checkpointing's ACT_CHKPT_* constants."""
+    zero_optimization / offload / fp16 / bf16 / hybrid_engine models; activation_checkpointing's ACT_CHKPT_*
+    constants."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime import constants
     from deepspeed.runtime.activation_checkpointing import config as checkpointing
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig, HybridEngineConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
@@ -319,7 +319,8 @@ def _deepspeed_schema():
                    if name.startswith("ACT_CHKPT_") and hasattr(checkpointing, name + "_DEFAULT")})
     models = {"fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config, "zero_optimization": DeepSpeedZeroConfig,
               "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig,
-              "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig}
+              "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
+              "hybrid_engine": HybridEngineConfig}
     for prefix, model in models.items():
         for name, info in model.model_fields.items():
             default = info.get_default(call_default_factory=True)
@@ -353,7 +354,7 @@ def test_every_deepspeed_key_at_its_default_is_known():
     refuses may be refused at their default."""
     schema = _deepspeed_schema()
     removed = {"graph_harvesting", "sparse_attention"}      # DeepSpeed 0.19.8 refuses these itself
-    assert len(schema) > 130 and "zero_optimization.memory_efficient_linear" in schema
+    assert len(schema) == 146 and "zero_optimization.memory_efficient_linear" in schema   # DeepSpeed 0.19.8
     ours, kinds = _our_fields() | {"bfloat16.enabled"}, {}
     for key, default in sorted(schema.items()):
         try:
@@ -370,7 +371,14 @@ def test_every_deepspeed_key_at_its_default_is_known():
             kinds[key] = "honoured"
     assert kinds["zero_optimization.prefetch_bucket_size"] == "honoured"    # DeepSpeed's field name for the key
     assert kinds["zero_optimization.memory_efficient_linear"] == "no effect"
-    assert kinds["zero_optimization.zero_quantized_weights"] == kinds["hybrid_engine"] == "refused when on"
+    assert kinds["zero_optimization.zero_quantized_weights"] == "refused when on"
+    assert kinds["hybrid_engine"] == kinds["hybrid_engine.enabled"] == "honoured"      # engine.generate
+    hybrid_rest = {key: kind for key, kind in kinds.items()
+                   if key.startswith("hybrid_engine.") and key != "hybrid_engine.enabled"}
+    assert hybrid_rest == dict.fromkeys(["hybrid_engine.max_out_tokens", "hybrid_engine.inference_tp_size",
+                                        "hybrid_engine.release_inference_cache", "hybrid_engine.pin_parameters",
+                                        "hybrid_engine.tp_gather_partition_size", "hybrid_engine.enable_cuda_graph"],
+                                       "no effect")
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -378,7 +386,6 @@ def test_every_deepspeed_key_at_its_default_is_known():
                                                        "supported \\(weights are gathered unquantized\\)"),
     ("zero_optimization.zero_quantized_gradients", True, "gradients are reduced unquantized"),
     ("zero_optimization.offload_optimizer.super_offload", True, "SuperOffload"),
-    ("hybrid_engine", {"enabled": True, "max_out_tokens": 512}, "hybrid_engine is enabled .*issue 45 row 12"),
     ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}, "compression"),
     ("compile", {"deepcompile": True}, "compile: .*DeepCompile"),
     ("gradient_allreduce_op", "sum", "gradient_allreduce_op: 'sum' is not supported"),
@@ -397,7 +404,8 @@ def test_deepspeed_chat_keys_are_named_and_misspellings_still_unknown():
                                                 "offload_param": None, "overlap_comm": None},
                           "compile": {"deepcompile": False, "debug_log": True}}, 2)
     assert config.no_effect["zero_optimization.memory_efficient_linear"].startswith("linears are torch's")
-    assert config.no_effect["hybrid_engine"].startswith("off; refused when on: issue 45 row 12")
+    assert config.no_effect["hybrid_engine.max_out_tokens"].startswith("the KV cache is sized per call")
+    assert "hybrid_engine" not in config.no_effect and not config.hybrid_engine.enabled   # honoured
     assert config.no_effect["zero_optimization.zero_quantized_weights"].startswith("off; ")
     assert config.zero_optimization.stage3_prefetch_bucket_size == 30_000_000
     assert not config.zero_optimization.offload_param.enabled and config.zero_optimization.overlap_comm is False
