@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -565,22 +564,19 @@ engine.stage3.gather_timeout = datetime.timedelta(seconds=3)
 if dist.get_rank() == 0:      # evaluation on rank 0 only
     with torch.no_grad():
         engine(torch.zeros(2, 16), torch.zeros(2, 8))
-time.sleep(60)
+time.sleep(300)               # far past the test's timeout: only rank 0's failure can end the job in time
 """
 
 
 def test_a_forward_on_one_rank_fails_with_the_reason_instead_of_hanging(tmp_path):
     script = tmp_path / "lonely.py"
     script.write_text(LONELY.format(repo=REPO))
-    start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--master_port", str(free_port()), str(script)], capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
-    elapsed = time.monotonic() - start
+                            timeout=200, cwd=REPO)   # a hang (rank 0 waiting on rank 1) raises TimeoutExpired
     assert result.returncode != 0
     assert "did not join: every data-parallel rank must run the same forwards" in result.stderr, result.stderr[-3000:]
     assert "'fc1'" in result.stderr
-    assert elapsed < 40, elapsed
 
 
 def test_megatron_checkpoint_continues_in_stage3_at_another_data_parallel_size(tmp_path):
