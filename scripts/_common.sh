@@ -96,6 +96,12 @@ if [ "$NUM_GPUS" -gt 0 ]; then MAX_RESTARTS=${MAX_RESTARTS:-3}; else MAX_RESTART
 
 launch() {  # launch NPROC_PER_NODE ARGS... : torchrun on this node
   local nproc=$1; shift
+  if [ "$nproc" -eq 1 ] && [ "$NNODES" -eq 1 ] && [ "$MAX_RESTARTS" -eq 0 ] && [ -z "${MASTER_PORT:-}" ]; then
+    # One process, nothing to restart: the script itself, without torchrun's agent (a second Python importing
+    # torch); megatron's init then uses an in-process store, no port at all.
+    "$PYTHON" -u "$@"
+    return
+  fi
   if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
     "$PYTHON" -m torch.distributed.run --standalone --max-restarts "$MAX_RESTARTS" --nproc_per_node "$nproc" "$@"
     return
