@@ -4,7 +4,7 @@
                         `latest` reader/writer, the rank/stage directory names
     atomic_io.py        atomic writes and the atomic, agreed, optionally background save of a whole directory
     manifest.py         every file's size and crc32, written last; verified before a load
-    rng.py              every RNG state, captured and restored
+    rng.py              every RNG state, captured and restored (preserved_rng_state: around a body)
     saving.py           save_checkpoint (both paths), finalize_async_save
     loading.py          load_checkpoint (both paths, any saving topology, falling back to the newest that verifies)
     reshard.py          SavedCheckpoint: any layout and topology read as full tensors by name, split for another
@@ -24,9 +24,9 @@ API, so no import goes the other way.
 """
 from .layout import CheckpointError
 from .loading import get_checkpoint_iteration, load_checkpoint, newest_verified_checkpoint
-from .rng import get_rng_state, set_rng_state
+from .rng import get_rng_state, preserved_rng_state, set_rng_state
 from .saving import checkpoint_state, finalize_async_save, model_shape, save_checkpoint, save_ds_checkpoint
 
 __all__ = ["CheckpointError", "get_checkpoint_iteration", "load_checkpoint", "newest_verified_checkpoint",
-           "get_rng_state", "set_rng_state", "checkpoint_state", "finalize_async_save", "model_shape",
-           "save_checkpoint", "save_ds_checkpoint"]
+           "get_rng_state", "preserved_rng_state", "set_rng_state", "checkpoint_state", "finalize_async_save",
+           "model_shape", "save_checkpoint", "save_ds_checkpoint"]

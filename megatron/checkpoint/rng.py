@@ -1,7 +1,15 @@
 """Every RNG state of a process (python, numpy, torch, CUDA when present, mpu's model-parallel tracker), as
 tensors and plain values so that torch.load(weights_only=True) reads them back: what a checkpoint saves for an
 exact resume (both paths; the ZeRO path in its client_state). Portable across device types: the tracker's states
-are saved with the device type whose format they have, and converted when a run on another type loads them."""
+are saved with the device type whose format they have, and converted when a run on another type loads them.
+
+Also what anything run beside training (a model built or run for sampling or scoring) is wrapped in, so that the
+training's streams do not move:
+
+    with preserved_rng_state():          # or @preserved_rng_state() on the function
+        reward_model = GPT2Model(config)  # its initialisation draws from the default generator; given back on exit
+"""
+import contextlib
 import random
 
 import numpy as np
@@ -20,6 +28,18 @@ def get_rng_state():
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+@contextlib.contextmanager
+def preserved_rng_state():
+    """Every RNG state get_rng_state() captures (python, numpy, torch, CUDA's current device, the mpu tracker) put
+    back as it was when the body exits, however it exits: the body may draw (a model's initialisation, sampling,
+    dropout, a user's reward function) without changing what training draws next. Usable as a decorator."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _tracker_device_type(state):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import mpu
+from megatron.checkpoint.rng import preserved_rng_state
 
 from .dpo import pair_batch
 from .sft_loss import sum_over_group
@@ -83,10 +84,13 @@ def reward_forward_step(loss, pad_id, data_iterator, model):
     return losses.mean(), reported
 
 
+@preserved_rng_state()
 def load_reward_model(load_dir, padded_vocab_size, device):
     """A reward model checkpoint (train_reward_model.py's --save, any topology) as a GPT2Model with its scalar head,
     whole on this model-parallel rank (not partitioned, eval mode, no gradients): what finetune_gpt.py
-    --reward-model scores its samples with. CheckpointError (one line) for a checkpoint without the head."""
+    --reward-model scores its samples with. CheckpointError (one line) for a checkpoint without the head. Built
+    mid-training: every RNG is left as it was (the model's initialisation draws from the default generator before
+    the checkpoint's weights overwrite it; without that the training's next dropout masks would move)."""
     from megatron.checkpoint import layout as ckpt, reshard
     from megatron.checkpoint.full_checkpoint import FullCheckpoint
     from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
@@ -110,6 +114,7 @@ def load_reward_model(load_dir, padded_vocab_size, device):
     return model.eval()
 
 
+@preserved_rng_state()
 def score_sequences(model, sequences, pad_id):
     """[len(sequences)] floats: each token list's reward at its last token that is not pad_id (as training scores
     a conversation), the rows right-padded with pad_id into one batch."""

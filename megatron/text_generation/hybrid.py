@@ -5,8 +5,9 @@ paths:
     new_tokens = generate_from_training_model(model, prompts, 20, greedy=True)    # the Megatron path's model
 
 It runs the KV-cache `generate` (generation.py) on the unwrapped module in eval mode and restores every
-submodule's training flag and every RNG state (CPU, device, the model-parallel tracker) after, so training after
-interleaved calls is bitwise what it is without them. On the ZeRO engine it decodes inside
+submodule's training flag and every RNG state after (python, numpy, torch, CUDA, the model-parallel tracker:
+megatron.checkpoint.preserved_rng_state, which everything built or run for sampling or scoring uses), so training
+after interleaved calls is bitwise what it is without them. On the ZeRO engine it decodes inside
 engine.gathered_for_inference(): stage 3 gathers every parameter once per call, no gather per token, and
 releases them after.
 
@@ -23,9 +24,9 @@ import contextlib
 
 import torch
 
+from megatron.checkpoint.rng import preserved_rng_state
 from megatron.model import GPT2Model
 from megatron.zero import register_generator
-from mpu.random import get_rng_states, set_rng_states
 
 from .generation import _unwrap, generate
 
@@ -35,16 +36,15 @@ HF_DEFAULTS = {"max_length": 20, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 @contextlib.contextmanager
 def generation_mode(module):
-    """`module` in eval mode for the body; each submodule's training flag and the RNG states restored on exit."""
+    """`module` in eval mode for the body; each submodule's training flag and every RNG state restored on exit."""
     flags = [(m, m.training) for m in module.modules()]
-    rng_states = get_rng_states()
     module.eval()
     try:
-        yield
+        with preserved_rng_state():
+            yield
     finally:
         for m, training in flags:
             m.training = training
-        set_rng_states(rng_states)
 
 
 def generate_from_training_model(model, prompts_token_ids, max_new_tokens, **sampling):

@@ -3,6 +3,8 @@
 The tensor-parallel tracker's states are in the saving device's generator format: the CPU's 5056-byte Mersenne
 Twister state or CUDA's 16-byte Philox (seed, offset). A checkpoint written on GPUs is simulated here by replacing
 the saved tracker states with Philox-format ones, as torch.cuda.get_rng_state() returns them."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,3 +73,26 @@ def test_same_device_type_resumes_the_stream_exactly(tracker):
     expected = dropout_mask()
     rng.set_rng_state(saved)
     assert torch.equal(dropout_mask(), expected)
+
+
+def _draws():
+    """The next value of every stream preserved_rng_state keeps: python, numpy, torch and the tracker."""
+    import random
+    import numpy as np
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist(), dropout_mask().tolist()
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_preserved_rng_state_gives_every_stream_back(tracker, raises):
+    """What is built or run for sampling and scoring (megatron/posttrain/reward.py, text_generation.hybrid) runs
+    inside it: a body drawing from every stream, or failing half-way, leaves the next draws as without it."""
+    state = rng.get_rng_state()
+    expected = _draws()
+    rng.set_rng_state(state)
+    with pytest.raises(ValueError) if raises else contextlib.nullcontext():
+        with rng.preserved_rng_state():
+            _draws()
+            torch.nn.Linear(8, 8)                            # a model's initialisation: the default generator
+            if raises:
+                raise ValueError("a body failing half-way")
+    assert _draws() == expected

@@ -266,7 +266,9 @@ def test_finetune_bad_sampling_flags_are_one_line(tmp_path, capsys):
 
 def test_finetune_samples_scored_by_a_reward_model_as_hugging_face_scores_them(setup, tmp_path):
     """--reward-model: each sample's reward (printed, and a 'sample' record in --log-jsonl with the scored tokens)
-    equals HF GPT2ForSequenceClassification's score of those tokens with the same weights (1e-5)."""
+    equals HF GPT2ForSequenceClassification's score of those tokens with the same weights (1e-5); the training is
+    bitwise the one without samples (dropout on: building the reward model at the first samples, after iteration 1,
+    must leave every RNG as it found it, or iteration 2's dropout masks and loss change)."""
     import json
     from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
     from megatron.checkpoint.full_checkpoint import read_full_checkpoint, write_full_checkpoint
@@ -279,11 +281,13 @@ def test_finetune_samples_scored_by_a_reward_model_as_hugging_face_scores_them(s
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is 2 plus 3?\nAdd 4 and 5.\n")
     log = tmp_path / "scored.jsonl"
-    flags = ["--batch-size", "2", "--train-iters", "2", "--eval-iters", "0", "--lr", "1e-3", "--sample-every", "1",
-             "--sample-prompts", str(prompts), "--sample-length", "4", "--reward-model", reward_dir,
-             "--log-jsonl", str(log)]
-    lines = run_distributed(_finetune_printing, 1, args=([("scored", _finetune_args(setup, "scored", flags))],),
-                            timeout=600)[0]["scored"][1]
+    base = ["--batch-size", "2", "--train-iters", "2", "--eval-iters", "0", "--lr", "1e-3"]
+    flags = base + ["--sample-every", "1", "--sample-prompts", str(prompts), "--sample-length", "4",
+                    "--reward-model", reward_dir, "--log-jsonl", str(log)]
+    jobs = [("plain", _finetune_args(setup, "unscored", base)), ("scored", _finetune_args(setup, "scored", flags))]
+    results = run_distributed(_finetune_printing, 1, args=(jobs,), timeout=600)[0]
+    assert results["scored"][0] == results["plain"][0]          # the losses, bitwise (dropout 0.1, the default)
+    lines = results["scored"][1]
     samples = [json.loads(line) for line in open(log) if '"sample"' in line]
     assert len(lines) == len(samples) == 2 and all("(reward " in line for line in lines), lines
     hf_lm = GPT2LMHeadModel.from_pretrained(setup["hf_dir"])
