@@ -253,7 +253,12 @@ def build_small_corpus(directory, max_mb=0.3, vocab_size=1000):
 # The launch scripts at a test size, pinned here (the CPU default's shape at half its sequence length) so that a
 # change of the recipe in scripts/_common.sh cannot slow the scripts' tests (up to 4 processes on 2 cores); the
 # micro batch is the CPU config's.
-SCRIPT_TEST_SHAPE = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "128", "NUM_HEADS": "4", "SEQ_LENGTH": "64"}
+# The scripts' CPU model at a test size: micro batch 8 (the recipe's 32 is 4x the compute for what a 20-iteration
+# run shows); on the --deepspeed path the micro batch is the JSON's, so a copy of scripts/ds_zero2_config.json that
+# differs only there (test_zero_config pins that).
+SCRIPT_TEST_DS_CONFIG = os.path.join(REPO, "tests", "zero_configs", "script_test_zero2.json")
+SCRIPT_TEST_SHAPE = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "128", "NUM_HEADS": "4", "SEQ_LENGTH": "64", "MICRO_BATCH": "8",
+                     "DS_CONFIG": SCRIPT_TEST_DS_CONFIG}
 # scripts/ds_pretrain_gpt.sh at a test size (conftest's ds_pretrained): 20 iterations
 SHORT_PRETRAIN = dict(SCRIPT_TEST_SHAPE, TRAIN_ITERS="20", LOG_INTERVAL="5", EVAL_INTERVAL="10", EVAL_ITERS="2")
 

@@ -416,3 +416,16 @@ def test_deepspeed_chat_keys_are_named_and_misspellings_still_unknown():
         load_config({"train_batch_size": 8, "zero_optimization": {"memory_efficent_linear": True}}, 2)
     with pytest.raises(ConfigError, match="unknown key 'hybrid_engin' in the config; did you mean 'hybrid_engine'"):
         load_config({"train_batch_size": 8, "hybrid_engin": {}}, 2)
+
+
+def test_script_test_config_is_the_default_but_for_its_micro_batch():
+    """The scripts' tests run scripts/ds_zero2_config.json at micro batch 8 (tests/helpers.SCRIPT_TEST_DS_CONFIG):
+    any other difference would test another configuration than make pretrain's."""
+    from tests.helpers import REPO, SCRIPT_TEST_DS_CONFIG
+    with open(os.path.join(REPO, "scripts", "ds_zero2_config.json")) as handle:
+        default = json.load(handle)
+    with open(SCRIPT_TEST_DS_CONFIG) as handle:
+        test = json.load(handle)
+    assert test.pop("train_micro_batch_size_per_gpu") == 8
+    default.pop("train_micro_batch_size_per_gpu")
+    assert test == default
