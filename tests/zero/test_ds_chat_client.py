@@ -45,7 +45,8 @@ needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is a 
 # outside it: its CPU accelerator JIT-builds a shared-memory all-reduce op with g++ on the first start (minutes);
 # that op serves only inference_all_reduce, so the training collectives are gloo's either way (as in
 # test_deepspeed_oracle.py).
-DEEPSPEED_START = ("import os, runpy, sys; import deepspeed.comm.torch as backend; backend.build_shm_op = lambda: None; "
+DEEPSPEED_START = ("import os, runpy, sys; import deepspeed.comm.torch; "
+                   "sys.modules['deepspeed.comm.torch'].build_shm_op = lambda: None; "   # (the attribute is torch)
                    "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
                    "runpy.run_path(sys.argv[0], run_name='__main__')")
 LAUNCH = {"ours": ["-m", "megatron.zero.as_deepspeed", CLIENT], "deepspeed": ["-c", DEEPSPEED_START, CLIENT]}
@@ -140,6 +141,9 @@ def test_our_engine_runs_the_client_and_saves_what_it_trained(runs, config):
     if config.startswith("step1"):       # fine-tuning lowered the held-out loss
         assert all(records[config, "eval_after", None, r]["loss"] < records[config, "eval_before", None, r]["loss"]
                    for r in (0, 1))
+    else:                                # DeepSpeed-Chat reads optimizer.overflow of both engines after each step
+        assert [records[config, "overflow", step, r]["overflow"] for step in range(STEPS) for r in (0, 1)] == \
+            [[False, False]] * (2 * STEPS)
     for model in SAVED[config]:
         saved, (rank0, rank1) = _saved(output_dir, config, model)
         assert [k for k, v in saved.items() if v.numel() == 0] == [], (config, model)
@@ -181,6 +185,8 @@ def test_experience_equals_deepspeeds(runs, config):
             ours = runs["ours"][1][config, "experience", step, rank]
             theirs = runs["deepspeed"][1][config, "experience", step, rank]
             assert ours["seq"] == theirs["seq"], (config, step, rank)
+            assert runs["ours"][1][config, "overflow", step, rank]["overflow"] == \
+                runs["deepspeed"][1][config, "overflow", step, rank]["overflow"]
             assert all(_close(a, b) for a, b in zip(ours["rewards"], theirs["rewards"])), (config, step, rank)
 
 
