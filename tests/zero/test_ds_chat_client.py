@@ -12,8 +12,9 @@ imports are most of the cost); the two launches run side by side. Pinned:
 - every pytorch_model.bin DeepSpeed-Chat wrote loads with torch.load(weights_only=True), holds no empty tensor and
   equals, bitwise, the engine's final weights as the client read them (inside GatheredParameters), which both
   ranks see alike; the two libraries' saved weights agree within 1e-5 (absolute and relative, per element: an
-  element whose gradient is rounding noise, such as the attention's key bias, moves by up to ~5e-6 between
-  libraries that sum their gradients in different orders);
+  element whose gradient nearly cancels, such as the attention's key bias, whose gradient is rounding noise, ends
+  up to ~5e-6 apart (measured) between libraries that sum gradients in other orders, as Adam's first steps
+  amplify that noise);
 - DeepSpeed-Chat's EMA at ZeRO-3 stays at its initial weights on both: moving_average edits its parameters inside
   GatheredParameters without a modifier rank, whose exit discards edits in DeepSpeed (measured on 0.19.8).
 Without DeepSpeed installed only the comparisons are skipped; our half still runs and is checked.
