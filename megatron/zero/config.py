@@ -359,7 +359,7 @@ def load_config(source, data_parallel_size=1):
                     source=path, **sections, **{k: values[k] for k in ("gradient_clipping", "steps_per_print",
                                                                        "wall_clock_breakdown", "dataloader_drop_last")
                                        if k in values})
-    _validate(config)
+    _validate(config, no_effect)
     config.no_effect = no_effect
     return config
 
@@ -433,7 +433,8 @@ def resolve_batch_triangle(train, micro, accumulation, data_parallel_size):
     return train, micro, accumulation
 
 
-def _validate(config):
+def _validate(config, no_effect):
+    """Refuse values the engine cannot run; `no_effect` gets the ones accepted without effect (as DeepSpeed)."""
     zero = config.zero_optimization
     if zero.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage: {zero.stage} is not supported (0, 1, 2 or 3)")
@@ -450,8 +451,11 @@ def _validate(config):
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (stage is 0): the offloaded "
                           "optimizer steps this rank's partition")
     if zero.offload_param.enabled and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage is {zero.stage}): only stage 3 "
-                          "partitions the parameters; use offload_optimizer for stages 1 and 2")
+        # DeepSpeed reads offload_param at stage 3 only and ignores it below (DeepSpeed-Chat's --offload sets it
+        # for its ZeRO-2 critic): switched off here, so nothing downstream counts it, and named
+        no_effect["zero_optimization.offload_param"] = \
+            f"stage {zero.stage}: only stage 3 partitions the parameters (offload_optimizer offloads at stages 1-3)"
+        zero.offload_param = OffloadConfig()
     for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters"):
         if getattr(zero, key) != AUTO and getattr(zero, key) <= 0:
             raise ConfigError(f"zero_optimization.{key} must be positive, got {getattr(zero, key)}")

@@ -482,11 +482,17 @@ class Stage3Parameters:
             self.hooks_bypassed = False
             self.release(held)
 
-    def release(self, buffers):
+    def release(self, buffers, keep_edits=True):
+        """Drop a hold taken by gather(). `keep_edits=False` (GatheredParameters without a modifier rank: DeepSpeed
+        frees every parameter of the context on exit, so edits made inside are lost): the persistent buffer, which
+        stays gathered, is marked stale, so its next use gathers the partitions again instead of keeping them."""
         for buffer in buffers:
             buffer.holders -= 1
             if buffer.holders == 0 and not buffer.persistent:
                 self._release(buffer)
+            elif buffer.holders == 0 and not keep_edits:
+                buffer.stale = True
+                buffer.publish_status()
 
     def write_partition(self, param, full):
         """Copy this rank's range of `param` from its full value (flat or shaped) into the partition."""

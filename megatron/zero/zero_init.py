@@ -236,7 +236,9 @@ def gather_initial(param, device):
 class GatheredParameters:
     """Parameters whole inside the context, on every rank of their data-parallel group (all must enter it).
     With `modifier_rank` r, rank r's edits are broadcast and partitioned again on exit; with None they are
-    read-only (edits are lost). Parameters that are not partitioned are left alone."""
+    read-only: edits are lost, as in DeepSpeed (whose exit frees every parameter of the context), those of a
+    persistent (whole) parameter too, which is gathered again at its next use. Parameters that are not
+    partitioned are left alone."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
@@ -269,7 +271,7 @@ class GatheredParameters:
                                    manager.ctx.data_parallel_size)
                         manager.write_partition(p, p.data)
                         manager.on_partition_edited(p)
-                manager.release(buffers)
+                manager.release(buffers, keep_edits=self.modifier_rank is not None)
         return False
 
 

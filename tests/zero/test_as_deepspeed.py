@@ -89,6 +89,12 @@ CLIENT = textwrap.dedent('''
     out["accelerator"] = [accelerator is deepspeed.get_accelerator(), accelerator.device_name(),
                           accelerator.current_device_name(), accelerator.communication_backend_name()]
     out["modules"] = [deepspeed.__version__, type(engine).__module__, FusedAdam.__module__]
+    out["engine_class"] = isinstance(engine, deepspeed.DeepSpeedEngine)
+    try:        # transformers' save_pretrained unwraps models through accelerate, which imports DeepSpeedEngine
+        from accelerate.utils import extract_model_from_parallel
+        out["unwrapped"] = extract_model_from_parallel(engine) is engine.module
+    except ImportError:
+        out["unwrapped"] = None
     print("RESULT " + json.dumps(out))
 ''') % {"lr": LR, "betas": BETAS, "steps": STEPS}
 
@@ -126,6 +132,7 @@ def test_a_deepspeed_chat_style_client_runs_unchanged_at_zero3(tmp_path, variant
     client.write_text(CLIENT)
     out = _result(_run(["-m", "megatron.zero.as_deepspeed", str(client), variant], tmp_path))
     assert out["modules"] == ["0.19.8", "megatron.zero.engine", "megatron.zero.as_deepspeed.adam"]
+    assert out["engine_class"] and out["unwrapped"] is (True if importlib.util.find_spec("accelerate") else None)
     assert out["comm"] == [True, 0, 1, 1.0] and out["helpers"]
     assert out["accelerator"] == [True, "cpu", "cpu", "gloo"]
     assert len(set(out["ids"])) == 4
@@ -135,9 +142,11 @@ def test_a_deepspeed_chat_style_client_runs_unchanged_at_zero3(tmp_path, variant
     # client that reads AVAILABLE parameters directly never saves last step's values
     assert out["after_step"] == dict.fromkeys(every, "NOT_AVAILABLE")
     assert out["inside_gathered"] == dict.fromkeys(every, "AVAILABLE")
-    assert out["after_gathered"] == {"0.weight": "NOT_AVAILABLE", "0.bias": "AVAILABLE",
-                                     "2.weight": "NOT_AVAILABLE", "2.bias": "AVAILABLE"}
-    assert out["after_no_grad_forward"] == out["after_gathered"]
+    # DeepSpeed frees every parameter of a GatheredParameters context without a modifier rank on exit (edits made
+    # inside are lost), whole ones too; a forward gathers the whole ones again
+    assert out["after_gathered"] == dict.fromkeys(every, "NOT_AVAILABLE")
+    assert out["after_no_grad_forward"] == {"0.weight": "NOT_AVAILABLE", "0.bias": "AVAILABLE",
+                                            "2.weight": "NOT_AVAILABLE", "2.bias": "AVAILABLE"}
     losses, params = _reference(STEPS)
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["losses"], losses)), (out["losses"], losses)
     for name, value in out["saved"].items():

@@ -306,6 +306,37 @@ def _save_16bit_model():
     return off, on, saved, engine.module_state_dict(), os.listdir(directory)
 
 
+def _edits_without_a_modifier_rank():
+    """DeepSpeed-Chat's moving_average at ZeRO-3: `param.data.copy_(...)` inside GatheredParameters without a
+    modifier rank, on a whole (persistent) and a partitioned parameter fetched because they were NOT_AVAILABLE.
+    Returns the statuses before, inside and after, whether the values read again (and a forward) are the
+    unedited ones, and whether an edit with modifier_rank=0 stays."""
+    engine = _engine(_stage3())
+    engine_train_step(engine, 0, 4)            # after a step the whole parameters are stale until their next use
+    bias, weight = engine.module.fc1.bias, engine.module.fc1.weight
+    x, y = batch(1, 2)
+    with torch.no_grad():
+        loss = engine(x, y).item()
+    engine.stage3.after_step()                 # stale again, as after the next step
+    with zero.GatheredParameters([bias, weight]):
+        before = (bias.detach().clone(), weight.detach().clone())
+    statuses = [[p.ds_status.name for p in (bias, weight)]]
+    with zero.GatheredParameters([p for p in (bias, weight) if p.ds_status == zero.ZeroParamStatus.NOT_AVAILABLE]):
+        statuses.append([p.ds_status.name for p in (bias, weight)])
+        bias.data.fill_(0.5)
+        weight.data.fill_(0.25)
+    statuses.append([p.ds_status.name for p in (bias, weight)])
+    with zero.GatheredParameters([bias, weight]):
+        unedited = torch.equal(bias, before[0]) and torch.equal(weight, before[1])
+    with torch.no_grad():
+        forward_unedited = engine(x, y).item() == loss
+    with zero.GatheredParameters([bias], modifier_rank=0):
+        bias.data.fill_(0.5)
+    with zero.GatheredParameters([bias]):
+        kept = bool((bias == 0.5).all())
+    return statuses, unedited, forward_unedited, kept
+
+
 def _all_dp2():
     # memory first: no earlier engine of this process can be freed inside its before/after window (a leftover
     # collected there made the difference 368 bytes short once)
@@ -313,7 +344,7 @@ def _all_dp2():
     return {"working_set": _working_set(), "prefetch": _prefetch_working_set(), "memory": memory, "offload": _offload_placement(),
             "fp16": _fp16_overflows(), "bf16": _bf16_masters(), "zero_init": _zero_init(),
             "save16": _save_16bit_model(), "reuse": _reuse_into_backward(), "boundary": _persistence_boundary(),
-            "odd": _zero_init_odd_sizes()}
+            "odd": _zero_init_odd_sizes(), "edits": _edits_without_a_modifier_rank()}
 
 
 @pytest.fixture(scope="module")
@@ -619,6 +650,18 @@ def _taken_inside_gathered_parameters():
     whole = engine.module_state_dict()
     return {n: t.clone() for n, t in taken.items()}, {n: whole[n].clone() for n in taken}, \
         [t.untyped_storage().nbytes() for t in taken.values()], error, dist.get_world_size()
+
+
+def test_edits_without_a_modifier_rank_are_discarded_whole_parameters_included(dp2):
+    """DeepSpeed frees every parameter of a GatheredParameters context without a modifier rank on exit, so edits
+    made inside are lost, a persistent (whole) parameter's too (it is NOT_AVAILABLE after, gathered again from
+    its partitions at the next use). So DeepSpeed-Chat's moving_average leaves a ZeRO-3 EMA model unchanged on
+    DeepSpeed 0.19.8 (tests/zero/test_ds_chat_client.py); here the whole parameter used to keep the edit in its
+    gathered copy while its partition kept the old value."""
+    for statuses, unedited, forward_unedited, kept in (rank["edits"] for rank in dp2):
+        assert statuses == [["NOT_AVAILABLE", "NOT_AVAILABLE"], ["AVAILABLE", "AVAILABLE"],
+                            ["NOT_AVAILABLE", "NOT_AVAILABLE"]]
+        assert unedited and forward_unedited and kept
 
 
 def test_a_tensor_taken_inside_gathered_parameters_survives_the_release():

@@ -167,8 +167,6 @@ BAD_CONFIGS = [
     ({"train_batch_size": 0}, "train_batch_size must be positive, got 0"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, r"stage: 4 is not supported \(0, 1, 2 or 3\)"),
     ({"train_batch_size": 8, "zero_optimization": {"cpu_offload": True}}, "offload_optimizer needs stage 1, 2 or 3"),
-    ({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     r"offload_param needs stage 3 \(stage is 2\)"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      r"offload_optimizer.device: 'nvme' is not supported: use \"cpu\""),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"devise": "cpu"}}},
@@ -395,6 +393,20 @@ def test_every_deepspeed_key_at_its_default_is_known():
 def test_deepspeed_features_we_do_not_have_are_refused_when_on(key, value, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_nested(key, value), 2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("zero", [{"offload_param": {"device": "cpu"}}, {"cpu_offload_param": True}])
+def test_offload_param_below_stage_3_is_named_and_off_as_deepspeed_ignores_it(stage, zero):
+    """DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat's --offload sets it for its ZeRO-2 critic
+    too, and DeepSpeed trains that critic): accepted, switched off and named, never refused."""
+    config = load_config({"train_batch_size": 8, "zero_optimization": {"stage": stage, **zero}}, 2)
+    assert not config.zero_optimization.offload_param.enabled
+    assert config.no_effect["zero_optimization.offload_param"] == \
+        f"stage {stage}: only stage 3 partitions the parameters (offload_optimizer offloads at stages 1-3)"
+    at_stage_3 = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, 2)
+    assert at_stage_3.zero_optimization.offload_param.device == "cpu"
+    assert "zero_optimization.offload_param" not in at_stage_3.no_effect
 
 
 def test_deepspeed_chat_keys_are_named_and_misspellings_still_unknown():

@@ -29,8 +29,10 @@ _TOP = sys.modules["megatron.zero"]
 # DeepSpeed module path -> our module (used as it is) or the names a fresh module holds. A parent of a path here
 # is a fresh module (dict), so that attaching its children never edits one of ours.
 MODULES = {
+    # DeepSpeedEngine: accelerate's unwrap_model (transformers' save_pretrained) unwraps instances of it
     "deepspeed": {**{name: getattr(_TOP, name) for name in ZERO_API}, "__version__": DEEPSPEED_VERSION,
-                  "get_accelerator": accelerator.get_accelerator, "init_distributed": comm.init_distributed},
+                  "get_accelerator": accelerator.get_accelerator, "init_distributed": comm.init_distributed,
+                  "DeepSpeedEngine": _TOP.ZeroEngine},
     "deepspeed.zero": _TOP,                       # Init, GatheredParameters, register_external_parameter
     "deepspeed.ops": {},
     "deepspeed.ops.adam": {"FusedAdam": adam.FusedAdam, "DeepSpeedCPUAdam": adam.DeepSpeedCPUAdam},
