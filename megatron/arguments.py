@@ -80,8 +80,21 @@ def _add_training_args(parser):
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="on SIGTERM, save at the next step boundary (all ranks agree) and exit 0")
     group.add_argument("--seed", type=int, default=1234)
-    group.add_argument("--checkpoint-activations", action="store_true")
-    group.add_argument("--checkpoint-num-layers", type=int, default=1)
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="recompute whole layers in backward: the older spelling of --recompute-granularity full "
+                            "--recompute-method uniform --recompute-num-layers N (N: --checkpoint-num-layers)")
+    group.add_argument("--checkpoint-num-layers", type=int, default=None,
+                       help="with --checkpoint-activations: layers per checkpointed group (default 1)")
+    group.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                       help="what backward recomputes instead of keeping (Megatron-LM's flags): full = whole layers "
+                            "(with --recompute-method and --recompute-num-layers); selective = every layer's attention "
+                            "core (QK^T, softmax, attention dropout, AV), whose s x s activations are then never kept")
+    group.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                       help="with --recompute-granularity full: uniform = every layer of the pipeline stage, in "
+                            "checkpointed groups of --recompute-num-layers; block = only the stage's first "
+                            "--recompute-num-layers layers, one by one (the others keep their activations)")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="with --recompute-granularity full: 1 to the layers per pipeline stage (default 1)")
     group.add_argument("--DDP-impl", dest="DDP_impl", choices=["local", "torch"], default="local")
     group.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes")
     group.add_argument("--skip-nonfinite-steps", action="store_true",
@@ -258,8 +271,8 @@ def _check_torch_compile_toolchain(args, parser):
 POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
                   "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
-                  "pipeline_model_parallel_size", "checkpoint_num_layers", "loss_scale_window", "hysteresis",
-                  "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
+                  "pipeline_model_parallel_size", "checkpoint_num_layers", "recompute_num_layers", "loss_scale_window",
+                  "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
 NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
                       "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
@@ -294,6 +307,7 @@ def validate_args(args, parser):
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
+    _resolve_recompute_args(args, parser)
     if args.zero_config is None and args.zero_stage not in (None, 0):
         parser.error(f"--zero-stage {args.zero_stage} needs --deepspeed and a --deepspeed_config JSON with "
                      f"zero_optimization.stage {args.zero_stage}")
@@ -314,8 +328,6 @@ def validate_args(args, parser):
         args.lr_decay_iters = args.train_iters
     if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
         parser.error("--override-lr-scheduler and --use-checkpoint-lr-scheduler are exclusive: choose one")
-    if args.checkpoint_num_layers < 1:
-        parser.error(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be at least 1")
     if args.save_interval is not None and args.save is None:
         parser.error("--save-interval needs --save DIR")
     if args.async_save and args.save is None:
@@ -330,6 +342,45 @@ def validate_args(args, parser):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     args.params_dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
     return args
+
+
+def _resolve_recompute_args(args, parser):
+    """--recompute-* with Megatron-LM's rules, --checkpoint-activations as their older spelling, and
+    --deepspeed_activation_checkpointing, which says how full recomputation keeps its checkpoints: each refused
+    combination is one line. Leaves args.recompute_granularity/method/num_layers resolved (None: no
+    recomputation; full: method and number of layers set; selective: neither)."""
+    given = [flag for flag, value in (("--recompute-granularity", args.recompute_granularity),
+                                      ("--recompute-method", args.recompute_method),
+                                      ("--recompute-num-layers", args.recompute_num_layers)) if value is not None]
+    if args.checkpoint_activations and given:
+        parser.error(f"--checkpoint-activations is the older spelling of --recompute-granularity full "
+                     f"--recompute-method uniform --recompute-num-layers N: drop it or {' '.join(given)}")
+    if args.checkpoint_num_layers is not None and not args.checkpoint_activations:
+        parser.error(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) needs --checkpoint-activations "
+                     f"(or use --recompute-granularity full --recompute-method uniform --recompute-num-layers N)")
+    if args.checkpoint_activations:
+        args.recompute_granularity, args.recompute_method = "full", "uniform"
+        args.recompute_num_layers = args.checkpoint_num_layers or 1   # may exceed the stage: one group
+    elif args.recompute_granularity is None and given:
+        parser.error(f"{' and '.join(given)} need --recompute-granularity full")
+    elif args.recompute_granularity == "selective" and given[1:]:
+        parser.error(f"{' and '.join(given[1:])} are for --recompute-granularity full: selective recomputes the "
+                     f"attention core of every layer (Megatron-LM's rule)")
+    elif args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            parser.error("--recompute-granularity full needs --recompute-method uniform (every layer, in groups of "
+                         "--recompute-num-layers) or block (the first --recompute-num-layers layers of each stage)")
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+        if args.recompute_num_layers > per_stage:
+            parser.error(f"--recompute-num-layers ({args.recompute_num_layers}) is more than the layers per "
+                         f"pipeline stage ({args.num_layers} / {args.pipeline_model_parallel_size} = {per_stage})")
+    if args.recompute_granularity == "selective" and args.torch_compile:
+        parser.error("--recompute-granularity selective recomputes the eager attention core: drop --torch-compile")
+    if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
+        parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "
+                     "group's input (megatron.zero.checkpointing, the JSON activation_checkpointing block): it needs "
+                     "--deepspeed and --recompute-granularity full (or --checkpoint-activations)")
 
 
 def _check_pipeline_combinations(args, parser):

@@ -17,6 +17,7 @@ from megatron.guards.exit_controller import ExitController
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import AnnealingLR
 from megatron.model import DistributedDataParallel as LocalDDP
+from megatron.model.gpt2_model import recompute_config_from_args
 from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
 from megatron.utils import print_rank_0, unwrap_model
@@ -276,18 +277,32 @@ def _combine(values):
     return sum(values) / len(values)
 
 
-def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False):
+def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False,
+                    recompute=None, num_stages=1):
     """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
     6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
-    passes, 4 with activation recomputation; the LM head 2hV per pass, 3 passes (it is not recomputed)."""
+    passes; the LM head 2hV per pass, 3 passes (it is not recomputed). Recomputation (`recompute`, an
+    mpu.RecomputeConfig; checkpoint_activations=True is full uniform) adds one more forward of what it recomputes:
+    full uniform every layer (4 passes), full block num_layers of each stage's L / num_stages layers, selective the
+    attention core (4sh per layer)."""
     L, h, s = num_layers, hidden_size, seq_length
-    passes = 4 if checkpoint_activations else 3
-    return passes * 24 * L * h * h * (1 + s / (6 * h)) + 3 * 2 * h * padded_vocab_size
+    if recompute is None:
+        recompute = mpu.RecomputeConfig.from_checkpoint_activations(checkpoint_activations)
+    layer_forward = 24 * h * h * (1 + s / (6 * h))
+    recomputed = 0.0
+    if recompute.full:
+        per_stage = L // num_stages
+        recomputed = L * layer_forward * (1 if recompute.method == "uniform" else
+                                          min(recompute.num_layers, per_stage) / per_stage)
+    elif recompute.selective:
+        recomputed = L * 4 * s * h
+    return 3 * L * layer_forward + recomputed + 3 * 2 * h * padded_vocab_size
 
 
 def _flops_per_iteration(args):
     return args.global_batch_size * args.seq_length * flops_per_token(
-        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size, args.checkpoint_activations)
+        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size,
+        recompute=recompute_config_from_args(args), num_stages=args.pipeline_model_parallel_size)
 
 
 def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):
@@ -330,6 +345,9 @@ def _print_model_state_estimate(model, args):
     estimate = operations.model_state_estimate(counts, args, module)
     setting = operations.memory_setting(args)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
+    activations, activation_setting = operations.activation_estimate(args)
+    print_rank_0(f" > activation memory estimate per rank (bytes, {activation_setting}): {activations} "
+                 f"({activations / 2 ** 20:.2f} MiB; the transformer layers, as tools/estimate_memory.py)")
     return estimate, setting
 
 

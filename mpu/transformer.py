@@ -6,6 +6,8 @@ attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one 
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
 The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
+What is recomputed (nothing, the attention core of every layer, or whole layers in groups) is a RecomputeConfig
+(mpu/recompute.py): `ParallelTransformer(..., recompute=...)`.
 
 Incremental decoding: pass one `InferenceCache` through `ParallelTransformer.forward(..., inference_cache=cache)`
 (GPT2Model.forward does). Each attention layer writes this step's keys/values (its own heads/p heads) into its
@@ -25,6 +27,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
+from .recompute import RecomputeConfig
 from .utils import divide, get_device
 
 
@@ -161,6 +164,7 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
                                        init_method=output_layer_init_method)
         self.output_dropout = nn.Dropout(output_dropout_prob)
+        self.checkpoint_core_attention = False   # selective recomputation (ParallelTransformer sets it)
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None):
         # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, t], True = masked out,
@@ -174,6 +178,22 @@ class ParallelSelfAttention(nn.Module):
         if layer_past is not None:
             past = layer_past.length
             k, v = layer_past.append(k, v)                                        # [b, heads/p, past + s, d]
+        if self.checkpoint_core_attention and self.training and q.requires_grad:   # else autograd keeps nothing
+            # Selective recomputation: keep q, k, v (views of qkv) and recompute the core in backward under the
+            # forward's RNG states (default and tracker), so its dropout mask is the one drawn here. mpu's plain
+            # checkpoint, never a partitioning one: q, k, v hold this rank's heads, they are not replicated.
+            def core(q, k, v, *mask):
+                return self.core_attention(q, k, v, *mask, past=past)
+            context = mpu_checkpoint(core, q, k, v, *(() if attention_mask is None else (attention_mask,)))
+        else:
+            context = self.core_attention(q, k, v, attention_mask, past=past)      # [b, s, h/p]
+        return self.output_dropout(self.dense(context))                           # [b, s, h]
+
+    def core_attention(self, q, k, v, attention_mask=None, past=0):
+        """softmax(q k^T / sqrt(d) + mask) with attention dropout, times v (Megatron's "core attention": what
+        selective recomputation recomputes). q: [b, heads/p, s, d]; k, v: [b, heads/p, past + s, d] -> the
+        context [b, s, h/p]."""
+        b, _, s, _ = q.shape
         dropout_p = self.attention_dropout_prob if self.training else 0.0
         # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream. Without
         # dropout nothing is drawn: skip saving and restoring the RNG states (~20 us per layer and step).
@@ -187,8 +207,7 @@ class ParallelSelfAttention(nn.Module):
             else:            # all past keys, causal over the s new ones (is_causal would align top-left)
                 allowed = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
-        context = context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
-        return self.output_dropout(self.dense(context))                           # [b, s, h]
+        return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
 
 
 class ParallelMLP(nn.Module):
@@ -280,27 +299,35 @@ class _StageLayers(nn.ModuleList):
 
 
 class ParallelTransformer(nn.Module):
-    """L layers and a final LayerNorm. With `checkpoint_activations`, every `checkpoint_num_layers` layers
-    form one checkpointed chunk whose only saved activation is its input.
+    """L layers and a final LayerNorm. `recompute` (a RecomputeConfig, mpu/recompute.py) says what backward
+    recomputes instead of keeping: nothing, each layer's attention core (selective), or whole layers in checkpointed
+    groups (full: uniform groups of num_layers, or the first num_layers layers of the stage, block); a checkpointed
+    group keeps only its input. `checkpoint_activations` / `checkpoint_num_layers` are the older spelling of full
+    uniform recomputation (pass one or the other); `model.checkpoint_activations = on` still switches it.
 
     A pipeline stage passes `layer_range=(start, end)` (global layer numbers; None = all L) and
     `final_layernorm=False` unless it is the last stage. Only the stage's layers are built; the other layers'
     draws are made into a scratch buffer and dropped (skip_init_draws), so the default generator runs exactly as
     for the whole model: each stage's weights equal the single-stage model's bitwise, and the generator ends
     where the whole model leaves it (LoRA's masters and dropout come after). Memory: the stage's layers and one
-    layer-sized scratch; time: the whole model's draws.
+    layer-sized scratch; time: the whole model's draws. Recomputation groups are the stage's own (block: the first
+    num_layers layers of each stage, as Megatron-LM).
 
-    `fused=True`: every layer's forward runs mpu/fused.py's compiled pieces (--torch-compile).
+    `fused=True`: every layer's forward runs mpu/fused.py's compiled pieces (--torch-compile); selective
+    recomputation needs the eager attention (refused with fused).
 
     `checkpoint_function(fn, *args)` and `rng_tracker` (the model-parallel dropout stream) default to mpu's; pass
-    another pair (zero.checkpointing's) together, so that recomputation replays the tracker it checkpoints."""
+    another pair (zero.checkpointing's) together, so that recomputation replays the tracker it checkpoints. Full
+    recomputation uses checkpoint_function; selective always mpu's plain checkpoint (its inputs, q/k/v, hold this
+    rank's heads: nothing to partition), replaying the same one tracker."""
 
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-                 final_layernorm=True, fused=False):
+                 final_layernorm=True, fused=False, recompute=None):
         super().__init__()
-        self.checkpoint_activations = checkpoint_activations
+        if recompute is not None and checkpoint_activations:
+            raise ValueError("pass recompute=RecomputeConfig(...) or checkpoint_activations=True, not both")
         self.checkpoint_num_layers = checkpoint_num_layers
         self.checkpoint_function = checkpoint_function if checkpoint_function is not None else mpu_checkpoint
         rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
@@ -317,6 +344,31 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
         self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device) \
             if final_layernorm else None
+        self.recompute = recompute if recompute is not None else \
+            RecomputeConfig.from_checkpoint_activations(checkpoint_activations, checkpoint_num_layers)
+
+    @property
+    def recompute(self):
+        """The RecomputeConfig in force (set it to change what the next forwards recompute)."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, config):
+        if config.selective and any(layer.fused for layer in self.layers):
+            raise ValueError("selective recomputation checkpoints the eager attention core: it cannot run with the "
+                             "fused (compiled) layers (--torch-compile)")
+        self._recompute = config
+        for layer in self.layers:
+            layer.attention.checkpoint_core_attention = config.selective
+
+    @property
+    def checkpoint_activations(self):
+        """The older switch: whether whole layers are recomputed (full granularity)."""
+        return self._recompute.full
+
+    @checkpoint_activations.setter
+    def checkpoint_activations(self, on):
+        self.recompute = RecomputeConfig.from_checkpoint_activations(on, self.checkpoint_num_layers)
 
     def numbered_layers(self):
         """[(global layer number, layer)] of this stage's layers."""
@@ -347,11 +399,12 @@ class ParallelTransformer(nn.Module):
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
                 hidden_states = layer(hidden_states, attention_mask, layer_past)
-        elif self.checkpoint_activations and self.training:
+        elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
-            for start in range(0, len(self.layers), self.checkpoint_num_layers):
-                end = min(start + self.checkpoint_num_layers, len(self.layers))
-                hidden_states = self.checkpoint_function(self._chunk(start, end), hidden_states, *mask_args)
+            for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
+                run = self._chunk(start, end)
+                hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
+                    run(hidden_states, *mask_args)
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, attention_mask)

@@ -7,13 +7,16 @@
 
 Prints the parameters per model-parallel rank (our GPT2Model's shapes, vocabulary padded like the training script),
 the model-state bytes by kind (the same numbers `pretrain_gpt.py` prints at start-up for the same settings) and an
-activation estimate (Korthikanti et al. 2022; see memory.activation_bytes_per_layer).
+activation estimate for the layers (Korthikanti et al. 2022 adapted to our layer, for --recompute-granularity
+none/selective/full and --device; see memory.activation_bytes_per_layer), as the start-up estimate of a run without
+pipelining.
 """
 import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mpu  # noqa: E402
 from megatron import cli, zero  # noqa: E402
 from megatron.guards import memory  # noqa: E402
 from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
@@ -52,8 +55,35 @@ def build_parser():
                              "fits --device-memory-gb per GPU, for stages 0-3 and offload at dp 1, 8, 64, 512")
     parser.add_argument("--device-memory-gb", type=float, default=80.0)
     parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--checkpoint-activations", action="store_true")
+    parser.add_argument("--checkpoint-activations", action="store_true",
+                        help="= --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                        help="as in training: full (with --recompute-method, --recompute-num-layers) or selective")
+    parser.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    parser.add_argument("--recompute-num-layers", type=int, default=None, help="full: default 1")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="where the activations live: cuda (bool dropout masks, SDPA's fused attention keeps no "
+                             "s x s scores) or cpu (masks in the activations' dtype; the scores are kept when "
+                             "--attention-dropout > 0)")
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--hidden-dropout", type=float, default=0.1)
     return parser
+
+
+def recompute_config(args):
+    """The mpu.RecomputeConfig of the flags (--checkpoint-activations: full, uniform, 1 layer); ValueError when
+    they disagree (Megatron-LM's rules, mpu/recompute.py)."""
+    given = [flag for flag in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+             if getattr(args, flag) is not None]
+    if args.checkpoint_activations:
+        if given:
+            raise ValueError("--checkpoint-activations is --recompute-granularity full --recompute-method uniform "
+                             "--recompute-num-layers 1: give one spelling")
+        return mpu.RecomputeConfig.from_checkpoint_activations(True)
+    num_layers = args.recompute_num_layers
+    if args.recompute_granularity == "full" and num_layers is None:
+        num_layers = 1
+    return mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, num_layers)
 
 
 def ds_config(stage, dtype, micro_batch_size=1, **zero_keys):
@@ -95,10 +125,11 @@ def estimate(args):
                          args.data_parallel_size)
     states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size,
                                       parameter_sizes=[n for n, _ in sizes])
+    layout = memory.ActivationLayout.for_run(args.device, 4 if dtype == "float32" else 2, args.attention_dropout,
+                                             args.hidden_dropout)
     activations = memory.activation_bytes(args.num_layers, args.seq_length, args.micro_batch_size, args.hidden_size,
                                           args.num_attention_heads, args.model_parallel_size,
-                                          args.checkpoint_activations,
-                                          bytes_per_element=4 if dtype == "float32" else 2)
+                                          recompute_config(args), layout)
     return sum(counts), counts, states, activations, padded_vocab, dtype
 
 
@@ -149,7 +180,8 @@ def main(argv=None):
     cli.require_range(parser, args, positive=(
         "num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings", "vocab_size",
         "make_vocab_size_divisible_by", "model_parallel_size", "data_parallel_size", "reduce_bucket_size",
-        "device_memory_gb", "micro_batch_size"), non_negative=("param_persistence_threshold",))
+        "device_memory_gb", "micro_batch_size", "recompute_num_layers"),
+        non_negative=("param_persistence_threshold", "attention_dropout", "hidden_dropout"))
     if args.plan:
         return print_plan(args.device_memory_gb)
     missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -164,6 +196,13 @@ def main(argv=None):
     if args.hidden_size % args.num_attention_heads or args.num_attention_heads % args.model_parallel_size:
         sys.exit("error: --hidden-size must divide by --num-attention-heads, and the heads by --model-parallel-size")
     try:
+        recompute = recompute_config(args)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    if recompute.full and recompute.num_layers > args.num_layers:
+        sys.exit(f"error: --recompute-num-layers ({recompute.num_layers}) is more than --num-layers "
+                 f"({args.num_layers})")
+    try:
         total, counts, states, activations, padded_vocab, dtype = estimate(args)
     except zero.ConfigError as error:
         sys.exit(f"error: the ZeRO flags give an invalid config: {error}")
@@ -172,9 +211,8 @@ def main(argv=None):
     print(f"parameters per model-parallel rank: {total} (weight decay {counts[0]}, no decay {counts[1]}; "
           f"padded vocabulary {padded_vocab})")
     print(f"model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(states)}")
-    print(f"activations per rank (bytes, micro batch {args.micro_batch_size}, "
-          f"{'checkpointed' if args.checkpoint_activations else 'no recomputation'}): {activations} "
-          f"({activations / 2 ** 20:.2f} MiB)")
+    print(f"activations per rank (bytes, micro batch {args.micro_batch_size}, recompute "
+          f"{recompute_config(args).describe()}, {args.device}): {activations} ({activations / 2 ** 20:.2f} MiB)")
     return states
 
 

@@ -27,6 +27,8 @@ FP16_Optimizer's fp32 master gradients.
 Frozen parameters (LoRA's base weights, `frozen_elements`) are in no optimizer group: parameters only (no gradients,
 master or moments), whole on every rank in stages 0-2; stage 3 partitions them as one more flat group.
 """
+from dataclasses import dataclass
+
 import torch
 
 from megatron.zero import ALIGNMENT, MAX_IN_FLIGHT
@@ -167,31 +169,130 @@ def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_e
     return sum(n for n, decay in sizes if decay), sum(n for n, decay in sizes if not decay)
 
 
+@dataclass(frozen=True)
+class ActivationLayout:
+    """How our transformer layer keeps its activations for backward: the knobs of activation_bytes_per_layer."""
+    bytes_per_element: int = 2
+    """The activations' element size: 2 (fp16, bf16) or 4 (fp32)."""
+    mask_bytes: int = 1
+    """A dropout mask element: 1 on CUDA (native_dropout keeps a bool mask); on the CPU dropout multiplies by a mask
+    of the activations' dtype, so bytes_per_element (for_run decides)."""
+    attention_scores: bool = True
+    """True: the attention core keeps its s x s tensors (softmax output, dropout mask, dropped-out probabilities),
+    as Korthikanti et al. count it and as SDPA's math path does (ours on the CPU with attention dropout). False:
+    SDPA's fused kernels (flash / memory-efficient on CUDA; the CPU's flash kernel without attention dropout), which
+    keep their output and an fp32 log-sum-exp per query and head instead."""
+    hidden_dropout: bool = True
+    """The two dropouts before the residual adds keep a mask each (False: --hidden-dropout 0, none)."""
+    partition_activations: bool = False
+    """Full recomputation: each model-parallel rank keeps 1/t of a checkpointed group's input
+    (zero.checkpointing's partition_activations)."""
+
+    @classmethod
+    def for_run(cls, device_type, bytes_per_element, attention_dropout, hidden_dropout, partition_activations=False):
+        """The layout of a run on `device_type` ("cuda" or "cpu") with these dropout probabilities."""
+        cuda = device_type == "cuda"
+        return cls(bytes_per_element=bytes_per_element, mask_bytes=1 if cuda else bytes_per_element,
+                   attention_scores=not cuda and attention_dropout > 0, hidden_dropout=hidden_dropout > 0,
+                   partition_activations=partition_activations)
+
+
 def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
-                               model_parallel_size=1, checkpoint_activations=False, bytes_per_element=2):
-    """Activation memory of one transformer layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-    Large Transformer Models", 16-bit activations, no sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes without
-    recomputation, of which s*b*h*10 (LayerNorm inputs, dropout masks and the layer input) is replicated across
-    tensor-parallel ranks and s*b*h*(24 + 5*a*s/h) is split by mp:  s*b*h*(10 + (24 + 5*a*s/h)/mp).
-    With full activation checkpointing a layer keeps only its input, 2*s*b*h bytes (the recomputed layer's
-    activations live one layer at a time: add one layer's figure once). Scaled by bytes_per_element/2 for fp32."""
-    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, model_parallel_size
-    scale = bytes_per_element / 2
-    if checkpoint_activations:
-        return int(2 * s * b * h * scale)
-    return int(s * b * h * (10 + (24 + 5 * a * s / h) / t) * scale)
+                               model_parallel_size=1, recompute=None, layout=ActivationLayout()):
+    """Bytes one transformer layer keeps for backward after its forward (one micro-batch, one model-parallel rank),
+    for `recompute` (an mpu.RecomputeConfig; None: no recomputation) on `layout`.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count, in 16 bits with
+    1-byte dropout masks, sbh(34 + 5as/h) per layer: sbh*10 replicated across the t tensor-parallel ranks and
+    sbh*(24 + 5as/h) split, so sbh(10 + (24 + 5as/h)/t); 34sbh/t-split with selective recomputation; the layer
+    input 2sbh with full recomputation. What our layer (mpu/transformer.py) keeps, with e = bytes_per_element and
+    m = mask_bytes (s sequence, b micro batch, h hidden, a heads, t model-parallel size):
+
+        replicated      LayerNorm 1 input e, its output (the QKV input) e, attention-output dropout mask m,
+                        LayerNorm 2 input e, its output (fc1's input) e, MLP dropout mask m          sbh(4e + 2m)
+                        both LayerNorms' mean and rstd, fp32                                        + 16sb
+        split by t      q, k, v 3e (the math path's scaled q and k copies and contiguous v; with
+                        recomputation or the fused kernels, the qkv output they view), the dense
+                        layer's input e, fc1's output (GeLU's input) 4e, GeLU's output (fc2's input)
+                        4e                                                                           sbh * 12e / t
+        attention core  scores: softmax output e, attention dropout mask m, dropped-out
+                        probabilities e                                                              as^2b(2e + m)/t
+                        (and at micro batch 1, where the AV product keeps v as a view of the
+                        whole qkv output instead of a copy of v                                      + 2e sbh/t)
+                        or fused kernels: their output e sbh and the fp32 log-sum-exp 4asb           (e sbh + 4asb)/t
+
+    No recomputation = all of it: with e = 2, m = 1, scores: sbh(10 + (24 + 5as/h)/t) + 16sb, Korthikanti's formula
+    plus the LayerNorm statistics; in fp32 on the CPU (e = m = 4): sbh(24 + (48 + 12as/h)/t) + 16sb.
+    Selective: the attention core's part is not kept (recomputed from q, k, v): sbh(4e + 2m + 12e/t) + 16sb, 34sbh
+    at t = 1 in 16 bits. Full: a layer that starts a checkpointed group keeps its input e sbh (e sbh / t with
+    partition_activations), the other layers of the group nothing; activation_bytes_saved sums the groups.
+    Sequence parallelism (another change) divides the replicated part by t: see _layer_parts."""
+    replicated, split, core = _layer_parts(seq_length, micro_batch_size, hidden_size, num_attention_heads, layout)
+    t = model_parallel_size
+    if recompute is not None and recompute.full:
+        return _checkpointed_input_bytes(seq_length, micro_batch_size, hidden_size, t, layout)
+    if recompute is not None and recompute.selective:
+        return int(replicated + split / t)
+    return int(replicated + (split + core) / t)
+
+
+def _layer_parts(s, b, h, a, layout):
+    """(replicated bytes, tensor-parallel bytes outside the attention core, the attention core's bytes) of one
+    layer without recomputation, before dividing by t (the table in activation_bytes_per_layer's docstring).
+    The hook for sequence parallelism: it splits the replicated part along the sequence, i.e. divides
+    `replicated` by t as well."""
+    e, m = layout.bytes_per_element, layout.mask_bytes
+    replicated = s * b * h * (4 * e + (2 * m if layout.hidden_dropout else 0)) + 16 * s * b
+    split = s * b * h * 12 * e
+    if layout.attention_scores:
+        # At micro batch 1 the math path's AV product keeps v as a view of the whole qkv output ([b heads, s, d]
+        # is a view of it when b = 1), not a copy of v: 2e sbh more.
+        core = a * s * s * b * (2 * e + m) + (2 * e * s * b * h if b == 1 else 0)
+    else:
+        core = e * s * b * h + 4 * a * s * b
+    return replicated, split, core
+
+
+def _checkpointed_input_bytes(s, b, h, t, layout):
+    """A checkpointed group's input [b, s, h], whole or (partition_activations) 1/t per model-parallel rank."""
+    return s * b * h * layout.bytes_per_element // (t if layout.partition_activations else 1)
+
+
+def activation_bytes_saved(num_layers, seq_length, micro_batch_size, hidden_size, num_attention_heads,
+                           model_parallel_size=1, recompute=None, layout=ActivationLayout()):
+    """Bytes a stage of `num_layers` layers keeps for backward after one micro-batch's forward: every layer's
+    activation_bytes_per_layer, except that under full recomputation a checkpointed group keeps its input only
+    (recompute.layer_chunks: uniform groups, or block's first num_layers layers) and the others everything."""
+    shape = (seq_length, micro_batch_size, hidden_size, num_attention_heads, model_parallel_size)
+    whole = activation_bytes_per_layer(*shape, recompute=None, layout=layout)
+    if recompute is None or not recompute.full:
+        return num_layers * activation_bytes_per_layer(*shape, recompute=recompute, layout=layout)
+    chunks = recompute.layer_chunks(num_layers)
+    kept_inputs = sum(1 for *_, checkpointed in chunks if checkpointed)
+    kept_whole = sum(end - start for start, end, checkpointed in chunks if not checkpointed)
+    return kept_inputs * activation_bytes_per_layer(*shape, recompute=recompute, layout=layout) + kept_whole * whole
 
 
 def activation_bytes(num_layers, seq_length, micro_batch_size, hidden_size, num_attention_heads,
-                     model_parallel_size=1, checkpoint_activations=False, bytes_per_element=2):
-    """All layers' activations at the peak (with checkpointing: every layer's input plus one layer recomputed)."""
-    per_layer = activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
-                                           model_parallel_size, checkpoint_activations, bytes_per_element)
-    total = num_layers * per_layer
-    if checkpoint_activations:
-        total += activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
-                                            model_parallel_size, False, bytes_per_element)
-    return total
+                     model_parallel_size=1, recompute=None, layout=ActivationLayout(), micro_batches_in_flight=1):
+    """The activations of a stage of `num_layers` layers at the peak: activation_bytes_saved for each micro-batch
+    in flight (1F1B pipeline stage s of P: min(P - s, micro-batches); 1 without pipelining), where the one in
+    backward peaks at: without recomputation, what it saved; selective, that plus one attention core recomputed;
+    full, the larger of what it saved and its checkpointed inputs plus the largest group recomputed (backward frees
+    block's unchecked layers before it reaches the checkpointed ones). The embeddings, the final LayerNorm and
+    the loss are not counted."""
+    shape = (seq_length, micro_batch_size, hidden_size, num_attention_heads, model_parallel_size)
+    saved = activation_bytes_saved(num_layers, *shape, recompute=recompute, layout=layout)
+    peak = saved
+    if recompute is not None and recompute.full:
+        chunks = recompute.layer_chunks(num_layers)
+        inputs = sum(1 for *_, checkpointed in chunks if checkpointed) * \
+            activation_bytes_per_layer(*shape, recompute=recompute, layout=layout)
+        group = max(end - start for start, end, checkpointed in chunks if checkpointed)
+        peak = max(saved, inputs + group * activation_bytes_per_layer(*shape, layout=layout))
+    elif recompute is not None and recompute.selective:
+        peak = saved + int(_layer_parts(*shape[:4], layout)[2] / model_parallel_size)
+    return (micro_batches_in_flight - 1) * saved + peak
 
 
 def format_bytes(result):

@@ -1,6 +1,7 @@
 """Operations support for the training loop (DESIGN.md section 10): non-finite losses and gradients in
 fp32/bf16 (named by iteration and parameter), the --log-jsonl records with the phase timers and memory, and the
-model-state memory estimate printed at start-up next to the measured figures after the first step."""
+model-state memory estimate printed at start-up next to the measured figures after the first step, and the
+activation estimate printed beside it."""
 import dataclasses
 import json
 import math
@@ -209,6 +210,25 @@ def model_state_estimate(counts, args, module=None):
     return memory.model_state_bytes(counts, args.params_dtype, args.zero_config, args.data_parallel_size,
                                     parameter_sizes=[mpu.full_numel(p) for p in parameters],
                                     frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
+
+
+def activation_estimate(args):
+    """memory.activation_bytes for this rank: its pipeline stage's layers, the micro-batches 1F1B keeps in flight
+    there (min(P - stage, micro-batches)), the run's recompute flags and its layout (device, precision, dropouts,
+    zero.checkpointing's partitioned checkpoints). Bytes, and a description of the setting."""
+    from megatron.zero import checkpointing
+    recompute = mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    stages, stage = args.pipeline_model_parallel_size, mpu.get_pipeline_model_parallel_rank()
+    config = checkpointing.get_config()
+    partition = config is not None and config.partition_activations and args.model_parallel_size > 1
+    layout = memory.ActivationLayout.for_run(mpu.get_device().type, 4 if args.params_dtype == "float32" else 2,
+                                             args.attention_dropout, args.hidden_dropout, partition)
+    in_flight = min(stages - stage, args.num_micro_batches) if stages > 1 else 1
+    total = memory.activation_bytes(args.num_layers // stages, args.seq_length, args.batch_size, args.hidden_size,
+                                    args.num_attention_heads, args.model_parallel_size, recompute, layout, in_flight)
+    setting = (f"micro batch {args.batch_size} x {in_flight} in flight, {args.num_layers // stages} layers, "
+               f"recompute {recompute.describe()}")
+    return total, setting
 
 
 def measured_model_state(model, optimizer, args):

@@ -58,9 +58,12 @@ class GPT2ModelConfig:
     hidden_dropout: float = 0.0
     """Dropout on the attention and MLP outputs before each residual add."""
     checkpoint_activations: bool = False
-    """Recompute each chunk of checkpoint_num_layers layers in backward instead of keeping its activations."""
+    """The older spelling of recompute=RecomputeConfig("full", "uniform", checkpoint_num_layers) (give one)."""
     checkpoint_num_layers: int = 1
-    """Layers per checkpointed chunk."""
+    """Layers per checkpointed chunk with checkpoint_activations."""
+    recompute: Optional[mpu.RecomputeConfig] = None
+    """--recompute-*: what backward recomputes instead of keeping (mpu/recompute.py); None: checkpoint_activations
+    decides."""
     init_method_std: float = 0.02
     """Std of the normal init; the projections into the residual stream use std / sqrt(2 num_layers)."""
     layernorm_epsilon: float = 1e-5
@@ -83,10 +86,16 @@ class GPT2ModelConfig:
         return cls(num_layers=args.num_layers, vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size,
                    num_attention_heads=args.num_attention_heads, max_sequence_length=args.max_position_embeddings,
                    embedding_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                   hidden_dropout=args.hidden_dropout, checkpoint_activations=args.checkpoint_activations,
-                   checkpoint_num_layers=args.checkpoint_num_layers, init_method_std=args.init_method_std,
+                   hidden_dropout=args.hidden_dropout, recompute=recompute_config_from_args(args),
+                   init_method_std=args.init_method_std,
                    layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size,
                    fused_compute=args.torch_compile, lora=lora_config_from_args(args))
+
+
+def recompute_config_from_args(args):
+    """The mpu.RecomputeConfig of --recompute-granularity/--recompute-method/--recompute-num-layers, which
+    validation fills from --checkpoint-activations/--checkpoint-num-layers too (megatron/arguments.py)."""
+    return mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
 
 
 def lora_config_from_args(args):
@@ -178,7 +187,8 @@ class GPT2Model(nn.Module):
         self.transformer = mpu.ParallelTransformer(
             config.num_layers, config.hidden_size, config.num_attention_heads, config.attention_dropout,
             config.hidden_dropout, checkpoint_activations=config.checkpoint_activations,
-            checkpoint_num_layers=config.checkpoint_num_layers, layernorm_epsilon=config.layernorm_epsilon,
+            checkpoint_num_layers=config.checkpoint_num_layers, recompute=config.recompute,
+            layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
             final_layernorm=self.post_process, fused=config.fused_compute)

@@ -321,5 +321,6 @@ def _validate(config):
         raise ConfigError(f"activation_checkpointing.number_checkpoints: expected a positive int, got {number!r}")
     if config.contiguous_memory_optimization and number is None:
         raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs number_checkpoints (the "
-                          "number of checkpoint calls per forward, e.g. num_layers / checkpoint_num_layers): "
-                          "set it in the JSON block or pass configure(num_checkpoints=...)")
+                          "number of checkpoint calls per forward: layers per stage / --recompute-num-layers with "
+                          "the uniform method, --recompute-num-layers with block): set it in the JSON block or pass "
+                          "configure(num_checkpoints=...)")

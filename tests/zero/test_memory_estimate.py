@@ -154,11 +154,51 @@ def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stag
 
 
 def test_activation_formula():
-    # Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer, tensor-parallel parts divided by mp
+    """Korthikanti et al. 2022 in 16 bits with 1-byte masks (the default layout): s*b*h*(34 + 5*a*s/h) bytes per
+    layer, the tensor-parallel part divided by t; 34sbh with selective recomputation; the input 2sbh with full;
+    plus the LayerNorms' fp32 statistics, 16sb. Our fp32 CPU layout (masks of 4 bytes): sbh(72 + 12as/h)."""
+    import mpu
     s, b, h, a = 1024, 4, 1024, 16
-    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
-    assert memory.activation_bytes_per_layer(s, b, h, a, 2) == s * b * h * (10 + (24 + 5 * a * s / h) / 2)
-    assert memory.activation_bytes_per_layer(s, b, h, a, checkpoint_activations=True) == 2 * s * b * h
+    stats = 16 * s * b
+    selective, full = mpu.RecomputeConfig("selective"), mpu.RecomputeConfig("full", "uniform", 1)
+    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h) + stats
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2) == s * b * h * (10 + (24 + 5 * a * s / h) / 2) + stats
+    assert memory.activation_bytes_per_layer(s, b, h, a, recompute=selective) == 34 * s * b * h + stats
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2, recompute=selective) == (10 + 24 / 2) * s * b * h + stats
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2, recompute=full) == 2 * s * b * h
+    partitioned = memory.ActivationLayout(partition_activations=True)
+    assert memory.activation_bytes_per_layer(s, b, h, a, 2, full, partitioned) == s * b * h
+    cpu_fp32 = memory.ActivationLayout.for_run("cpu", 4, 0.1, 0.1)
+    assert memory.activation_bytes_per_layer(s, b, h, a, layout=cpu_fp32) == s * b * h * (72 + 12 * a * s / h) + stats
+    # CUDA: bool masks, SDPA's fused kernels keep their output and an fp32 log-sum-exp instead of the s x s scores
+    cuda_bf16 = memory.ActivationLayout.for_run("cuda", 2, 0.1, 0.1)
+    assert memory.activation_bytes_per_layer(s, b, h, a, layout=cuda_bf16) == 36 * s * b * h + 4 * a * s * b + stats
+    no_dropout = memory.ActivationLayout.for_run("cpu", 4, 0.0, 0.0)   # the CPU's flash kernel, no masks
+    assert memory.activation_bytes_per_layer(s, b, h, a, layout=no_dropout) == 68 * s * b * h + 4 * a * s * b + stats
+
+
+def test_activation_peak_per_recompute_method():
+    """The peak of a stage: what it keeps, plus a recomputation's working set (full: its largest group, behind the
+    checkpointed inputs; selective: one attention core), times the micro-batches in flight before the last."""
+    import mpu
+    s, b, h, a, L = 512, 2, 256, 8, 8
+    layer = memory.activation_bytes_per_layer(s, b, h, a)
+    kept_input, core = 2 * s * b * h, a * s * s * b * 5
+    assert memory.activation_bytes(L, s, b, h, a) == L * layer
+    assert memory.activation_bytes(L, s, b, h, a, micro_batches_in_flight=3) == 3 * L * layer
+    selective = memory.activation_bytes_per_layer(s, b, h, a, recompute=mpu.RecomputeConfig("selective"))
+    assert selective == layer - core
+    assert memory.activation_bytes(L, s, b, h, a, recompute=mpu.RecomputeConfig("selective")) == L * selective + core
+    for n, peak in ((1, L * kept_input + layer), (2, L // 2 * kept_input + 2 * layer),
+                    (3, 3 * kept_input + 3 * layer)):                          # groups of 3, 3 and 2
+        assert memory.activation_bytes(L, s, b, h, a, recompute=mpu.RecomputeConfig("full", "uniform", n)) == peak
+    block = mpu.RecomputeConfig("full", "block", 3)
+    assert memory.activation_bytes_saved(L, s, b, h, a, recompute=block) == 3 * kept_input + 5 * layer
+    assert memory.activation_bytes(L, s, b, h, a, recompute=block) == 3 * kept_input + 5 * layer
+    every = mpu.RecomputeConfig("full", "block", L)        # all layers one by one: the uniform-1 peak
+    assert memory.activation_bytes(L, s, b, h, a, recompute=every) == L * kept_input + layer
+    assert memory.activation_bytes(L, s, b, h, a, recompute=every, micro_batches_in_flight=2) == \
+        2 * L * kept_input + layer
     from megatron import zero
     config = zero.load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
                                "zero_optimization": {"stage": 2}}, 2)
@@ -175,9 +215,70 @@ def test_megatron_path_estimate_equals_measurement_and_tool():
     for kind in memory.KINDS + ("master_gradients", "total"):
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
     tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
-                           "--data-parallel-size", "2", "--bf16"],
+                           "--data-parallel-size", "2", "--bf16", "--micro-batch-size", "2", "--device", "cpu",
+                           "--attention-dropout", "0", "--hidden-dropout", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert _printed(tool.stdout, "estimate") == estimate
+    started = re.search(r"activation memory estimate per rank \(bytes, [^)]*\): (\d+)", out)
+    assert started and int(started.group(1)) == _tool_activations(tool.stdout) > 0, (out, tool.stdout)
+
+
+def _tool_activations(stdout):
+    match = re.search(r"activations per rank \(bytes, [^)]*\): (\d+)", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+TOOL_SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+              "--vocab-size", "256", "--micro-batch-size", "2"]
+
+
+@pytest.mark.parametrize("flags,recompute", [
+    ([], (None, None, None)), (["--recompute-granularity", "selective"], ("selective", None, None)),
+    (["--checkpoint-activations"], ("full", "uniform", 1)),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     ("full", "block", 2)),
+])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tool_activations_follow_the_recompute_flags(capsys, flags, recompute, device):
+    import mpu
+    import estimate_memory
+    estimate_memory.main(TOOL_SHAPE + flags + ["--device", device])
+    layout = memory.ActivationLayout.for_run(device, 4, 0.1, 0.1)
+    assert _tool_activations(capsys.readouterr().out) == memory.activation_bytes(
+        4, 128, 2, 64, 4, 1, mpu.RecomputeConfig(*recompute), layout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--checkpoint-activations", "--recompute-granularity", "selective"], "give one spelling"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"], "for the full granularity only"),
+    (["--recompute-granularity", "full"], "needs a method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "5"],
+     "--recompute-num-layers (5) is more than --num-layers (4)"),
+])
+def test_tool_refuses_inconsistent_recompute_flags(flags, message):
+    import estimate_memory
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_memory.main(TOOL_SHAPE + flags)
+    assert message in str(exit_info.value.code)
+
+
+def test_start_up_activation_estimate_counts_the_stage_and_the_micro_batches_in_flight():
+    """operations.activation_estimate as training calls it: pipeline stage 0 of 2 holds 2 of 4 layers and 1F1B
+    keeps min(2 - 0, 4 micro-batches) = 2 in flight there; the run's recompute flags and the CPU layout."""
+    import argparse
+    import mpu
+    from megatron.guards import operations
+    args = argparse.Namespace(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+                              pipeline_model_parallel_size=2, num_micro_batches=4, params_dtype="bfloat16",
+                              attention_dropout=0.1, hidden_dropout=0.0, num_layers=4, seq_length=128, batch_size=2,
+                              hidden_size=64, num_attention_heads=4, model_parallel_size=1)
+    total, setting = operations.activation_estimate(args)
+    layout = memory.ActivationLayout(bytes_per_element=2, mask_bytes=2, attention_scores=True, hidden_dropout=False)
+    assert total == memory.activation_bytes(2, 128, 2, 64, 4, 1, mpu.RecomputeConfig("full", "block", 1), layout, 2)
+    assert total == 2 * memory.activation_bytes_saved(2, 128, 2, 64, 4, 1, mpu.RecomputeConfig("full", "block", 1),
+                                                      layout)
+    assert setting == "micro batch 2 x 2 in flight, 2 layers, recompute full, block of the first 1 layer"
 
 
 def _training_path_estimates(paths_and_dtypes, dp):

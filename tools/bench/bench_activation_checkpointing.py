@@ -1,15 +1,18 @@
-"""Benchmark activation checkpointing on the parallel transformer stack (no embeddings, no LM head).
+"""Benchmark activation recomputation on the parallel transformer layers (no embeddings, final LayerNorm or head).
 
     python tools/bench/bench_activation_checkpointing.py                       # L=8 h=512 s=512, mp 1 and 2
     python tools/bench/bench_activation_checkpointing.py --micro-batch 1 --steps 3 --mp 2 --modes off partitioned
 
 For each model-parallel size and mode, fresh processes (so peak RSS is per configuration) build
 mpu.ParallelTransformer with dropout 0.1, run one warm-up step, one step whose forward is counted with
-torch.autograd.graph.saved_tensors_hooks (distinct saved tensors, bytes per rank), then `--steps` timed
+torch.autograd.graph.saved_tensors_hooks (the distinct storages kept for backward, parameters excluded: the
+activation bytes per rank, next to memory.activation_bytes_saved's formula for the same layout), then `--steps` timed
 forward+backward steps. Modes:
 
-    off                   no checkpointing
-    on                    zero.checkpointing, one chunk per layer, inputs kept whole
+    off                   no recomputation
+    selective             --recompute-granularity selective: each layer's attention core recomputed (mpu's
+                          checkpoint), its s x s scores never kept
+    on                    full recomputation through zero.checkpointing, one chunk per layer, inputs kept whole
     partitioned           + partition_activations (each mp rank keeps 1/mp of every chunk input)
     partitioned+cpu       + checkpoint_in_cpu (identical to partitioned on a CPU-only machine)
     partitioned+contiguous + contiguous_checkpointing with num_checkpoints = num_layers
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import peak_rss_mb  # noqa: E402
 
-MODES = {"off": None, "on": {}, "partitioned": dict(partition_activations=True),
+MODES = {"off": None, "selective": None, "on": {}, "partitioned": dict(partition_activations=True),
          "partitioned+cpu": dict(partition_activations=True, checkpoint_in_cpu=True),
          "partitioned+contiguous": dict(partition_activations=True, contiguous_checkpointing=True)}
 
@@ -46,7 +49,7 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up and counted steps")
     parser.add_argument("--mp", type=int, nargs="+", default=[1, 2], help="model-parallel sizes")
-    parser.add_argument("--modes", nargs="+", default=["off", "on", "partitioned", "partitioned+cpu"],
+    parser.add_argument("--modes", nargs="+", default=["off", "selective", "on", "partitioned", "partitioned+cpu"],
                         choices=list(MODES))
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every configuration this many times, in alternating order; tokens/s is the best")
@@ -66,6 +69,7 @@ def _worker(rank, mp_size, mode, args, port, queue):
     import torch.distributed as dist
 
     import mpu
+    from megatron.guards import memory
     from megatron.model.gpt2_model import activation_checkpointing_pair
     from megatron.zero import checkpointing
 
@@ -85,9 +89,10 @@ def _worker(rank, mp_size, mode, args, port, queue):
         checkpointing.configure(mpu, **options)
     mpu.model_parallel_cuda_manual_seed(1234)
     checkpoint_function, rng_tracker = activation_checkpointing_pair()
+    recompute = recompute_config(mode)
     model = mpu.ParallelTransformer(args.num_layers, args.hidden_size, args.num_attention_heads, 0.1, 0.1,
-                                    checkpoint_activations=MODES[mode] is not None,
-                                    checkpoint_function=checkpoint_function, rng_tracker=rng_tracker)
+                                    checkpoint_function=checkpoint_function, rng_tracker=rng_tracker,
+                                    final_layernorm=False, recompute=recompute)   # the layers the formula counts
     generator = torch.Generator().manual_seed(7)
     shape = (args.micro_batch, args.seq_length, args.hidden_size)  # [b, s, h]
     x = torch.randn(*shape, generator=generator).to(device).requires_grad_()
@@ -98,15 +103,18 @@ def _worker(rank, mp_size, mode, args, port, queue):
         (model(x) * target).sum().backward()
 
     step()  # warm-up
-    seen = set()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
 
     def pack(tensor):
-        seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            seen[storage.data_ptr()] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = (model(x) * target).sum()
-    loss.backward()
+        out = model(x)                    # the layers' activations only: not the loss's (target)
+    (out * target).sum().backward()
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -124,13 +132,26 @@ def _worker(rank, mp_size, mode, args, port, queue):
         torch.cuda.synchronize(device)
     forward_seconds = (time.perf_counter() - start) / args.steps
     peak_rss = peak_rss_mb() * 1024 * 1024
-    result = {"saved_bytes": sum(nbytes for _, nbytes in seen), "peak_rss": peak_rss,
+    layout = memory.ActivationLayout.for_run(device.type, 4, 0.1, 0.1,
+                                             bool(MODES[mode] and MODES[mode].get("partition_activations")))
+    formula = memory.activation_bytes_saved(args.num_layers, args.seq_length, args.micro_batch, args.hidden_size,
+                                            args.num_attention_heads, mp_size, recompute, layout)
+    result = {"saved_bytes": sum(storage.nbytes() for storage in seen.values()), "formula_bytes": formula,
+              "peak_rss": peak_rss,
               "peak_over_built": peak_rss - built_rss, "seconds_per_step": elapsed / args.steps,
               "forward_seconds": forward_seconds,
               "device_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def recompute_config(mode):
+    """The mpu.RecomputeConfig of a mode: selective, full uniform 1 for the zero.checkpointing modes, or none."""
+    import mpu
+    if mode == "selective":
+        return mpu.RecomputeConfig("selective")
+    return mpu.RecomputeConfig.from_checkpoint_activations(MODES[mode] is not None)
 
 
 def run_configuration(mp_size, mode, args):
@@ -163,9 +184,9 @@ def main():
     print(f"# L={args.num_layers} h={args.hidden_size} heads={args.num_attention_heads} s={args.seq_length} "
           f"micro-batch={args.micro_batch} steps={args.steps} repeats={args.repeats} fp32 dropout=0.1, "
           f"torch threads per process={args.threads or 'cores/mp'}; tokens/s: best repeat\n")
-    print("| mp | mode | saved activations / rank (MiB) | peak RSS (MiB) | peak - built (MiB) | tokens/s | vs off "
-          "| one-extra-forward bound |")
-    print("|---:|------|---:|---:|---:|---:|---:|---:|")
+    print("| mp | mode | saved activations / rank (MiB) | formula (MiB) | peak RSS (MiB) | peak - built (MiB) | "
+          "tokens/s | vs off | one-extra-forward bound |")
+    print("|---:|------|---:|---:|---:|---:|---:|---:|---:|")
     for mp_size in args.mp:
         off = runs.get((mp_size, "off"))
         off_speed = tokens / min(r["seconds_per_step"] for r in off) if off else None
@@ -180,9 +201,9 @@ def main():
             ratio = f"{speed / off_speed:.2f}x" if off_speed else "-"
             device_peak = first["device_peak"]
             device = f" (device peak {device_peak / 2**20:.0f} MiB)" if device_peak is not None else ""
-            print(f"| {mp_size} | {mode} | {first['saved_bytes'] / 2**20:.1f} | {first['peak_rss'] / 2**20:.0f} | "
-                  f"{first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | {ratio} | "
-                  f"{'-' if mode == 'off' else bound} |")
+            print(f"| {mp_size} | {mode} | {first['saved_bytes'] / 2**20:.1f} | {first['formula_bytes'] / 2**20:.1f} | "
+                  f"{first['peak_rss'] / 2**20:.0f} | {first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | "
+                  f"{ratio} | {'-' if mode in ('off', 'selective') else bound} |")
 
 
 if __name__ == "__main__":
