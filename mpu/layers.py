@@ -30,7 +30,8 @@ def _initialize_affine_weight(weight, master_shape, partition_dim, init_method, 
     """Fill `weight` with this rank's slice of a full-size master weight drawn by `init_method`.
 
     With stride s (fused q/k/v: s=3) the master's partition dimension is cut into s blocks, each block is cut
-    into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r].
+    into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r]. A tuple stride gives the
+    blocks' full sizes when they differ (grouped-query attention: (heads x d, kv heads x d, kv heads x d)).
     """
     if get_model_parallel_world_size() == 1 and weight.dtype == torch.float32:
         with torch.no_grad():   # the same draws as into a master, without a second full-size copy (zero.Init)
@@ -48,6 +49,10 @@ def _split_master(master, partition_dim, per_partition, stride=1):
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return master
+    if isinstance(stride, tuple):   # blocks of unequal full sizes: piece rank of each
+        blocks = torch.split(master, list(stride), dim=partition_dim)
+        return torch.cat([block.chunk(world_size, partition_dim)[get_model_parallel_rank()] for block in blocks],
+                         dim=partition_dim)
     per_stride = divide(per_partition, stride, "partition size / stride")
     pieces = torch.split(master, per_stride, dim=partition_dim)
     return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
