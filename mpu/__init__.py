@@ -18,7 +18,7 @@ from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel
                        reduce_from_model_parallel_region, scatter_to_model_parallel_region)
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker
 from .rotary import apply_rotary, rotary_tables
-from .transformer import (GPT2_ARCHITECTURE, Architecture, ParallelMLP, ParallelSelfAttention, ParallelTransformer, ParallelTransformerLayer,
-                          init_method_normal, scaled_init_method_normal)
+from .transformer import (GPT2_ARCHITECTURE, Architecture, ParallelMLP, ParallelSelfAttention, ParallelTransformer,
+                          ParallelTransformerLayer, init_method_normal, scaled_init_method_normal)
 from .utils import (device_is_set, divide, full_numel, full_shape, get_backend, get_device, init_distributed, set_device,
                     split_tensor_along_last_dim, VocabUtility)

@@ -106,3 +106,46 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
             for name, tensor in hf_state.items():
                 assert torch.equal(result["exported"][name], tensor), f"mp {mp}: {name} not bitwise"
         print(f"mp {mp}: max logit difference vs HF {diff:.2e}")
+
+
+def test_llama_tools_round_trip(tmp_path, capsys):
+    """A sharded safetensors Llama directory -> tools/convert_from_hf.py at mp 2 (the GQA q/k/v and the SwiGLU
+    gate/up split per rank) -> tools/convert_to_hf.py -> HF's tensors bitwise and a config HF loads to the same
+    logits; the checkpoint records the options, so a GPT-2-shaped model is refused."""
+    import os
+    import sys
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from tests.helpers import REPO
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import convert_from_hf
+    import convert_to_hf
+    from megatron.checkpoint import layout as ckpt
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
+    hf, hf_state = hf_llama()
+    hf_dir, checkpoint, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    hf.save_pretrained(hf_dir, max_shard_size="40KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    assert convert_from_hf.main(["--hf", str(hf_dir), "--save", str(checkpoint), "--model-parallel-size", "2",
+                                 "--make-vocab-size-divisible-by", "16"]) == 0
+    printed = capsys.readouterr().out
+    for flag in ("--swiglu", "--use-rotary-position-embeddings", "--normalization rmsnorm",
+                 "--num-key-value-heads 2", "--ffn-hidden-size 64", "--untie-embeddings-and-output-weights",
+                 "--disable-bias-linear", "--no-position-embedding"):
+        assert flag in printed, flag
+    shape = read_full_checkpoint(str(checkpoint)).saved.model_shape
+    assert (shape["num_key_value_heads"], shape["swiglu"], shape["normalization"]) == (2, True, "rmsnorm")
+    gpt2 = dict(shape, num_key_value_heads=None, swiglu=False, normalization="layernorm")
+    try:
+        ckpt.check_model_shape(shape, gpt2, ckpt.MODEL_SHAPE_FIELDS, "ckpt")
+        raise AssertionError("a GPT-2-shaped model was not refused")
+    except ckpt.CheckpointError as error:
+        assert "num_key_value_heads 2 (checkpoint) != None (this run)" in str(error)
+    assert convert_to_hf.main(["--load", str(checkpoint), "--output", str(out)]) == 0
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == hf_state.keys()
+    for name, tensor in hf_state.items():
+        assert torch.equal(exported[name], tensor), name
+    tokens = _tokens(HF_CONFIG["vocab_size"], 2, 12, seed=3)
+    with torch.no_grad():
+        assert torch.equal(LlamaForCausalLM.from_pretrained(out).eval()(tokens).logits, hf(tokens).logits)
