@@ -272,6 +272,10 @@ LLAMA_ARCHITECTURE = {"swiglu": True, "normalization": "rmsnorm", "add_bias_line
                       "learned_position_embeddings": False, "rotary": True}
 
 
+LLAMA_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings")
+
+
 def check_llama_config(hf_config):
     """The model_config (with the architecture fields) of a Llama config.json (dict or LlamaConfig);
     InterchangeError (one line) for what our model cannot express."""
@@ -279,6 +283,9 @@ def check_llama_config(hf_config):
         hf_config = hf_config.to_dict()
     if hf_config.get("model_type") != "llama":
         raise InterchangeError(f"config.json has model_type {hf_config.get('model_type')!r}, not 'llama'")
+    missing = [key for key in LLAMA_CONFIG_KEYS if key not in hf_config]
+    if missing:
+        raise InterchangeError(f"config.json has model_type 'llama' but lacks {', '.join(missing)}")
     for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("pretraining_tp", 1)):
         if hf_config.get(key, ours) != ours:
