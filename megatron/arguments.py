@@ -302,9 +302,10 @@ def validate_args(args, parser):
         parser.error(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
                      f"--model-parallel-size ({mp})")
     kv_heads = args.num_key_value_heads
-    if kv_heads is not None and (kv_heads < 1 or args.num_attention_heads % kv_heads or kv_heads % mp):
+    if kv_heads is not None and (kv_heads < 1 or args.num_attention_heads % kv_heads
+                                 or (kv_heads % mp and mp % kv_heads)):
         parser.error(f"--num-key-value-heads ({kv_heads}) must divide --num-attention-heads "
-                     f"({args.num_attention_heads}) and be a multiple of --model-parallel-size ({mp})")
+                     f"({args.num_attention_heads}) and be a multiple or a divisor of --model-parallel-size ({mp})")
     if args.ffn_hidden_size is not None and args.ffn_hidden_size % mp:
         parser.error(f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by --model-parallel-size ({mp})")
     if args.max_position_embeddings is None:

@@ -10,7 +10,7 @@ from .initialize import (destroy_model_parallel, get_data_parallel_group, get_da
 from .initialize import (get_embedding_group, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
                          get_pipeline_model_parallel_ranks, get_pipeline_model_parallel_world_size,
                          is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group)
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear, VocabParallelEmbedding
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .initialize import get_model_parallel_group, get_model_parallel_rank
+from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
@@ -39,7 +41,9 @@ class Architecture:
     """The layer's shape options (the defaults are GPT-2's)."""
     num_key_value_heads: Optional[int] = None
     """Key/value heads (grouped-query attention; None: one per query head). Query head j uses key/value head
-    j // (heads / kv heads). Split across model-parallel ranks: a multiple of the model-parallel size."""
+    j // (heads / kv heads). Split across model-parallel ranks when a multiple of the model-parallel size;
+    replicated when fewer (the model-parallel size a multiple of them): each rank holds the head its query heads
+    use, and the copies' gradients are summed over their holders in backward (layers.GroupedQKVStride)."""
     ffn_hidden_size: Optional[int] = None
     """The MLP's inner width (None: 4 x hidden)."""
     swiglu: bool = False
@@ -203,14 +207,22 @@ class ParallelSelfAttention(nn.Module):
         self.heads_per_partition = divide(num_attention_heads, world_size, "attention heads / model-parallel size")
         kv_heads = architecture.kv_heads(num_attention_heads)
         divide(num_attention_heads, kv_heads, "attention heads / key-value heads")
-        self.kv_heads_per_partition = divide(kv_heads, world_size, "key-value heads / model-parallel size")
+        if kv_heads >= world_size:
+            self.kv_heads_per_partition = divide(kv_heads, world_size, "key-value heads / model-parallel size")
+        else:   # replicated: one head per rank
+            divide(world_size, kv_heads, "model-parallel size / key-value heads (fewer than the ranks)")
+            self.kv_heads_per_partition = 1
         q_rows, kv_rows, _ = architecture.qkv_rows(hidden_size, num_attention_heads)
         # stride 3: rank r holds [q_r, k_r, v_r], matching a fused [q; k; v] master weight (with fewer key/value
-        # heads the blocks differ in size: the stride names them).
-        stride = 3 if kv_heads == num_attention_heads else (q_rows, kv_rows, kv_rows)
+        # heads the blocks differ in size, and may be replicated: GroupedQKVStride).
+        stride = 3 if kv_heads == num_attention_heads else GroupedQKVStride(q_rows, kv_rows, self.head_dim)
         self.query_key_value = ColumnParallelLinear(hidden_size, q_rows + 2 * kv_rows, gather_output=False,
                                                     stride=stride, init_method=init_method,
                                                     bias=architecture.add_bias_linear)
+        if kv_heads < world_size:
+            for param in (self.query_key_value.weight, self.query_key_value.bias):
+                if param is not None:
+                    param.register_hook(_ReplicatedKVGrad(stride, world_size))
         self.attention_dropout_prob = attention_dropout_prob
         self.dense = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
                                        init_method=output_layer_init_method, bias=architecture.add_bias_linear)
@@ -251,6 +263,26 @@ class ParallelSelfAttention(nn.Module):
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
         context = context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
         return self.output_dropout(self.dense(context))                           # [b, s, h]
+
+
+class _ReplicatedKVGrad:
+    """A gradient hook on a fused q/k/v parameter whose key/value heads are replicated (GroupedQKVStride): each
+    copy's gradient holds only its rank's query heads' share; replaced by the sum over the ranks holding that head
+    (an all-gather of the k/v rows over the model-parallel group), so the copies get the same, whole gradient."""
+
+    def __init__(self, stride, world_size):
+        self.stride, self.world_size = stride, world_size
+
+    def __call__(self, grad):
+        q_piece, d = self.stride.query_rows // self.world_size, self.stride.head_dim
+        kv = grad.narrow(0, q_piece, 2 * d).contiguous()                          # [2d, ...]: this rank's k, v
+        gathered = [torch.empty_like(kv) for _ in range(self.world_size)]
+        dist.all_gather(gathered, kv, group=get_model_parallel_group())
+        replicas = self.stride.replicas(self.world_size)
+        first = get_model_parallel_rank() // replicas * replicas
+        grad = grad.clone()
+        grad.narrow(0, q_piece, 2 * d).copy_(sum(gathered[first:first + replicas]))
+        return grad
 
 
 class ParallelMLP(nn.Module):

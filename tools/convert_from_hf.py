@@ -110,9 +110,9 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
         raise ConversionError(f"--model-parallel-size {model_parallel_size} does not divide the {heads} attention "
                               "heads")
     kv_heads = model_config.get("num_key_value_heads") or heads
-    if kv_heads % model_parallel_size:
-        raise ConversionError(f"--model-parallel-size {model_parallel_size} does not divide the {kv_heads} "
-                              "key/value heads")
+    if kv_heads % model_parallel_size and model_parallel_size % kv_heads:
+        raise ConversionError(f"--model-parallel-size {model_parallel_size} is neither a divisor nor a multiple of "
+                              f"the {kv_heads} key/value heads")
     if make_vocab_size_divisible_by < 1:
         raise ConversionError(f"--make-vocab-size-divisible-by must be at least 1, got {make_vocab_size_divisible_by}")
     try:

@@ -278,8 +278,9 @@ def main(argv=None):
         architecture = json.load(handle)["architectures"][0]
     print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
-          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged}) and "
-          "its tokenizer", flush=True)
+          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged})"
+          + (" (copy the tokenizer files from the original directory)" if architecture == "LlamaForCausalLM"
+             else " and its tokenizer"), flush=True)
     if args.peft_adapter is not None:
         print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "
               f"its unmerged base model in {os.path.join(args.peft_adapter, 'base')}", flush=True)

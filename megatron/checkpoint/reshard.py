@@ -13,7 +13,7 @@ against the attributes mpu gives the real parameters):
 
     word_embeddings.weight, output_layer.weight  rows (dim 0): the vocabulary, padded to the loading run's multiple
     attention.query_key_value.weight/bias/lora_B  rows with stride 3: rank r holds [q_r; k_r; v_r] (with fewer
-                                           key/value heads, a tuple stride of the unequal q, k, v block sizes)
+                                           key/value heads, an mpu.GroupedQKVStride: unequal, maybe replicated)
     mlp.dense_h_to_4h.weight/bias/lora_B   rows (SwiGLU: stride 2, rank r holds [gate_r; up_r])
     attention.dense.weight/lora_A, mlp.dense_4h_to_h.weight/lora_A    columns (dim 1)
     everything else                        replicated (checked equal across the saved ranks; LoRA's lora_A of
@@ -61,8 +61,8 @@ def partitioning(name, model_shape=None):
         heads, kv_heads = shape.get("num_attention_heads"), shape.get("num_key_value_heads")
         if kv_heads in (None, heads):
             return 0, 3, False
-        kv_rows = shape["hidden_size"] // heads * kv_heads
-        return 0, (shape["hidden_size"], kv_rows, kv_rows), False
+        head_dim = shape["hidden_size"] // heads
+        return 0, mpu.GroupedQKVStride(shape["hidden_size"], head_dim * kv_heads, head_dim), False
     if _COLUMN_SPLIT.search(name):
         return 1, 1, False
     return None, 1, False
@@ -70,18 +70,17 @@ def partitioning(name, model_shape=None):
 
 def join_shards(shards, dim, stride):
     """The full tensor from the model-parallel shards (inverse of split_full)."""
-    if isinstance(stride, tuple):   # unequal blocks (full sizes): each shard holds 1/world of each
-        pieces = [shard.split([size // len(shards) for size in stride], dim) for shard in shards]
-        return torch.cat([pieces[r][j] for j in range(len(stride)) for r in range(len(shards))], dim)
+    if isinstance(stride, mpu.GroupedQKVStride):
+        return stride.join(shards, dim)
     pieces = [shard.chunk(stride, dim) for shard in shards]       # pieces[r][j]
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
 
 
 def split_full(full, dim, stride, world_size, rank):
     """Rank `rank`'s shard of `full`: cut into world_size x stride blocks, take blocks rank, rank + world, ...
-    (a tuple stride: the full sizes of unequal blocks, each cut into world_size pieces)"""
-    if isinstance(stride, tuple):
-        return torch.cat([block.chunk(world_size, dim)[rank] for block in full.split(list(stride), dim)], dim)
+    (grouped-query q/k/v: mpu.GroupedQKVStride's split)"""
+    if isinstance(stride, mpu.GroupedQKVStride):
+        return stride.split(full, dim, world_size, rank)
     blocks = full.chunk(world_size * stride, dim)
     return torch.cat(blocks[rank::world_size], dim)
 
@@ -97,10 +96,12 @@ def shard_for(name, full, world_size, rank, padded_rows=None, model_shape=None):
         full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
     if dim is None or world_size == 1:
         return full
-    if isinstance(stride, tuple):
-        if any(size % world_size for size in stride) or sum(stride) != full.shape[dim]:
-            raise ckpt.CheckpointError(f"{name}: blocks {list(stride)} along dim {dim} do not split into "
-                                       f"{world_size} model-parallel ranks")
+    if isinstance(stride, mpu.GroupedQKVStride):
+        kv_heads = stride.kv_heads
+        if (stride.query_rows + 2 * stride.kv_rows != full.shape[dim] or stride.query_rows % world_size
+                or (kv_heads % world_size and world_size % kv_heads)):
+            raise ckpt.CheckpointError(f"{name}: {kv_heads} key/value heads of size {stride.head_dim} do not split "
+                                       f"into {world_size} model-parallel ranks")
     elif full.shape[dim] % (world_size * stride):
         raise ckpt.CheckpointError(f"{name}: size {full.shape[dim]} along dim {dim} does not split into "
                                    f"{world_size} model-parallel ranks x stride {stride}")
@@ -238,7 +239,7 @@ class SavedCheckpoint:
         saved_world = self.model_parallel_size
         if saved_world == world_size and (not vocab or padded_rows in (None, self.padded_vocab_size())):
             return self._shard(rank, name, kind)
-        if isinstance(stride, tuple):   # grouped-query q/k/v (never the vocabulary): through the full tensor
+        if isinstance(stride, mpu.GroupedQKVStride):   # grouped-query q/k/v (never the vocabulary): through the full tensor
             full = self.full_tensor(name, kind)
             return None if full is None else split_full(full, dim, stride, world_size, rank)
         shards = [self._shard(q, name, kind) for q in range(saved_world)]

@@ -13,13 +13,14 @@ HF_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden
                  num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0,
                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 PROMPT_LENGTH, NEW_TOKENS = 6, 10
+TRAIN_STEPS = 10
 
 
-def hf_llama(seed=0):
+def hf_llama(seed=0, **changes):
     """(LlamaForCausalLM in eval mode, its state dict) from seeded random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(LlamaConfig(**HF_CONFIG)).eval()
+    hf = LlamaForCausalLM(LlamaConfig(**dict(HF_CONFIG, **changes))).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith("norm.weight"):
@@ -46,7 +47,10 @@ def build_llama(model_config, weights):
     return model
 
 
-def _worker(model_config, weights, tokens, prompts):
+def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
+    """The checks of one launch: the GQA model against HF; the MQA model (its one key/value head replicated at
+    mp 2) against HF and through TRAIN_STEPS AdamW steps."""
+    from megatron.checkpoint.reshard import partitioning
     from megatron.model.hf_interchange import to_hf_llama_state_dict
     from megatron.text_generation.generation import generate
     model = build_llama(model_config, weights)
@@ -55,7 +59,23 @@ def _worker(model_config, weights, tokens, prompts):
         losses = model(tokens[:, :-1], labels=tokens[:, 1:])
     generated = generate(model, prompts.tolist(), NEW_TOKENS, greedy=True)
     exported = to_hf_llama_state_dict(_full_weights(model, model_config), model_config)
-    return {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported}
+    layout = [(name, partitioning(name, model_config)[:2],
+               (getattr(p, "partition_dim", None) if getattr(p, "model_parallel", False) else None,
+                getattr(p, "partition_stride", 1))) for name, p in model.named_parameters()]
+    mqa = build_llama(mqa_config, mqa_weights).train()
+    with torch.no_grad():
+        mqa_logits = mqa(tokens)
+    optimizer = torch.optim.AdamW(mqa.parameters(), lr=3e-3)
+    train_losses = []
+    for _ in range(TRAIN_STEPS):
+        loss = mqa(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        train_losses.append(loss.item())
+    return {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported,
+            "layout": layout, "mqa_logits": mqa_logits, "train_losses": train_losses,
+            "trained": _full_weights(mqa, mqa_config)}
 
 
 def _full_weights(model, model_config):
@@ -81,8 +101,10 @@ def _tokens(vocab, batch, length, seed):
 
 
 def test_llama_matches_huggingface_at_mp1_and_mp2():
-    """Logits within 1e-5 of HF's at mp 1 and mp 2 (fp32, measured ~1e-6); greedy generation through our KV cache
-    (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict."""
+    """Logits within 1e-5 of HF's at mp 1 and mp 2 (fp32, measured ~2e-6); greedy generation through our KV cache
+    (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict; every
+    parameter is split as megatron/checkpoint/reshard.py says. With one key/value head (replicated at mp 2): logits
+    equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1 (losses 1e-6 relative, weights 1e-5)."""
     from megatron.model.hf_interchange import from_hf_llama_state_dict
     hf, hf_state = hf_llama()
     weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
@@ -95,9 +117,20 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
                                                     tokens[:, 1:].reshape(-1))
         hf_generated = hf.generate(prompts, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                    eos_token_id=None)[:, PROMPT_LENGTH:].tolist()
+    mqa, mqa_state = hf_llama(seed=1, num_key_value_heads=1)
+    mqa_weights, mqa_config = from_hf_llama_state_dict(mqa_state, mqa.config)
+    with torch.no_grad():
+        mqa_logits = mqa(input_ids=tokens).logits
+    trained = {}
     for mp in (1, 2):
-        results = run_distributed(_worker, mp, args=(model_config, weights, tokens, prompts), model_parallel_size=mp)
+        results = run_distributed(_worker, mp, args=(model_config, weights, tokens, prompts, mqa_config,
+                                                     mqa_weights), model_parallel_size=mp)
+        trained[mp] = results
         for rank, result in enumerate(results):
+            for name, by_name, by_mpu in result["layout"]:
+                assert by_name == by_mpu, f"mp {mp}: {name} split as {by_mpu}, reshard says {by_name}"
+            mqa_diff = (result["mqa_logits"][..., :HF_CONFIG["vocab_size"]] - mqa_logits).abs().max().item()
+            assert mqa_diff < 1e-5, f"mp {mp} rank {rank}: one key/value head, max logit difference {mqa_diff}"
             diff = (result["logits"][..., :HF_CONFIG["vocab_size"]] - hf_out.logits).abs().max().item()
             assert diff < 1e-5, f"mp {mp} rank {rank}: max logit difference {diff}"
             assert abs(result["loss"].item() - hf_loss.item()) < 1e-5 * hf_loss.item(), (mp, rank)
@@ -106,6 +139,15 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
             for name, tensor in hf_state.items():
                 assert torch.equal(result["exported"][name], tensor), f"mp {mp}: {name} not bitwise"
         print(f"mp {mp}: max logit difference vs HF {diff:.2e}")
+    # Training with the one key/value head replicated on both ranks at mp 2 (its copies' gradients summed).
+    reference = trained[1][0]
+    assert reference["train_losses"][-1] < reference["train_losses"][0] - 0.5, reference["train_losses"]
+    for rank, result in enumerate(trained[2]):
+        for step, (ours, ref) in enumerate(zip(result["train_losses"], reference["train_losses"], strict=True)):
+            assert abs(ours - ref) <= 1e-6 * abs(ref), f"rank {rank} step {step}: loss {ours} != {ref} (mp 1)"
+        for name, tensor in reference["trained"].items():
+            diff = (result["trained"][name] - tensor).abs().max().item()
+            assert diff < 1e-5, f"rank {rank}: {name} after {TRAIN_STEPS} steps differs from mp 1 by {diff}"
 
 
 def test_llama_tools_round_trip(tmp_path, capsys):
