@@ -191,3 +191,19 @@ def test_llama_tools_round_trip(tmp_path, capsys):
     tokens = _tokens(HF_CONFIG["vocab_size"], 2, 12, seed=3)
     with torch.no_grad():
         assert torch.equal(LlamaForCausalLM.from_pretrained(out).eval()(tokens).logits, hf(tokens).logits)
+
+
+def test_grouped_qkv_layout_splits_and_joins():
+    """mpu.GroupedQKVStride at every model-parallel size of 4 query / 2 key-value heads (d = 1, rows labelled):
+    split (what each rank holds: split, then replicated kv heads) and join (its inverse)."""
+    import mpu
+    stride = mpu.GroupedQKVStride(query_rows=4, kv_rows=2, head_dim=1)
+    full = torch.tensor([0., 1, 2, 3, 10, 11, 20, 21])   # q0..q3, k0 k1, v0 v1
+    expected = {1: [[0, 1, 2, 3, 10, 11, 20, 21]],
+                2: [[0, 1, 10, 20], [2, 3, 11, 21]],
+                4: [[0, 10, 20], [1, 10, 20], [2, 11, 21], [3, 11, 21]]}
+    for world, ranks in expected.items():
+        shards = [stride.split(full, 0, world, rank) for rank in range(world)]
+        assert [shard.tolist() for shard in shards] == ranks, world
+        assert [stride.rows_per_rank(world)] * world == [len(r) for r in ranks], world
+        assert torch.equal(stride.join(shards, 0), full), world
