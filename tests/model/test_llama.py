@@ -73,9 +73,35 @@ def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
         loss.backward()
         optimizer.step()
         train_losses.append(loss.item())
-    return {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported,
-            "layout": layout, "mqa_logits": mqa_logits, "train_losses": train_losses,
-            "trained": _full_weights(mqa, mqa_config)}
+    result = {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported,
+              "layout": layout, "mqa_logits": mqa_logits, "train_losses": train_losses,
+              "trained": _full_weights(mqa, mqa_config)}
+    import torch.distributed as dist
+    import mpu
+    if dist.get_world_size() == 2:   # the same two processes as pipeline stages: mp 1 x pp 2
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(1, 2)
+        result["pipeline_losses"] = _pipeline_losses(model_config, weights, tokens)
+    return result
+
+
+def _pipeline_losses(model_config, weights, tokens):
+    """Per-token losses [b, s-1] of the GPT2Model on two pipeline stages (layer 0 + embeddings | layer 1 + final
+    norm + untied output layer), hidden states sent from stage 0 to stage 1; None on stage 0."""
+    import torch.distributed as dist
+    import mpu
+    model = build_llama(model_config, weights)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        if mpu.is_pipeline_first_stage():
+            assert model.output_layer is None and len(model.transformer.layers) == 1
+            dist.send(model(inputs, labels=labels).contiguous(), 1)                # [b, s, h]
+            return None
+        hidden = torch.empty(*inputs.shape, model_config["hidden_size"])
+        dist.recv(hidden, 0)
+        assert model.word_embeddings is None and model.output_layer is not None
+        model.set_input_tensor(hidden)
+        return model(inputs, labels=labels)
 
 
 def _full_weights(model, model_config):
@@ -104,7 +130,8 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
     """Logits within 1e-5 of HF's at mp 1 and mp 2 (fp32, measured ~2e-6); greedy generation through our KV cache
     (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict; every
     parameter is split as megatron/checkpoint/reshard.py says. With one key/value head (replicated at mp 2): logits
-    equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1 (losses 1e-6 relative, weights 1e-5)."""
+    equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1 (losses 1e-6 relative, weights 1e-5). The mp-2
+    processes then run the model as two pipeline stages (mp 1 x pp 2): per-token losses equal HF's."""
     from megatron.model.hf_interchange import from_hf_llama_state_dict
     hf, hf_state = hf_llama()
     weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
@@ -139,6 +166,11 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
             for name, tensor in hf_state.items():
                 assert torch.equal(result["exported"][name], tensor), f"mp {mp}: {name} not bitwise"
         print(f"mp {mp}: max logit difference vs HF {diff:.2e}")
+    # mp 1 x pp 2: the last stage's per-token losses equal HF's.
+    hf_losses = torch.nn.functional.cross_entropy(hf_out.logits[:, :-1].transpose(1, 2), tokens[:, 1:],
+                                                  reduction="none")
+    pipeline_diff = (trained[2][1]["pipeline_losses"] - hf_losses).abs().max().item()
+    assert pipeline_diff < 1e-5, f"pp 2: per-token losses differ from HF's by {pipeline_diff}"
     # Training with the one key/value head replicated on both ranks at mp 2 (its copies' gradients summed).
     reference = trained[1][0]
     assert reference["train_losses"][-1] < reference["train_losses"][0] - 0.5, reference["train_losses"]
