@@ -276,18 +276,25 @@ def _combine(values):
     return sum(values) / len(values)
 
 
-def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False):
+def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False,
+                    num_attention_heads=None, num_key_value_heads=None, ffn_hidden_size=None, swiglu=False):
     """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
     6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
-    passes, 4 with activation recomputation; the LM head 2hV per pass, 3 passes (it is not recomputed)."""
+    passes, 4 with activation recomputation; the LM head 2hV per pass, 3 passes (it is not recomputed).
+    The Llama options (docs/models.md): K key/value heads make qkv 2h (h + 2 K h / heads); an MLP f wide costs
+    4hf, 6hf with SwiGLU (gate, up, down)."""
     L, h, s = num_layers, hidden_size, seq_length
     passes = 4 if checkpoint_activations else 3
-    return passes * 24 * L * h * h * (1 + s / (6 * h)) + 3 * 2 * h * padded_vocab_size
+    kv_width = h if not num_key_value_heads else h // num_attention_heads * num_key_value_heads
+    f = ffn_hidden_size or 4 * h
+    per_layer = 2 * h * (h + 2 * kv_width) + 2 * h * h + (3 if swiglu else 2) * 2 * h * f + 4 * s * h
+    return passes * L * per_layer + 3 * 2 * h * padded_vocab_size
 
 
 def _flops_per_iteration(args):
     return args.global_batch_size * args.seq_length * flops_per_token(
-        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size, args.checkpoint_activations)
+        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size, args.checkpoint_activations,
+        args.num_attention_heads, args.num_key_value_heads, args.ffn_hidden_size, args.swiglu)
 
 
 def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):

@@ -239,3 +239,14 @@ def test_grouped_qkv_layout_splits_and_joins():
         assert [shard.tolist() for shard in shards] == ranks, world
         assert [stride.rows_per_rank(world)] * world == [len(r) for r in ranks], world
         assert torch.equal(stride.join(shards, 0), full), world
+
+
+def test_flop_count_knows_gqa_and_swiglu():
+    """megatron.training.flops_per_token: GPT-2's 24 L h^2 (1 + s/(6h)) by default; with 2 of 4 kv heads and a
+    SwiGLU MLP 64 wide (h 32, s 16, V 128): per layer qkv 2h(h + h/2), output 2h^2, MLP 3 x 2hf, attention 4sh."""
+    from megatron.training import flops_per_token
+    L, h, s, V = 2, 32, 16, 128
+    assert flops_per_token(L, h, s, V) == 3 * 24 * L * h * h * (1 + s / (6 * h)) + 6 * h * V
+    llama = 3 * L * (2 * h * (h + h // 2 + h // 2) + 2 * h * h + 3 * 2 * h * 64 + 4 * s * h) + 6 * h * V
+    assert flops_per_token(L, h, s, V, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=64,
+                           swiglu=True) == llama
