@@ -75,7 +75,8 @@ def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
         train_losses.append(loss.item())
     result = {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported,
               "layout": layout, "mqa_logits": mqa_logits, "train_losses": train_losses,
-              "trained": _full_weights(mqa, mqa_config)}
+              "trained": _full_weights(mqa, mqa_config),
+              "sizes": [_parameter_sizes(model, model_config), _parameter_sizes(mqa, mqa_config)]}
     import torch.distributed as dist
     import mpu
     if dist.get_world_size() == 2:   # the same two processes as pipeline stages: mp 1 x pp 2
@@ -83,6 +84,19 @@ def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
         mpu.initialize_model_parallel(1, 2)
         result["pipeline_losses"] = _pipeline_losses(model_config, weights, tokens)
     return result
+
+
+def _parameter_sizes(model, model_config):
+    """(this rank's (elements, decayed) of every parameter, sorted; the memory estimate's, sorted)."""
+    import mpu
+    from megatron.guards import memory
+    real = sorted((p.numel(), not (name.endswith(".bias") or "layernorm" in name))
+                  for name, p in model.named_parameters())
+    c = model_config
+    estimate = memory.gpt2_parameter_sizes(c["num_layers"], c["hidden_size"], c["vocab_size"],
+                                           c["max_sequence_length"], mpu.get_model_parallel_world_size(),
+                                           c["num_attention_heads"], c)
+    return real, sorted(estimate)
 
 
 def _pipeline_losses(model_config, weights, tokens):
@@ -129,7 +143,7 @@ def _tokens(vocab, batch, length, seed):
 def test_llama_matches_huggingface_at_mp1_and_mp2():
     """Logits within 1e-5 of HF's at mp 1 and mp 2 (fp32, measured ~2e-6); greedy generation through our KV cache
     (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict; every
-    parameter is split as megatron/checkpoint/reshard.py says. With one key/value head (replicated at mp 2): logits
+    parameter is split as megatron/checkpoint/reshard.py says, and sized as the memory estimate says. With one key/value head (replicated at mp 2): logits
     equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1 (losses 1e-6 relative, weights 1e-5). The mp-2
     processes then run the model as two pipeline stages (mp 1 x pp 2): per-token losses equal HF's."""
     from megatron.model.hf_interchange import from_hf_llama_state_dict
@@ -154,6 +168,8 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
                                                      mqa_weights), model_parallel_size=mp)
         trained[mp] = results
         for rank, result in enumerate(results):
+            for real, estimate in result["sizes"]:   # GQA split, then one kv head replicated at mp 2
+                assert real == estimate, f"mp {mp}: the memory estimate's parameter sizes differ from the model's"
             for name, by_name, by_mpu in result["layout"]:
                 assert by_name == by_mpu, f"mp {mp}: {name} split as {by_mpu}, reshard says {by_name}"
             mqa_diff = (result["mqa_logits"][..., :HF_CONFIG["vocab_size"]] - mqa_logits).abs().max().item()
