@@ -143,9 +143,10 @@ def _tokens(vocab, batch, length, seed):
 def test_llama_matches_huggingface_at_mp1_and_mp2():
     """Logits within 1e-5 of HF's at mp 1 and mp 2 (fp32, measured ~2e-6); greedy generation through our KV cache
     (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict; every
-    parameter is split as megatron/checkpoint/reshard.py says, and sized as the memory estimate says. With one key/value head (replicated at mp 2): logits
-    equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1 (losses 1e-6 relative, weights 1e-5). The mp-2
-    processes then run the model as two pipeline stages (mp 1 x pp 2): per-token losses equal HF's."""
+    parameter is split as megatron/checkpoint/reshard.py says, and sized as the memory estimate says. With one
+    key/value head (replicated at mp 2): logits equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1
+    (losses 1e-6 relative, weights 1e-5). The mp-2 processes then run the model as two pipeline stages
+    (mp 1 x pp 2): per-token losses equal HF's."""
     from megatron.model.hf_interchange import from_hf_llama_state_dict
     hf, hf_state = hf_llama()
     weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
