@@ -13,10 +13,11 @@ Both linears can carry a LoRA adapter (`add_lora`, split along the same dimensio
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .initialize import get_model_parallel_rank, get_model_parallel_world_size
+from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
                        reduce_from_model_parallel_region, scatter_to_model_parallel_region)
 from .utils import VocabUtility, divide, get_device
@@ -67,6 +68,33 @@ class GroupedQKVStride:
         owners = range(0, world_size, self.replicas(world_size))
         return torch.cat([part[0] for part in parts] + [parts[r][1] for r in owners] + [parts[r][2] for r in owners],
                          dim)
+
+
+class _ReplicatedKVGrad:
+    """A gradient hook on a fused q/k/v parameter whose key/value heads are replicated (GroupedQKVStride): each
+    copy's gradient holds only its rank's query heads' share; replaced by the sum over the ranks holding that head
+    (an all-gather of the k/v rows over the model-parallel group), so the copies get the same, whole gradient."""
+
+    def __init__(self, stride, world_size):
+        self.stride, self.world_size = stride, world_size
+
+    @classmethod
+    def register(cls, param, stride):
+        """Hook `param` (rows laid out by `stride`) when its key/value heads are replicated at this size."""
+        world_size = get_model_parallel_world_size()
+        if param is not None and isinstance(stride, GroupedQKVStride) and stride.replicas(world_size) > 1:
+            param.register_hook(cls(stride, world_size))
+
+    def __call__(self, grad):
+        q_piece, d = self.stride.query_rows // self.world_size, self.stride.head_dim
+        kv = grad.narrow(0, q_piece, 2 * d).contiguous()                          # [2d, ...]: this rank's k, v
+        gathered = [torch.empty_like(kv) for _ in range(self.world_size)]
+        dist.all_gather(gathered, kv, group=get_model_parallel_group())
+        replicas = self.stride.replicas(self.world_size)
+        first = get_model_parallel_rank() // replicas * replicas
+        grad = grad.clone()
+        grad.narrow(0, q_piece, 2 * d).copy_(sum(gathered[first:first + replicas]))
+        return grad
 
 
 def _mark_model_parallel(param, partition_dim, stride):
@@ -175,6 +203,8 @@ class ColumnParallelLinear(nn.Module):
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
         self.lora_disabled = False   # lora.adapters_disabled: the base layer alone
+        _ReplicatedKVGrad.register(self.weight, stride)
+        _ReplicatedKVGrad.register(self.bias, stride)
 
     def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
         """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A whole on every rank, B split by rows
@@ -182,6 +212,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_A = nn.Parameter(lora_a.detach().clone())
         self.lora_B = nn.Parameter(_split_master(lora_b, 0, self.output_size_per_partition, self.stride).clone())
         _mark_model_parallel(self.lora_B, 0, self.stride)
+        _ReplicatedKVGrad.register(self.lora_B, self.stride)
         self.lora_scale, self.lora_dropout = scale, dropout
 
     def forward(self, input_, weight_t=None):

@@ -21,13 +21,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .initialize import get_model_parallel_group, get_model_parallel_rank
 from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
@@ -43,7 +41,8 @@ class Architecture:
     """Key/value heads (grouped-query attention; None: one per query head). Query head j uses key/value head
     j // (heads / kv heads). Split across model-parallel ranks when a multiple of the model-parallel size;
     replicated when fewer (the model-parallel size a multiple of them): each rank holds the head its query heads
-    use, and the copies' gradients are summed over their holders in backward (layers.GroupedQKVStride)."""
+    use, and the copies' gradients (LoRA's lora_B too) are summed over their holders in backward
+    (layers.GroupedQKVStride)."""
     ffn_hidden_size: Optional[int] = None
     """The MLP's inner width (None: 4 x hidden)."""
     swiglu: bool = False
@@ -219,10 +218,6 @@ class ParallelSelfAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(hidden_size, q_rows + 2 * kv_rows, gather_output=False,
                                                     stride=stride, init_method=init_method,
                                                     bias=architecture.add_bias_linear)
-        if kv_heads < world_size:
-            for param in (self.query_key_value.weight, self.query_key_value.bias):
-                if param is not None:
-                    param.register_hook(_ReplicatedKVGrad(stride, world_size))
         self.attention_dropout_prob = attention_dropout_prob
         self.dense = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
                                        init_method=output_layer_init_method, bias=architecture.add_bias_linear)
@@ -263,26 +258,6 @@ class ParallelSelfAttention(nn.Module):
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
         context = context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
         return self.output_dropout(self.dense(context))                           # [b, s, h]
-
-
-class _ReplicatedKVGrad:
-    """A gradient hook on a fused q/k/v parameter whose key/value heads are replicated (GroupedQKVStride): each
-    copy's gradient holds only its rank's query heads' share; replaced by the sum over the ranks holding that head
-    (an all-gather of the k/v rows over the model-parallel group), so the copies get the same, whole gradient."""
-
-    def __init__(self, stride, world_size):
-        self.stride, self.world_size = stride, world_size
-
-    def __call__(self, grad):
-        q_piece, d = self.stride.query_rows // self.world_size, self.stride.head_dim
-        kv = grad.narrow(0, q_piece, 2 * d).contiguous()                          # [2d, ...]: this rank's k, v
-        gathered = [torch.empty_like(kv) for _ in range(self.world_size)]
-        dist.all_gather(gathered, kv, group=get_model_parallel_group())
-        replicas = self.stride.replicas(self.world_size)
-        first = get_model_parallel_rank() // replicas * replicas
-        grad = grad.clone()
-        grad.narrow(0, q_piece, 2 * d).copy_(sum(gathered[first:first + replicas]))
-        return grad
 
 
 class ParallelMLP(nn.Module):

@@ -30,19 +30,21 @@ def hf_llama(seed=0, **changes):
     return hf, {name: tensor.clone() for name, tensor in hf.state_dict().items()}
 
 
-def build_llama(model_config, weights):
+def build_llama(model_config, weights, lora=None):
     """Our GPT2Model of the Llama `model_config` (check_llama_config's) holding this rank's pieces of the full
-    `weights` (our names), as a checkpoint load would place them."""
+    `weights` (our names), as a checkpoint load would place them; `lora`: an mpu.LoRAConfig (fresh adapters)."""
     import mpu
     from megatron.checkpoint.reshard import shard_for
     from megatron.model import GPT2Model, GPT2ModelConfig
     fields = set(GPT2ModelConfig.__dataclass_fields__)
-    config = GPT2ModelConfig(**{k: v for k, v in model_config.items() if k in fields})
+    config = GPT2ModelConfig(**{k: v for k, v in model_config.items() if k in fields}, lora=lora)
     mpu.model_parallel_cuda_manual_seed(1234)
     model = GPT2Model(config, parallel_output=False).eval()
     world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name.endswith((".lora_A", ".lora_B")):
+                continue
             param.copy_(shard_for(name, weights[name], world, rank, config.vocab_size, model_config))
     return model
 
@@ -53,6 +55,7 @@ def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
     from megatron.checkpoint.reshard import partitioning
     from megatron.model.hf_interchange import to_hf_llama_state_dict
     from megatron.text_generation.generation import generate
+    import mpu
     model = build_llama(model_config, weights)
     with torch.no_grad():
         logits = model(tokens)
@@ -73,12 +76,18 @@ def _worker(model_config, weights, tokens, prompts, mqa_config, mqa_weights):
         loss.backward()
         optimizer.step()
         train_losses.append(loss.item())
+    lora = build_llama(mqa_config, mqa_weights, mpu.LoRAConfig(rank=2, zero_init_b=False)).train()
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        lora(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        optimizer.step()
+    lora_trained = {name: t for name, t in _full_weights(lora, mqa_config).items() if ".lora_" in name}
     result = {"logits": logits, "loss": losses.mean(), "generated": generated, "exported": exported,
               "layout": layout, "mqa_logits": mqa_logits, "train_losses": train_losses,
-              "trained": _full_weights(mqa, mqa_config),
+              "trained": _full_weights(mqa, mqa_config), "lora_trained": lora_trained,
               "sizes": [_parameter_sizes(model, model_config), _parameter_sizes(mqa, mqa_config)]}
     import torch.distributed as dist
-    import mpu
     if dist.get_world_size() == 2:   # the same two processes as pipeline stages: mp 1 x pp 2
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(1, 2)
@@ -145,7 +154,7 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
     (grouped-query caches of 2/p heads per rank) equals HF generate; the export is bitwise HF's state dict; every
     parameter is split as megatron/checkpoint/reshard.py says, and sized as the memory estimate says. With one
     key/value head (replicated at mp 2): logits equal HF's, and TRAIN_STEPS AdamW steps at mp 2 equal mp 1
-    (losses 1e-6 relative, weights 1e-5). The mp-2 processes then run the model as two pipeline stages
+    (losses 1e-6 relative, weights 1e-5), and so do 3 LoRA steps on every linear. The mp-2 processes then run the model as two pipeline stages
     (mp 1 x pp 2): per-token losses equal HF's."""
     from megatron.model.hf_interchange import from_hf_llama_state_dict
     hf, hf_state = hf_llama()
@@ -197,6 +206,10 @@ def test_llama_matches_huggingface_at_mp1_and_mp2():
         for name, tensor in reference["trained"].items():
             diff = (result["trained"][name] - tensor).abs().max().item()
             assert diff < 1e-5, f"rank {rank}: {name} after {TRAIN_STEPS} steps differs from mp 1 by {diff}"
+        assert len(reference["lora_trained"]) == 16   # q/k/v, dense, gate/up, down: A and B, 2 layers
+        for name, tensor in reference["lora_trained"].items():
+            diff = (result["lora_trained"][name] - tensor).abs().max().item()
+            assert diff < 1e-5, f"rank {rank}: LoRA {name} after 3 steps differs from mp 1 by {diff}"
 
 
 def test_llama_tools_round_trip(tmp_path, capsys):
