@@ -201,14 +201,12 @@ class GPT2Model(nn.Module):
         else:
             skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
         self.position_embeddings = None
-        if not config.learned_position_embeddings:
-            pass
-        elif self.pre_process:
+        if config.learned_position_embeddings and self.pre_process:
             self.position_embeddings = nn.Embedding(config.max_sequence_length, config.hidden_size,
                                                     device=mpu.get_device())
             with GatheredParameters(self.position_embeddings.weight, modifier_rank=0):   # whole under zero.Init
                 init_method(self.position_embeddings.weight)
-        else:   # nn.Embedding's own normal_ init, then init_method's
+        elif config.learned_position_embeddings:   # nn.Embedding's own normal_ init, then init_method's
             skip_init_draws([(config.max_sequence_length, config.hidden_size)] * 2, mpu.get_device())
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         if self.word_embeddings is not None and stages > 1 and config.tied_head:
@@ -232,8 +230,9 @@ class GPT2Model(nn.Module):
                 skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
 
         self.lm_head = TiedLMHead() if self.post_process and not config.reward_head else None
-        if self.lm_head is not None and config.tied_head:   # ZeRO-3 gathers the word embedding for the head too
-            register_external_parameter(self.lm_head, self.word_embeddings.weight)
+        if self.lm_head is not None:   # ZeRO-3 gathers the head's weight (the word embedding's, tied) around it too
+            register_external_parameter(self.lm_head, (self.word_embeddings if config.tied_head
+                                                       else self.output_layer).weight)
         if config.lora is not None:
             if config.fused_compute:
                 raise ValueError("LoRA runs the eager layers: drop --torch-compile (fused_compute) or --lora-rank")
