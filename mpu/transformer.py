@@ -410,7 +410,7 @@ class ParallelTransformer(nn.Module):
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-            k, v = layer_past.append(k, v)                                        # [b, n_kv/p, past + s, d]
+                 final_layernorm=True, fused=False, recompute=None, architecture=GPT2_ARCHITECTURE):
         super().__init__()
         if recompute is not None and checkpoint_activations:
             raise ValueError("pass recompute=RecomputeConfig(...) or checkpoint_activations=True, not both")
@@ -486,16 +486,11 @@ class ParallelTransformer(nn.Module):
         checkpointed. rotary: the (cos, sin) tables of these positions (mpu.rotary.rotary_tables), or None."""
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
-            k, v = layer_past.append(k, v)                                        # [b, n_kv/p, past + s, d]
-        elif self.checkpoint_activations and self.training:
-            mask_args = () if attention_mask is None else (attention_mask,)
-            for start in range(0, len(self.layers), self.checkpoint_num_layers):
-                end = min(start + self.checkpoint_num_layers, len(self.layers))
-                hidden_states = self.checkpoint_function(self._chunk(start, end, rotary), hidden_states, *mask_args)
+                hidden_states = layer(hidden_states, attention_mask, layer_past, rotary)
         elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
             for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
-                run = self._chunk(start, end)
+                run = self._chunk(start, end, rotary)
                 hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
                     run(hidden_states, *mask_args)
         else:
