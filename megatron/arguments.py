@@ -331,6 +331,10 @@ def validate_args(args, parser):
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
     _resolve_recompute_args(args, parser)
+    if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
+        parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "
+                     "group's input (megatron.zero.checkpointing, the JSON activation_checkpointing block): it needs "
+                     "--deepspeed and --recompute-granularity full (or --checkpoint-activations)")
     if args.zero_config is None and args.zero_stage not in (None, 0):
         parser.error(f"--zero-stage {args.zero_stage} needs --deepspeed and a --deepspeed_config JSON with "
                      f"zero_optimization.stage {args.zero_stage}")
@@ -368,9 +372,8 @@ def validate_args(args, parser):
 
 
 def _resolve_recompute_args(args, parser):
-    """--recompute-* with Megatron-LM's rules, --checkpoint-activations as their older spelling, and
-    --deepspeed_activation_checkpointing, which says how full recomputation keeps its checkpoints: each refused
-    combination is one line. Leaves args.recompute_granularity/method/num_layers resolved (None: no
+    """--recompute-* with Megatron-LM's rules and --checkpoint-activations as their older spelling: each refused
+    combination is one line (validate_args checks --deepspeed_activation_checkpointing against the result). Leaves args.recompute_granularity/method/num_layers resolved (None: no
     recomputation; full: method and number of layers set; selective: neither)."""
     given = [flag for flag, value in (("--recompute-granularity", args.recompute_granularity),
                                       ("--recompute-method", args.recompute_method),
@@ -400,10 +403,6 @@ def _resolve_recompute_args(args, parser):
                          f"pipeline stage ({args.num_layers} / {args.pipeline_model_parallel_size} = {per_stage})")
     if args.recompute_granularity == "selective" and args.torch_compile:
         parser.error("--recompute-granularity selective recomputes the eager attention core: drop --torch-compile")
-    if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
-        parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "
-                     "group's input (megatron.zero.checkpointing, the JSON activation_checkpointing block): it needs "
-                     "--deepspeed and --recompute-granularity full (or --checkpoint-activations)")
 
 
 def _check_pipeline_combinations(args, parser):
