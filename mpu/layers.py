@@ -8,6 +8,10 @@ Linear layer Y = X A + b with A of shape [in, out] (torch stores weight = A^T, [
     RowParallelLinear:    A = [A_1; ...; A_p] split by rows, X = [X_1 ... X_p] split by columns;
                           rank i computes X_i A_i, and Y = sum_i X_i A_i + b (an all-reduce).
 A column-parallel linear followed by a row-parallel one (the MLP, attention) needs no communication between.
+Sequence parallelism (`forward(..., sequence_parallel=True)`, Megatron-LM's): the column-parallel linear's input is
+this rank's sequence slice, all-gathered (backward: reduce-scatter); the row-parallel linear's partial sums are
+reduce-scattered into sequence slices (backward: all-gather) and its bias, replicated, is added to the slice, its
+gradient summed over the group (see LayerNorm below: the same reason).
 Both linears can carry a LoRA adapter (`add_lora`, split along the same dimension: see lora.py).
 """
 import torch
@@ -16,7 +20,8 @@ from torch import nn
 
 from .initialize import get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
-                       reduce_from_model_parallel_region, scatter_to_model_parallel_region)
+                       gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
 from .utils import VocabUtility, divide, get_device
 
 
@@ -65,6 +70,33 @@ def _lora_dropout(input_, p, training, column_slice=False):
     if world_size > 1:
         keep = keep.chunk(world_size, dim=-1)[get_model_parallel_rank()]
     return input_ * keep / (1.0 - p)
+
+
+def _refuse_lora_with_sequence_parallel(layer, sequence_parallel):
+    if sequence_parallel and layer.lora_A is not None and not layer.lora_disabled:
+        raise NotImplementedError("LoRA adapters do not run with sequence parallelism yet: drop --lora-rank or "
+                                  "--sequence-parallel")
+
+
+def sequence_parallel_replicated(param):
+    """`param` (replicated on every model-parallel rank) as used inside a sequence-parallel region: identity in
+    forward, its gradient all-reduced over the model-parallel group in backward. Each rank sees only its slice of
+    the sequence, so its gradient is a partial sum (Megatron-LM all-reduces the grads of parameters marked
+    `sequence_parallel` after backward; summing here, inside autograd, makes .grad whole before any hook sees it:
+    data-parallel reduction, ZeRO's buckets and partitions, the pipeline's embedding sync)."""
+    param.sequence_parallel = True
+    return copy_to_model_parallel_region(param)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (the same parameters and state-dict names) whose `forward(x, sequence_parallel=True)` takes
+    this rank's sequence slice and sums its weight and bias gradients over the model-parallel group."""
+
+    def forward(self, input_, sequence_parallel=False):
+        if not sequence_parallel or get_model_parallel_world_size() == 1:
+            return super().forward(input_)
+        return F.layer_norm(input_, self.normalized_shape, sequence_parallel_replicated(self.weight),
+                            sequence_parallel_replicated(self.bias), self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -128,9 +160,13 @@ class ColumnParallelLinear(nn.Module):
         _mark_model_parallel(self.lora_B, 0, self.stride)
         self.lora_scale, self.lora_dropout = scale, dropout
 
-    def forward(self, input_, weight_t=None):
-        """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t)."""
-        input_parallel = copy_to_model_parallel_region(input_)
+    def forward(self, input_, weight_t=None, sequence_parallel=False):
+        """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t).
+        sequence_parallel: input_ is this rank's sequence slice [b, s/p, in]; the output covers the whole
+        sequence [b, s, out/p]."""
+        _refuse_lora_with_sequence_parallel(self, sequence_parallel)
+        input_parallel = gather_from_sequence_parallel_region(input_) if sequence_parallel else \
+            copy_to_model_parallel_region(input_)
         if weight_t is None:
             output_parallel = F.linear(input_parallel, self.weight, self.bias)
         else:
@@ -180,9 +216,14 @@ class RowParallelLinear(nn.Module):
         self.lora_B = nn.Parameter(lora_b.detach().clone())
         self.lora_scale, self.lora_dropout = scale, dropout
 
-    def forward(self, input_):
+    def forward(self, input_, sequence_parallel=False):
+        """sequence_parallel: the output is this rank's sequence slice [b, s/p, out] of the summed result."""
+        _refuse_lora_with_sequence_parallel(self, sequence_parallel)
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
+        if sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel)               # [b, s/p, out]
+            return output if self.bias is None else output + sequence_parallel_replicated(self.bias)
         output = reduce_from_model_parallel_region(output_parallel)
         if self.lora_A is not None and not self.lora_disabled:
             # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient.

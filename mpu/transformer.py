@@ -3,6 +3,13 @@
 Activations are [b, s, h] (batch, sequence, hidden). With p model-parallel ranks each rank holds heads/p
 attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one all-reduce per block.
 
+Sequence parallelism (`ParallelTransformer(..., sequence_parallel=True)`, Megatron-LM's --sequence-parallel): the
+stack's input and output and everything between the blocks (LayerNorms, hidden dropout, residual adds) are this
+rank's slice of the sequence, [b, s/p, h]; each block all-gathers the sequence before its column-parallel linear
+and reduce-scatters after its row-parallel one (the all-reduce's two halves), and the LayerNorms' and row-parallel
+biases' gradients are summed over the group (mpu.layers.sequence_parallel_replicated). The hidden dropouts draw
+from the model-parallel RNG stream (each rank masks a different slice); incremental decoding runs without it.
+
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
 The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
@@ -23,7 +30,7 @@ from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
@@ -166,12 +173,14 @@ class ParallelSelfAttention(nn.Module):
         self.output_dropout = nn.Dropout(output_dropout_prob)
         self.checkpoint_core_attention = False   # selective recomputation (ParallelTransformer sets it)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None):
-        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, t], True = masked out,
-        # t = past + s keys. layer_past: a LayerPast to read the cached keys/values from and append this step's to.
-        b, s, _ = hidden_states.shape
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, sequence_parallel=False):
+        # hidden_states: [b, s, h] ([b, s/p, h] sequence_parallel); attention_mask: None (causal) or bool
+        # [b or 1, 1, s, t], True = masked out, t = past + s keys. layer_past: a LayerPast to read the cached
+        # keys/values from and append this step's to.
         qkv = self.query_key_value(hidden_states, weight_t=None if layer_past is None else
-                                   layer_past.weight_t(self.query_key_value.weight))   # [b, s, 3h/p]
+                                   layer_past.weight_t(self.query_key_value.weight),
+                                   sequence_parallel=sequence_parallel)              # [b, s, 3h/p]
+        b, s, _ = qkv.shape
         q, k, v = qkv.split(self.hidden_size_per_partition, dim=-1)               # 3 x [b, s, h/p]
         q, k, v = (t.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2) for t in (q, k, v))
         past = 0
@@ -187,7 +196,8 @@ class ParallelSelfAttention(nn.Module):
             context = mpu_checkpoint(core, q, k, v, *(() if attention_mask is None else (attention_mask,)))
         else:
             context = self.core_attention(q, k, v, attention_mask, past=past)      # [b, s, h/p]
-        return self.output_dropout(self.dense(context))                           # [b, s, h]
+        output = self.dense(context, sequence_parallel=sequence_parallel)         # [b, s, h] or [b, s/p, h]
+        return hidden_dropout(self.output_dropout, output, sequence_parallel, self.rng_tracker)
 
     def core_attention(self, q, k, v, attention_mask=None, past=0):
         """softmax(q k^T / sqrt(d) + mask) with attention dropout, times v (Megatron's "core attention": what
@@ -210,44 +220,63 @@ class ParallelSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
 
 
+def hidden_dropout(dropout, hidden_states, sequence_parallel, rng_tracker):
+    """`dropout` on a block's output: from the default generator (the same mask on every model-parallel rank:
+    the tensor is replicated), or with sequence parallelism, where each rank holds a different slice, from the
+    model-parallel stream (as Megatron-LM)."""
+    if not sequence_parallel or not dropout.training or dropout.p == 0.0:
+        return dropout(hidden_states)
+    with rng_tracker.fork():
+        return dropout(hidden_states)
+
+
 class ParallelMLP(nn.Module):
-    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method):
+    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker=None):
         super().__init__()
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 4 * hidden_size, gather_output=False,
                                                   init_method=init_method)
         self.dense_4h_to_h = RowParallelLinear(4 * hidden_size, hidden_size, input_is_parallel=True,
                                                init_method=output_layer_init_method)
         self.dropout = nn.Dropout(output_dropout_prob)
 
-    def forward(self, hidden_states, layer_past=None):
-        """layer_past: decoding (a LayerPast): only for its weight layouts."""
+    def forward(self, hidden_states, layer_past=None, sequence_parallel=False):
+        """layer_past: decoding (a LayerPast): only for its weight layouts. sequence_parallel: hidden_states and
+        the output are this rank's sequence slice [b, s/p, h]."""
         weight_t = None if layer_past is None else layer_past.weight_t(self.dense_h_to_4h.weight)
-        intermediate = F.gelu(self.dense_h_to_4h(hidden_states, weight_t=weight_t), approximate="tanh")  # [b, s, 4h/p]
-        return self.dropout(self.dense_4h_to_h(intermediate))                        # [b, s, h]
+        intermediate = F.gelu(self.dense_h_to_4h(hidden_states, weight_t=weight_t, sequence_parallel=sequence_parallel),
+                              approximate="tanh")                                    # [b, s, 4h/p]
+        output = self.dense_4h_to_h(intermediate, sequence_parallel=sequence_parallel)   # [b, s, h] or [b, s/p, h]
+        return hidden_dropout(self.dropout, output, sequence_parallel, self.rng_tracker)
 
 
 class ParallelTransformerLayer(nn.Module):
     """fused: run training and evaluation forwards through mpu/fused.py's compiled pieces (the same math;
-    incremental decoding stays eager)."""
+    incremental decoding stays eager). sequence_parallel: the input and output are this rank's sequence slice
+    (except while decoding, which runs without sequence parallelism)."""
 
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                 layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False):
+                 layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False,
+                 sequence_parallel=False):
         super().__init__()
         self.fused = fused
+        self.sequence_parallel = sequence_parallel
         device = get_device()
-        self.input_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
+        self.input_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
                                                output_dropout_prob, init_method, output_layer_init_method,
                                                rng_tracker)
-        self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
-        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method)
+        self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
+        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker)
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None):
         if self.fused and layer_past is None:
             return self._fused_forward(hidden_states, attention_mask)
-        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask,
-                                                       layer_past)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), layer_past)
+        sp = self.sequence_parallel and layer_past is None   # [b, s/p, h] in and out
+        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
+                                                       attention_mask, layer_past, sequence_parallel=sp)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
+                                        layer_past, sequence_parallel=sp)
 
     def _fused_forward(self, hidden_states, attention_mask):
         """The eager forward's math, compiled between the collectives (see mpu/fused.py)."""
@@ -324,10 +353,13 @@ class ParallelTransformer(nn.Module):
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-                 final_layernorm=True, fused=False, recompute=None):
+                 final_layernorm=True, fused=False, recompute=None, sequence_parallel=False):
         super().__init__()
         if recompute is not None and checkpoint_activations:
             raise ValueError("pass recompute=RecomputeConfig(...) or checkpoint_activations=True, not both")
+        if sequence_parallel and fused:
+            raise ValueError("sequence parallelism runs the eager layers: drop --torch-compile or --sequence-parallel")
+        self.sequence_parallel = sequence_parallel
         self.checkpoint_num_layers = checkpoint_num_layers
         self.checkpoint_function = checkpoint_function if checkpoint_function is not None else mpu_checkpoint
         rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
@@ -338,11 +370,12 @@ class ParallelTransformer(nn.Module):
         device = get_device()
         skip_init_draws(layer_init_shapes(hidden_size) * start, device)               # the layers before
         kept = [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                                         layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused)
+                                         layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused,
+                                         sequence_parallel)
                 for _ in range(start, end)]
         skip_init_draws(layer_init_shapes(hidden_size) * (num_layers - end), device)  # the layers after
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
-        self.final_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device) \
+        self.final_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device) \
             if final_layernorm else None
         self.recompute = recompute if recompute is not None else \
             RecomputeConfig.from_checkpoint_activations(checkpoint_activations, checkpoint_num_layers)
@@ -380,6 +413,7 @@ class ParallelTransformer(nn.Module):
         self.checkpoint_function = checkpoint_function
         for layer in self.layers:
             layer.attention.rng_tracker = rng_tracker
+            layer.mlp.rng_tracker = rng_tracker
 
     def _chunk(self, start, end):
         def run(hidden_states, *mask):
@@ -395,7 +429,8 @@ class ParallelTransformer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, inference_cache=None):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
-        checkpointed."""
+        checkpointed. hidden_states and the result: [b, s, h], or this rank's sequence slice [b, s/p, h] with
+        sequence_parallel (not while decoding)."""
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
                 hidden_states = layer(hidden_states, attention_mask, layer_past)
@@ -408,4 +443,6 @@ class ParallelTransformer(nn.Module):
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, attention_mask)
-        return self.final_layernorm(hidden_states) if self.final_layernorm is not None else hidden_states
+        if self.final_layernorm is None:
+            return hidden_states
+        return self.final_layernorm(hidden_states, sequence_parallel=self.sequence_parallel and inference_cache is None)

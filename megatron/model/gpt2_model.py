@@ -26,7 +26,14 @@ weights are bitwise the single-stage model's of the same seed. Names stay the si
 
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).
+
+Sequence parallelism (config.sequence_parallel, --sequence-parallel, Megatron-LM's): the embedding sum is cut into
+this rank's sequence slice [b, s/p, h] (backward: all-gathered, so the embeddings' gradients are whole) and
+dropped out there under the model-parallel RNG stream; the stack runs on slices (mpu/transformer.py) through the
+final LayerNorm, and the slices are all-gathered before the LM head (backward: reduce-scatter) or the reward head
+(backward: this rank's slice). Generation (an inference_cache) runs without it: the same weights, whole sequences.
 """
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,6 +82,9 @@ class GPT2ModelConfig:
     """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
     lora: Optional[mpu.LoRAConfig] = None
     """--lora-*: LoRA adapters on the layers' linears, every other parameter frozen (mpu/lora.py); None: no LoRA."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: the LayerNorm, dropout and residual regions hold a slice of the sequence per
+    model-parallel rank (see the module docstring); the same parameters and results as without."""
     reward_head: bool = False
     """A reward model (train_reward_model.py): a scalar head `score` (Linear(h, 1) without bias, HF
     GPT2ForSequenceClassification's) on the final LayerNorm's output instead of the LM head; forward returns one
@@ -89,7 +99,8 @@ class GPT2ModelConfig:
                    hidden_dropout=args.hidden_dropout, recompute=recompute_config_from_args(args),
                    init_method_std=args.init_method_std,
                    layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size,
-                   fused_compute=args.torch_compile, lora=lora_config_from_args(args))
+                   fused_compute=args.torch_compile, lora=lora_config_from_args(args),
+                   sequence_parallel=args.sequence_parallel)
 
 
 def recompute_config_from_args(args):
@@ -119,9 +130,11 @@ class TiedLMHead(nn.Module):
     """logits_r = hidden @ W_r^T with the word embedding W (no parameters of its own: a module so that ZeRO-3 can
     gather W around this use)."""
 
-    def forward(self, hidden, word_embedding_weight, matmul=None):
-        """matmul: x -> x @ word_embedding_weight^T in a decoding layout (on CPU: InferenceCache.head_matmul)."""
-        hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
+    def forward(self, hidden, word_embedding_weight, matmul=None, sequence_parallel=False):
+        """matmul: x -> x @ word_embedding_weight^T in a decoding layout (on CPU: InferenceCache.head_matmul).
+        sequence_parallel: hidden is this rank's sequence slice [b, s/p, h], all-gathered here."""
+        hidden_parallel = mpu.gather_from_sequence_parallel_region(hidden) if sequence_parallel else \
+            mpu.copy_to_model_parallel_region(hidden)
         if matmul is not None:
             return matmul(hidden_parallel)
         return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
@@ -191,12 +204,16 @@ class GPT2Model(nn.Module):
             layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
-            final_layernorm=self.post_process, fused=config.fused_compute)
+            final_layernorm=self.post_process, fused=config.fused_compute,
+            sequence_parallel=config.sequence_parallel)
 
         self.lm_head = TiedLMHead() if self.post_process and not config.reward_head else None
         if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
             register_external_parameter(self.lm_head, self.word_embeddings.weight)
         if config.lora is not None:
+            if config.sequence_parallel:
+                raise ValueError("LoRA does not run with sequence parallelism yet: drop --lora-rank or "
+                                 "--sequence-parallel")
             if config.fused_compute:
                 raise ValueError("LoRA runs the eager layers: drop --torch-compile (fused_compute) or --lora-rank")
             mpu.add_lora(self.transformer, config.lora)   # drawn after every base weight: those are unchanged
@@ -246,21 +263,34 @@ class GPT2Model(nn.Module):
                 position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
             words = self.word_embeddings(input_ids)                           # [b, s, h]
             positions = self.position_embeddings(position_ids)                # [b, s, h]
-            hidden = self.embedding_dropout(words + positions)
+            if self.config.sequence_parallel and inference_cache is None:
+                hidden = mpu.scatter_to_sequence_parallel_region(words + positions)   # [b, s/p, h]
+                with mpu.get_cuda_rng_tracker().fork() if self.embedding_dropout.training else nullcontext():
+                    hidden = self.embedding_dropout(hidden)
+            else:
+                hidden = self.embedding_dropout(words + positions)
         else:
             hidden = self.input_tensor                                        # [b, s, h] from the previous stage
         hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
         if not self.post_process:
             return hidden
+        sequence_parallel = self.config.sequence_parallel and inference_cache is None   # hidden: [b, s/p, h]
         if self.score is not None:
             if labels is not None or inference_cache is not None:
                 raise RuntimeError("a reward model (reward_head) returns rewards: no labels, no generation")
+            if sequence_parallel:
+                hidden = mpu.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
             return self.score(hidden).squeeze(-1)                            # [b, s]
         if last_logits_only:
+            if sequence_parallel:
+                # the head's copy sums the gradient over the group: the gather's backward only cuts it
+                hidden = mpu.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+                sequence_parallel = False
             hidden = hidden[:, -1:]                                           # [b, 1, h]
         matmul = None if inference_cache is None else inference_cache.head_matmul(
             self.word_embeddings.weight, hidden.size(0) * hidden.size(1))
-        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, matmul)   # [b, s, V/p]
+        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, matmul,
+                                       sequence_parallel=sequence_parallel)   # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,
                                                     real_vocab_size=self.config.real_vocab_size,

@@ -1,0 +1,279 @@
+"""--sequence-parallel (Megatron-LM's sequence parallelism: mpu/mappings.py's sequence pairs, mpu/layers.py,
+mpu/transformer.py, GPT2Model).
+
+What is asserted, in one launch of 2 processes (every variant in sequence):
+- the three sequence mappings' forward and backward against tensors computed by hand;
+- without dropout, 10 SGD steps of GPT-2 at mp 2 with sequence parallelism == mp 1 == mp 2 without (losses and
+  every weight, gathered to full size, within 1e-6 relative, fp32);
+- the LayerNorms' (and the row-parallel biases') gradients are identical on the two tensor-parallel ranks, and
+  equal the mp 1 gradients (each rank sums its sequence slice's partial gradient over the group);
+- with dropout, sequence parallelism is NOT compared with the run without: as in Megatron-LM, the hidden and
+  embedding dropouts then act on each rank's sequence slice and draw from the per-rank model-parallel stream (the
+  run without draws one mask for the whole replicated tensor from the default stream), so the masks differ by
+  design. Asserted instead: full recomputation with sequence parallelism and dropout is bitwise the plain
+  sequence-parallel run (the slices' masks are replayed), and the two ranks' dropout masks differ.
+- ZeRO stage 2 and 3 at mp 2 with sequence parallelism == the Megatron-path run (the LayerNorm sums happen inside
+  autograd, before ZeRO's gradient hooks).
+- the command line: --sequence-parallel at mp 1 is one line.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import mpu
+from megatron.spawn import run_distributed
+from tests.helpers import max_relative_difference, parser_error
+
+LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB, STEPS, LR = 2, 32, 4, 16, 2, 64, 10, 0.5
+TOLERANCE = 1e-6
+REPLICATED_SP = ("layernorm", "dense.bias", "dense_4h_to_h.bias")   # summed over the group under SP
+
+
+# ---- the mappings against hand-computed tensors --------------------------------------------------------------
+
+def _mappings_case():
+    """At mp 2, s = 4: rank r holds x_r = (r + 1) * arange; what each mapping gives forward and backward."""
+    rank = mpu.get_model_parallel_rank()
+    out = {}
+    full = torch.arange(8.0).view(1, 4, 2)                                  # [b=1, s=4, h=2]: the same on both
+    x = full.clone().requires_grad_()
+    y = mpu.scatter_to_sequence_parallel_region(x)                         # [1, 2, 2]: positions 2r, 2r+1
+    (y * (rank + 1)).sum().backward()
+    out["scatter"] = (y.detach(), x.grad)
+    piece = ((rank + 1) * torch.arange(4.0)).view(1, 2, 2).requires_grad_()
+    gathered = mpu.gather_from_sequence_parallel_region(piece)             # [1, 4, 2]
+    (gathered * torch.arange(8.0).view(1, 4, 2) * (rank + 1)).sum().backward()
+    out["gather"] = (gathered.detach(), piece.grad)
+    piece2 = ((rank + 1) * torch.arange(4.0)).view(1, 2, 2).requires_grad_()
+    gathered2 = mpu.gather_from_sequence_parallel_region(piece2, tensor_parallel_output_grad=False)
+    (gathered2 * torch.arange(8.0).view(1, 4, 2)).sum().backward()
+    out["gather, replicated consumer"] = piece2.grad
+    partial = ((rank + 1) * torch.arange(8.0)).view(1, 4, 2).requires_grad_()
+    reduced = mpu.reduce_scatter_to_sequence_parallel_region(partial)      # [1, 2, 2]
+    (reduced * (rank + 1)).sum().backward()
+    out["reduce-scatter"] = (reduced.detach(), partial.grad)
+    return out
+
+
+# ---- GPT-2 runs ------------------------------------------------------------------------------------------------
+
+def _gathered(module, grads=False):
+    """Every parameter (or its gradient), full size: all-gathered over the model-parallel group along
+    partition_dim in partition_stride blocks (query_key_value: rank r holds [q_r, k_r, v_r])."""
+    world = mpu.get_model_parallel_world_size()
+    full = {}
+    for name, param in module.named_parameters():
+        tensor = (param.grad if grads else param).detach().contiguous()
+        if world > 1 and getattr(param, "model_parallel", False):
+            pieces = [torch.empty_like(tensor) for _ in range(world)]
+            dist.all_gather(pieces, tensor, group=mpu.get_model_parallel_group())
+            dim, stride = param.partition_dim, param.partition_stride
+            blocks = [piece.chunk(stride, dim=dim) for piece in pieces]
+            tensor = torch.cat([blocks[r][j] for j in range(stride) for r in range(world)], dim=dim)
+        full[name] = tensor.clone()
+    return full
+
+
+def _config(sequence_parallel, dropout=0.0, recompute=None):
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    return GPT2ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                           max_sequence_length=SEQ, embedding_dropout=dropout, attention_dropout=dropout,
+                           hidden_dropout=dropout, sequence_parallel=sequence_parallel, recompute=recompute)
+
+
+def _tokens(step):
+    generator = torch.Generator().manual_seed(100 + step)          # the same batch on every rank
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1].to(mpu.get_device()), tokens[:, 1:].to(mpu.get_device())
+
+
+def _build(config):
+    from megatron.model.gpt2_model import GPT2Model
+    mpu.model_parallel_cuda_manual_seed(1234)                      # the same full-size weights at any mp
+    return GPT2Model(config)
+
+
+def _sgd_run(config):
+    """STEPS SGD steps: losses, the first step's gradients (full size), the final weights (full size), and the
+    first step's LayerNorm/bias gradients as this rank holds them."""
+    model = _build(config)
+    mpu.model_parallel_cuda_manual_seed(99)
+    losses, first_grads, local = [], None, None
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        loss = model(*_tokens(step)[:1], labels=_tokens(step)[1]).mean()
+        loss.backward()
+        losses.append(float(loss))
+        if step == 0:
+            first_grads = _gathered(model, grads=True)
+            local = {n: p.grad.clone() for n, p in model.named_parameters() if any(k in n for k in REPLICATED_SP)}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-LR)
+    return {"losses": losses, "grads": first_grads, "weights": _gathered(model), "local": local}
+
+
+def _zero_run(config, stage):
+    """STEPS steps of the ZeRO engine at mp 2 and dp 1: losses and final weights. Adam with eps = 1 (its update
+    ~ lr * m for these gradients, ~1e-3): with the default eps its update is ~lr * sign(gradient), which turns
+    the last-bit differences of near-zero gradient elements into differences of lr (measured 3e-4 relative)."""
+    from megatron import zero
+    model = _build(config)
+    ds_config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH,
+                 "optimizer": {"type": "Adam", "params": {"lr": 0.5, "eps": 1.0}},
+                 "zero_optimization": {"stage": stage}}
+    engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu,
+                                 dist_init_required=False)
+    mpu.model_parallel_cuda_manual_seed(99)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = _tokens(step)
+        loss = engine(tokens, labels=labels).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    with zero.GatheredParameters(list(model.parameters())):
+        weights = _gathered(model)
+    return {"losses": losses, "weights": weights}
+
+
+def _dropout_run(config):
+    """Three steps with dropout: losses and first-step gradients (local), for the recomputation comparison."""
+    model = _build(config)
+    model.train()
+    mpu.model_parallel_cuda_manual_seed(99)
+    losses, grads = [], []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        tokens, labels = _tokens(step)
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-LR)
+    return {"losses": losses, "grads": grads}
+
+
+def _embedding_dropout_mask():
+    """This rank's embedding-dropout output on ones: where its slice's mask drops (sequence parallel)."""
+    model = _build(_config(True, dropout=0.5))
+    mpu.model_parallel_cuda_manual_seed(99)
+    words = []
+    model.word_embeddings.register_forward_hook(lambda module, inputs, output: torch.ones_like(output))
+    model.position_embeddings.register_forward_hook(lambda module, inputs, output: torch.zeros_like(output))
+    model.embedding_dropout.register_forward_hook(lambda module, inputs, output: words.append(output.detach()))
+    model(*_tokens(0)[:1], labels=_tokens(0)[1])
+    return words[0]
+
+
+def _worker(zero_stages):
+    from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
+    results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
+    results["dropout sp"] = _dropout_run(_config(True, dropout=0.2))
+    results["dropout sp, full recompute"] = _dropout_run(
+        _config(True, dropout=0.2, recompute=mpu.RecomputeConfig("full", "uniform", 1)))
+    results["dropout mask"] = _embedding_dropout_mask()
+    for stage in zero_stages:
+        results[f"zero {stage} sp"] = _zero_run(_config(True), stage)
+    results["zero reference"] = _zero_run(_config(False), 0) if zero_stages else None
+    # mp 1 on the same processes (data parallel 2: each rank computes the same whole model)
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1)
+    results["mp1"] = _sgd_run(_config(False))
+    return results
+
+
+ZERO_STAGES = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_worker, 2, args=(ZERO_STAGES,), model_parallel_size=2)
+
+
+def test_scatter_keeps_my_slice_and_gathers_the_gradient(ranks):
+    full = torch.arange(8.0).view(1, 4, 2)
+    for rank, result in enumerate(ranks):
+        out, grad = result["mappings"]["scatter"]
+        assert torch.equal(out, full[:, 2 * rank:2 * rank + 2])
+        # backward all-gathers: rank r's gradient slice is (r + 1) on its positions, the other rank's elsewhere
+        assert torch.equal(grad, torch.tensor([1.0, 1, 2, 2]).view(1, 4, 1).expand(1, 4, 2))
+
+
+def test_gather_concatenates_and_reduce_scatters_the_gradient(ranks):
+    pieces = [(r + 1) * torch.arange(4.0).view(1, 2, 2) for r in range(2)]
+    weights = torch.arange(8.0).view(1, 4, 2)
+    for rank, result in enumerate(ranks):
+        out, grad = result["mappings"]["gather"]
+        assert torch.equal(out, torch.cat(pieces, dim=1))
+        # each rank's gradient of the gathered tensor is weights * (r + 1); summed: 3 * weights, my positions
+        assert torch.equal(grad, 3 * weights[:, 2 * rank:2 * rank + 2])
+        # into a replicated consumer the gradient is whole on each rank: only cut
+        assert torch.equal(result["mappings"]["gather, replicated consumer"], weights[:, 2 * rank:2 * rank + 2])
+
+
+def test_reduce_scatter_sums_my_slice_and_gathers_the_gradient(ranks):
+    total = 3 * torch.arange(8.0).view(1, 4, 2)                         # rank 0's 1x plus rank 1's 2x
+    for rank, result in enumerate(ranks):
+        out, grad = result["mappings"]["reduce-scatter"]
+        assert torch.equal(out, total[:, 2 * rank:2 * rank + 2])
+        assert torch.equal(grad, torch.tensor([1.0, 1, 2, 2]).view(1, 4, 1).expand(1, 4, 2))
+
+
+@pytest.mark.parametrize("run", ["mp2", "mp2 sp"])
+def test_mp2_with_and_without_sequence_parallel_equal_mp1(ranks, run):
+    for rank, result in enumerate(ranks):
+        reference = result["mp1"]
+        assert max_relative_difference(result[run]["losses"], reference["losses"]) < TOLERANCE, (rank, run)
+        assert max_relative_difference(result[run]["grads"], reference["grads"]) < TOLERANCE, (rank, run)
+        assert max_relative_difference(result[run]["weights"], reference["weights"]) < TOLERANCE, (rank, run)
+    assert len(set(ranks[0]["mp1"]["losses"])) == STEPS                 # the steps change the loss
+
+
+def test_sequence_parallel_equals_plain_mp2(ranks):
+    for result in ranks:
+        assert max_relative_difference(result["mp2 sp"]["weights"], result["mp2"]["weights"]) < TOLERANCE
+
+
+def test_layernorm_and_bias_gradients_identical_across_the_group(ranks):
+    local = [result["mp2 sp"]["local"] for result in ranks]
+    names = sorted(local[0])
+    assert len(names) == 4 * LAYERS + 2 + 2 * LAYERS                  # 2 LayerNorms x (w, b) per layer, final LN,
+    for name in names:                                                # the two row-parallel biases per layer
+        assert torch.equal(local[0][name], local[1][name]), name
+        full = ranks[0]["mp1"]["grads"][name]
+        assert max_relative_difference([local[0][name]], [full]) < TOLERANCE, name
+
+
+def test_dropout_full_recompute_is_bitwise_the_plain_sequence_parallel_run(ranks):
+    for rank, result in enumerate(ranks):
+        plain, recomputed = result["dropout sp"], result["dropout sp, full recompute"]
+        assert all(torch.equal(a, b) for a, b in zip(plain["losses"], recomputed["losses"])), rank
+        for g, ref in zip(recomputed["grads"], plain["grads"]):
+            assert all(torch.equal(g[key], ref[key]) for key in ref), rank
+
+
+def test_dropout_masks_differ_between_the_sequence_slices(ranks):
+    masks = [result["dropout mask"] for result in ranks]
+    assert masks[0].shape == (BATCH, SEQ // 2, HIDDEN)
+    assert not torch.equal(masks[0] == 0, masks[1] == 0)               # each slice its own stream
+    assert 0.3 < float((masks[0] == 0).float().mean()) < 0.7
+
+
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_zero_with_sequence_parallel_equals_the_plain_run(ranks, stage):
+    for rank, result in enumerate(ranks):
+        got, reference = result[f"zero {stage} sp"], result["zero reference"]
+        assert max_relative_difference(got["losses"], reference["losses"]) < TOLERANCE, (rank, stage)
+        assert max_relative_difference(got["weights"], reference["weights"]) < TOLERANCE, (rank, stage)
+
+
+# ---- the command line ----------------------------------------------------------------------------------------
+
+def test_sequence_parallel_needs_model_parallel(capsys):
+    from megatron.arguments import parse_args
+    line = parser_error(lambda argv: parse_args(args_list=argv), ["--mock-data", "--sequence-parallel"], capsys)
+    assert ("--sequence-parallel splits the sequence across the tensor-parallel group: it needs "
+                         "--model-parallel-size > 1") in line
