@@ -22,6 +22,7 @@ from .initialize import get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
                        gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
+from .mappings import gather_sequence, reduce_scatter_sequence
 from .utils import VocabUtility, divide, get_device
 
 
@@ -86,6 +87,28 @@ def sequence_parallel_replicated(param):
     data-parallel reduction, ZeRO's buckets and partitions, the pipeline's embedding sync)."""
     param.sequence_parallel = True
     return copy_to_model_parallel_region(param)
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Y = gather(X_slice) A_i + b_i, keeping only X_slice for backward (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel): backward all-gathers X again for A's
+    gradient and reduce-scatters X's. The same math as gather_from_sequence_parallel_region then F.linear, but
+    autograd would keep the gathered [b, s, in] (p times the slice)."""
+
+    @staticmethod
+    def forward(ctx, input_slice, weight, bias):
+        ctx.save_for_backward(input_slice, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(gather_sequence(input_slice), weight, bias)                 # [b, s, out/p]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_slice, weight = ctx.saved_tensors
+        total = gather_sequence(input_slice)                                         # [b, s, in]
+        grad_input = reduce_scatter_sequence(grad_output.matmul(weight))             # [b, s/p, in]
+        grad_weight = grad_output.reshape(-1, grad_output.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
+        grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias
 
 
 class LayerNorm(nn.LayerNorm):
@@ -165,6 +188,9 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: input_ is this rank's sequence slice [b, s/p, in]; the output covers the whole
         sequence [b, s, out/p]."""
         _refuse_lora_with_sequence_parallel(self, sequence_parallel)
+        if sequence_parallel and weight_t is None and get_model_parallel_world_size() > 1:
+            output_parallel = _SequenceParallelLinear.apply(input_, self.weight, self.bias)   # keeps the slice only
+            return gather_from_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         input_parallel = gather_from_sequence_parallel_region(input_) if sequence_parallel else \
             copy_to_model_parallel_region(input_)
         if weight_t is None:

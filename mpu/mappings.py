@@ -127,8 +127,9 @@ def _split_sequence(input_):
     return input_.chunk(world_size, dim=SEQUENCE_DIM)[get_model_parallel_rank()].contiguous()
 
 
-def _gather_sequence(input_):
-    """Concatenate every rank's sequence slice."""
+def gather_sequence(input_):
+    """Concatenate every rank's sequence slice (the collective alone, no autograd: also used by layers.py's
+    sequence-parallel linear)."""
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return input_
@@ -138,7 +139,7 @@ def _gather_sequence(input_):
     return torch.cat(pieces, dim=SEQUENCE_DIM)
 
 
-def _reduce_scatter_sequence(input_):
+def reduce_scatter_sequence(input_):
     """Sum over the group, then keep this rank's sequence slice."""
     world_size = get_model_parallel_world_size()
     if world_size == 1:
@@ -160,32 +161,32 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_sequence(grad_output)
+        return gather_sequence(grad_output)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, tensor_parallel_output_grad):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_sequence(input_)
+        return gather_sequence(input_)
 
     @staticmethod
     def backward(ctx, grad_output):
         # Into a tensor-parallel linear each rank's gradient is a partial sum (its columns' share): sum and cut.
         # Into a computation replicated on every rank the gradient is already whole: cut only.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_sequence(grad_output), None
+            return reduce_scatter_sequence(grad_output), None
         return _split_sequence(grad_output), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_):
-        return _reduce_scatter_sequence(input_)
+        return reduce_scatter_sequence(input_)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_sequence(grad_output)
+        return gather_sequence(grad_output)
 
 
 def scatter_to_sequence_parallel_region(input_):

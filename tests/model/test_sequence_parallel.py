@@ -14,6 +14,9 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
   sequence-parallel run (the slices' masks are replayed), and the two ranks' dropout masks differ.
 - ZeRO stage 2 and 3 at mp 2 with sequence parallelism == the Megatron-path run (the LayerNorm sums happen inside
   autograd, before ZeRO's gradient hooks).
+- the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
+  equal memory.activation_bytes_saved with the sequence-parallel layout at mp 2, for no recomputation, selective
+  and full: the replicated part is divided by 2.
 - the command line: --sequence-parallel at mp 1 is one line.
 """
 import pytest
@@ -22,7 +25,9 @@ import torch.distributed as dist
 
 import mpu
 from megatron.spawn import run_distributed
+from megatron.guards import memory
 from tests.helpers import max_relative_difference, parser_error
+from tests.model.test_recompute import _saved_activation_bytes
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB, STEPS, LR = 2, 32, 4, 16, 2, 64, 10, 0.5
 TOLERANCE = 1e-6
@@ -168,6 +173,25 @@ def _embedding_dropout_mask():
     return words[0]
 
 
+MEASURE_LAYERS, MEASURE_SEQ, MEASURE_BATCH, MEASURE_DROPOUT = 2, 64, 2, 0.2
+MEASURE_MODES = {"none": mpu.RecomputeConfig(), "selective": mpu.RecomputeConfig("selective"),
+                 "full uniform 1": mpu.RecomputeConfig("full", "uniform", 1)}
+
+
+def _measured_activation_bytes():
+    """Bytes the sequence-parallel stack keeps for backward for one forward of this rank's slice, per mode."""
+    mpu.model_parallel_cuda_manual_seed(1234)
+    stack = mpu.ParallelTransformer(MEASURE_LAYERS, HIDDEN, HEADS, MEASURE_DROPOUT, MEASURE_DROPOUT,
+                                    final_layernorm=False, sequence_parallel=True)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(MEASURE_BATCH, MEASURE_SEQ // mpu.get_model_parallel_world_size(), HIDDEN, generator=generator)
+    measured = {}
+    for name, config in MEASURE_MODES.items():
+        stack.recompute = config
+        measured[name] = _saved_activation_bytes(stack, x.to(mpu.get_device()))
+    return measured
+
+
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
@@ -175,6 +199,7 @@ def _worker(zero_stages):
     results["dropout sp, full recompute"] = _dropout_run(
         _config(True, dropout=0.2, recompute=mpu.RecomputeConfig("full", "uniform", 1)))
     results["dropout mask"] = _embedding_dropout_mask()
+    results["saved bytes"] = _measured_activation_bytes()
     for stage in zero_stages:
         results[f"zero {stage} sp"] = _zero_run(_config(True), stage)
     results["zero reference"] = _zero_run(_config(False), 0) if zero_stages else None
@@ -268,6 +293,19 @@ def test_zero_with_sequence_parallel_equals_the_plain_run(ranks, stage):
         got, reference = result[f"zero {stage} sp"], result["zero reference"]
         assert max_relative_difference(got["losses"], reference["losses"]) < TOLERANCE, (rank, stage)
         assert max_relative_difference(got["weights"], reference["weights"]) < TOLERANCE, (rank, stage)
+
+
+def test_saved_activation_bytes_match_the_sequence_parallel_formula(ranks):
+    layout = memory.ActivationLayout.for_run("cpu", 4, MEASURE_DROPOUT, MEASURE_DROPOUT, sequence_parallel=True)
+    plain = memory.ActivationLayout.for_run("cpu", 4, MEASURE_DROPOUT, MEASURE_DROPOUT)
+    shape = (MEASURE_LAYERS, MEASURE_SEQ, MEASURE_BATCH, HIDDEN, HEADS, 2)
+    for rank, result in enumerate(ranks):
+        for mode, measured in result["saved bytes"].items():
+            formula = memory.activation_bytes_saved(*shape, MEASURE_MODES[mode], layout)
+            assert measured == formula, (rank, mode, measured, formula)
+            assert formula < memory.activation_bytes_saved(*shape, MEASURE_MODES[mode], plain), mode
+    sbh = MEASURE_SEQ * MEASURE_BATCH * HIDDEN * 4
+    assert ranks[0]["saved bytes"]["full uniform 1"] == MEASURE_LAYERS * sbh // 2      # each input a slice
 
 
 # ---- the command line ----------------------------------------------------------------------------------------
