@@ -292,8 +292,7 @@ def _check_sequence_parallel(args, parser):
     if args.seq_length % args.model_parallel_size:
         parser.error(f"--sequence-parallel: --seq-length ({args.seq_length}) is not divisible by "
                      f"--model-parallel-size ({args.model_parallel_size})")
-    for flag, on in (("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-                     ("--lora-rank", bool(args.lora_rank)), ("--torch-compile", args.torch_compile)):
+    for flag, on in (("--lora-rank", bool(args.lora_rank)), ("--torch-compile", args.torch_compile)):
         if on:
             parser.error(f"--sequence-parallel does not run with {flag} yet: drop one of them")
 
