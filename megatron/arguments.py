@@ -292,9 +292,8 @@ def _check_sequence_parallel(args, parser):
     if args.seq_length % args.model_parallel_size:
         parser.error(f"--sequence-parallel: --seq-length ({args.seq_length}) is not divisible by "
                      f"--model-parallel-size ({args.model_parallel_size})")
-    for flag, on in (("--lora-rank", bool(args.lora_rank)), ("--torch-compile", args.torch_compile)):
-        if on:
-            parser.error(f"--sequence-parallel does not run with {flag} yet: drop one of them")
+    if args.torch_compile:
+        parser.error("--sequence-parallel runs the eager layers: drop --torch-compile or --sequence-parallel")
 
 
 def validate_args(args, parser):

@@ -59,24 +59,25 @@ def _split_master(master, partition_dim, per_partition, stride=1):
     return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
 
 
-def _lora_dropout(input_, p, training, column_slice=False):
+def _lora_dropout(input_, p, training, column_slice=False, sequence_slice=False):
     """Dropout on a LoRA adapter's input with one mask over the full input width, drawn from the default generator
     (the same on every model-parallel rank): `column_slice` (a row-parallel input, this rank's columns of that
-    width) takes this rank's columns of the mask, so the masks are those of model-parallel size 1."""
+    width) takes this rank's columns of the mask, `sequence_slice` (a sequence-parallel input [b, s/p, in]) this
+    rank's positions, so the masks are those of model-parallel size 1."""
     if not training or p == 0.0:
         return input_
-    world_size = get_model_parallel_world_size() if column_slice else 1
-    keep = torch.empty(*input_.shape[:-1], input_.shape[-1] * world_size, dtype=input_.dtype,
-                       device=input_.device).bernoulli_(1.0 - p)
-    if world_size > 1:
-        keep = keep.chunk(world_size, dim=-1)[get_model_parallel_rank()]
+    world_size = get_model_parallel_world_size()
+    columns = world_size if column_slice else 1
+    positions = world_size if sequence_slice else 1
+    shape = list(input_.shape)
+    shape[-1] *= columns
+    shape[1] *= positions                                                   # [b, s, in]
+    keep = torch.empty(shape, dtype=input_.dtype, device=input_.device).bernoulli_(1.0 - p)
+    if columns > 1:
+        keep = keep.chunk(columns, dim=-1)[get_model_parallel_rank()]
+    if positions > 1:
+        keep = keep.chunk(positions, dim=1)[get_model_parallel_rank()]
     return input_ * keep / (1.0 - p)
-
-
-def _refuse_lora_with_sequence_parallel(layer, sequence_parallel):
-    if sequence_parallel and layer.lora_A is not None and not layer.lora_disabled:
-        raise NotImplementedError("LoRA adapters do not run with sequence parallelism yet: drop --lora-rank or "
-                                  "--sequence-parallel")
 
 
 def sequence_parallel_replicated(param):
@@ -104,10 +105,11 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input_slice, weight = ctx.saved_tensors
-        total = gather_sequence(input_slice)                                         # [b, s, in]
         grad_input = reduce_scatter_sequence(grad_output.matmul(weight))             # [b, s/p, in]
-        grad_weight = grad_output.reshape(-1, grad_output.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
-        grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias else None
+        total = gather_sequence(input_slice) if ctx.needs_input_grad[1] else None    # [b, s, in]
+        rows = grad_output.reshape(-1, grad_output.size(-1))                         # [b s, out/p]
+        grad_weight = rows.t().matmul(total.reshape(-1, total.size(-1))) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None   # (frozen under LoRA)
         return grad_input, grad_weight, grad_bias
 
 
@@ -187,22 +189,28 @@ class ColumnParallelLinear(nn.Module):
         """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t).
         sequence_parallel: input_ is this rank's sequence slice [b, s/p, in]; the output covers the whole
         sequence [b, s, out/p]."""
-        _refuse_lora_with_sequence_parallel(self, sequence_parallel)
-        if sequence_parallel and weight_t is None and get_model_parallel_world_size() > 1:
+        sequence_parallel = sequence_parallel and get_model_parallel_world_size() > 1
+        if sequence_parallel and weight_t is None:
             output_parallel = _SequenceParallelLinear.apply(input_, self.weight, self.bias)   # keeps the slice only
-            return gather_from_model_parallel_region(output_parallel) if self.gather_output else output_parallel
-        input_parallel = gather_from_sequence_parallel_region(input_) if sequence_parallel else \
-            copy_to_model_parallel_region(input_)
-        if weight_t is None:
-            output_parallel = F.linear(input_parallel, self.weight, self.bias)
         else:
-            output_parallel = torch.matmul(input_parallel, weight_t)
-            output_parallel = output_parallel if self.bias is None else output_parallel + self.bias
+            input_parallel = gather_from_sequence_parallel_region(input_) if sequence_parallel else \
+                copy_to_model_parallel_region(input_)
+            if weight_t is None:
+                output_parallel = F.linear(input_parallel, self.weight, self.bias)
+            else:
+                output_parallel = torch.matmul(input_parallel, weight_t)
+                output_parallel = output_parallel if self.bias is None else output_parallel + self.bias
         if self.lora_A is not None and not self.lora_disabled:
             # u = A x' on every rank, from the input before the copy (whose backward all-reduces the input
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
-            lora_input = _lora_dropout(input_, self.lora_dropout, self.training)
-            u = copy_to_model_parallel_region(F.linear(lora_input, self.lora_A))              # [..., r]
+            # Sequence parallel: u = A x' of this rank's positions, gathered (backward: dL/du summed over the ranks
+            # and cut to my positions), so A's gradient is my positions' share: summed over the group.
+            lora_input = _lora_dropout(input_, self.lora_dropout, self.training, sequence_slice=sequence_parallel)
+            if sequence_parallel:
+                u = gather_from_sequence_parallel_region(
+                    F.linear(lora_input, sequence_parallel_replicated(self.lora_A)))          # [b, s, r]
+            else:
+                u = copy_to_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]
             output_parallel = output_parallel + self.lora_scale * F.linear(u, self.lora_B)     # [..., out/p]
         if self.gather_output:
             return gather_from_model_parallel_region(output_parallel)
@@ -244,18 +252,19 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_, sequence_parallel=False):
         """sequence_parallel: the output is this rank's sequence slice [b, s/p, out] of the summed result."""
-        _refuse_lora_with_sequence_parallel(self, sequence_parallel)
+        sequence_parallel = sequence_parallel and get_model_parallel_world_size() > 1
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
-        if sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(output_parallel)               # [b, s/p, out]
-            return output if self.bias is None else output + sequence_parallel_replicated(self.bias)
-        output = reduce_from_model_parallel_region(output_parallel)
+        # sequence parallel: reduce-scatter (the sum, my positions) instead of all-reduce, [b, s/p, out]
+        reduce = reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_model_parallel_region
+        replicated = sequence_parallel_replicated if sequence_parallel else (lambda param: param)
+        output = reduce(output_parallel)
         if self.lora_A is not None and not self.lora_disabled:
-            # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient.
+            # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient
+            # (sequence parallel: u of my positions, B's gradient their share, summed over the group).
             lora_input = _lora_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
-            u = reduce_from_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]
-            output = output + self.lora_scale * F.linear(u, self.lora_B)                      # [..., out]
+            u = reduce(F.linear(lora_input, self.lora_A))                                     # [..., r]
+            output = output + self.lora_scale * F.linear(u, replicated(self.lora_B))          # [..., out]
         if self.bias is not None:
-            output = output + self.bias
+            output = output + replicated(self.bias)
         return output

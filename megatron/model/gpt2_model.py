@@ -211,9 +211,6 @@ class GPT2Model(nn.Module):
         if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
             register_external_parameter(self.lm_head, self.word_embeddings.weight)
         if config.lora is not None:
-            if config.sequence_parallel:
-                raise ValueError("LoRA does not run with sequence parallelism yet: drop --lora-rank or "
-                                 "--sequence-parallel")
             if config.fused_compute:
                 raise ValueError("LoRA runs the eager layers: drop --torch-compile (fused_compute) or --lora-rank")
             mpu.add_lora(self.transformer, config.lora)   # drawn after every base weight: those are unchanged

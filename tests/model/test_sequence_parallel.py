@@ -81,11 +81,17 @@ def _gathered(module, grads=False):
     return full
 
 
-def _config(sequence_parallel, dropout=0.0, recompute=None):
+def _config(sequence_parallel, dropout=0.0, recompute=None, lora=None):
     from megatron.model.gpt2_model import GPT2ModelConfig
     return GPT2ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
                            max_sequence_length=SEQ, embedding_dropout=dropout, attention_dropout=dropout,
-                           hidden_dropout=dropout, sequence_parallel=sequence_parallel, recompute=recompute)
+                           hidden_dropout=dropout, sequence_parallel=sequence_parallel, recompute=recompute,
+                           lora=lora)
+
+
+# LoRA on all four linears with adapter dropout: its masks are drawn over the whole sequence from the default
+# generator and cut to each rank's positions, so LoRA runs are equal with and without sequence parallelism.
+LORA = mpu.LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=("qkv", "dense", "fc1", "fc2"))
 
 
 def _tokens(step):
@@ -112,12 +118,25 @@ def _sgd_run(config):
         loss.backward()
         losses.append(float(loss))
         if step == 0:
-            first_grads = _gathered(model, grads=True)
-            local = {n: p.grad.clone() for n, p in model.named_parameters() if any(k in n for k in REPLICATED_SP)}
+            first_grads = _gathered(_Trainable(model), grads=True)
+            local = {n: p.grad.clone() for n, p in model.named_parameters() if any(k in n for k in REPLICATED_SP)
+                     and p.grad is not None}
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(p.grad, alpha=-LR)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
     return {"losses": losses, "grads": first_grads, "weights": _gathered(model), "local": local}
+
+
+class _Trainable(torch.nn.Module):
+    """named_parameters() of `model`'s trainable parameters only (LoRA freezes the rest)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def named_parameters(self, *args, **kwargs):
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
 
 def _zero_run(config, stage):
@@ -197,6 +216,8 @@ def _measured_activation_bytes():
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
+    results["lora mp2"] = _sgd_run(_config(False, lora=LORA))
+    results["lora mp2 sp"] = _sgd_run(_config(True, lora=LORA))
     results["dropout sp"] = _dropout_run(_config(True, dropout=0.2))
     results["dropout sp, full recompute"] = _dropout_run(
         _config(True, dropout=0.2, recompute=mpu.RecomputeConfig("full", "uniform", 1)))
@@ -262,6 +283,18 @@ def test_mp2_with_and_without_sequence_parallel_equal_mp1(ranks, run):
 def test_sequence_parallel_equals_plain_mp2(ranks):
     for result in ranks:
         assert max_relative_difference(result["mp2 sp"]["weights"], result["mp2"]["weights"]) < TOLERANCE
+
+
+def test_lora_with_sequence_parallel_equals_lora_without(ranks):
+    for rank, result in enumerate(ranks):
+        got, reference = result["lora mp2 sp"], result["lora mp2"]
+        assert any("lora_A" in name for name in reference["grads"]) and all(
+            "lora" in name for name in reference["grads"])
+        assert max_relative_difference(got["losses"], reference["losses"]) < TOLERANCE, rank
+        assert max_relative_difference(got["grads"], reference["grads"]) < TOLERANCE, rank
+        assert max_relative_difference(got["weights"], reference["weights"]) < TOLERANCE, rank
+        # the adapters moved: B starts at zero
+        assert float(got["weights"]["transformer.layers.0.mlp.dense_4h_to_h.lora_B"].abs().max()) > 0
 
 
 def test_layernorm_and_bias_gradients_identical_across_the_group(ranks):
