@@ -213,6 +213,20 @@ def _measured_activation_bytes():
     return measured
 
 
+def _eval_and_decode(sequence_parallel):
+    """Evaluation logits (gathered over the vocabulary) of the whole sequence, and a decoding pass through the KV
+    cache (which runs without sequence parallelism) one token at a time."""
+    model = _build(_config(sequence_parallel))
+    model.eval()
+    model.parallel_output = False
+    tokens = _tokens(0)[0]
+    with torch.no_grad():
+        logits = model(tokens)                                         # [b, s, V]
+        cache = model.new_inference_cache()
+        steps = [model(tokens[:, i:i + 1], inference_cache=cache) for i in range(4)]
+    return {"logits": logits, "decoded": torch.cat(steps, dim=1)}
+
+
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
@@ -223,6 +237,8 @@ def _worker(zero_stages):
         _config(True, dropout=0.2, recompute=mpu.RecomputeConfig("full", "uniform", 1)))
     results["dropout mask"] = _embedding_dropout_mask()
     results["saved bytes"] = _measured_activation_bytes()
+    results["eval"] = _eval_and_decode(False)
+    results["eval sp"] = _eval_and_decode(True)
     for stage in zero_stages:
         results[f"zero {stage} sp"] = _zero_run(_config(True), stage)
     results["zero reference"] = _zero_run(_config(False), 0) if zero_stages else None
@@ -295,6 +311,17 @@ def test_lora_with_sequence_parallel_equals_lora_without(ranks):
         assert max_relative_difference(got["weights"], reference["weights"]) < TOLERANCE, rank
         # the adapters moved: B starts at zero
         assert float(got["weights"]["transformer.layers.0.mlp.dense_4h_to_h.lora_B"].abs().max()) > 0
+
+
+def test_evaluation_and_decoding_of_a_sequence_parallel_model(ranks):
+    """Evaluation runs sequence-parallel (gathered before the head), decoding with the KV cache without it: both
+    give the plain model's logits, and the cached decoding the full forward's first positions."""
+    for rank, result in enumerate(ranks):
+        plain, got = result["eval"], result["eval sp"]
+        assert got["logits"].shape == (BATCH, SEQ, VOCAB)
+        assert max_relative_difference([got["logits"]], [plain["logits"]]) < TOLERANCE, rank
+        assert max_relative_difference([got["decoded"]], [plain["decoded"]]) < TOLERANCE, rank
+        assert max_relative_difference([got["decoded"]], [got["logits"][:, :4]]) < 1e-5, rank
 
 
 def test_layernorm_and_bias_gradients_identical_across_the_group(ranks):
