@@ -269,10 +269,12 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None):
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, sequence_parallel=None):
+        """sequence_parallel: whether hidden_states (and the result) are this rank's sequence slice [b, s/p, h];
+        None: the layer's own setting, except while decoding."""
         if self.fused and layer_past is None:
             return self._fused_forward(hidden_states, attention_mask)
-        sp = self.sequence_parallel and layer_past is None   # [b, s/p, h] in and out
+        sp = self.sequence_parallel and layer_past is None if sequence_parallel is None else sequence_parallel
         hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
                                                        attention_mask, layer_past, sequence_parallel=sp)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
@@ -415,11 +417,11 @@ class ParallelTransformer(nn.Module):
             layer.attention.rng_tracker = rng_tracker
             layer.mlp.rng_tracker = rng_tracker
 
-    def _chunk(self, start, end):
+    def _chunk(self, start, end, sequence_parallel):
         def run(hidden_states, *mask):
             attention_mask = mask[0] if mask else None
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel)
             return hidden_states
         return run
 
@@ -427,22 +429,26 @@ class ParallelTransformer(nn.Module):
         """An empty InferenceCache for this stack (one slot per layer) of `capacity` positions."""
         return InferenceCache(len(self.layers), capacity)
 
-    def forward(self, hidden_states, attention_mask=None, inference_cache=None):
+    def forward(self, hidden_states, attention_mask=None, inference_cache=None, sequence_parallel=None):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
         checkpointed. hidden_states and the result: [b, s, h], or this rank's sequence slice [b, s/p, h] with
-        sequence_parallel (not while decoding)."""
+        sequence_parallel (not while decoding). sequence_parallel: whether this call runs sequence-parallel (None:
+        the stack's setting, except while decoding; False: whole sequences, e.g. a length the model-parallel size
+        does not divide)."""
+        if sequence_parallel is None:
+            sequence_parallel = self.sequence_parallel and inference_cache is None
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
-                hidden_states = layer(hidden_states, attention_mask, layer_past)
+                hidden_states = layer(hidden_states, attention_mask, layer_past, sequence_parallel=sequence_parallel)
         elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
             for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
-                run = self._chunk(start, end)
+                run = self._chunk(start, end, sequence_parallel)
                 hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
                     run(hidden_states, *mask_args)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel)
         if self.final_layernorm is None:
             return hidden_states
-        return self.final_layernorm(hidden_states, sequence_parallel=self.sequence_parallel and inference_cache is None)
+        return self.final_layernorm(hidden_states, sequence_parallel=sequence_parallel)

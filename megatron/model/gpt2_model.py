@@ -31,7 +31,8 @@ Sequence parallelism (config.sequence_parallel, --sequence-parallel, Megatron-LM
 this rank's sequence slice [b, s/p, h] (backward: all-gathered, so the embeddings' gradients are whole) and
 dropped out there under the model-parallel RNG stream; the stack runs on slices (mpu/transformer.py) through the
 final LayerNorm, and the slices are all-gathered before the LM head (backward: reduce-scatter) or the reward head
-(backward: this rank's slice). Generation (an inference_cache) runs without it: the same weights, whole sequences.
+(backward: this rank's slice). Generation (an inference_cache) and a sequence length the model-parallel size does
+not divide run without it: the same weights, whole sequences.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -253,6 +254,10 @@ class GPT2Model(nn.Module):
         if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
             raise RuntimeError("logits and generation need the whole model on one stage: run with "
                                "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        # sequence parallelism for this call: not while decoding, nor for a length the model-parallel size does not
+        # divide (an evaluation window's tail: the same weights on whole sequences); a later stage gets slices
+        sequence_parallel = self.config.sequence_parallel and inference_cache is None and (
+            not self.pre_process or input_ids.size(1) % mpu.get_model_parallel_world_size() == 0)
         if self.pre_process:
             if position_ids is None:
                 start = inference_cache.sequence_length if inference_cache is not None else 0
@@ -260,7 +265,7 @@ class GPT2Model(nn.Module):
                 position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
             words = self.word_embeddings(input_ids)                           # [b, s, h]
             positions = self.position_embeddings(position_ids)                # [b, s, h]
-            if self.config.sequence_parallel and inference_cache is None:
+            if sequence_parallel:
                 hidden = mpu.scatter_to_sequence_parallel_region(words + positions)   # [b, s/p, h]
                 with mpu.get_cuda_rng_tracker().fork() if self.embedding_dropout.training else nullcontext():
                     hidden = self.embedding_dropout(hidden)
@@ -268,10 +273,10 @@ class GPT2Model(nn.Module):
                 hidden = self.embedding_dropout(words + positions)
         else:
             hidden = self.input_tensor                                        # [b, s, h] from the previous stage
-        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache)  # [b, s, h]
+        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache,
+                                  sequence_parallel=sequence_parallel)               # [b, s, h] or [b, s/p, h]
         if not self.post_process:
             return hidden
-        sequence_parallel = self.config.sequence_parallel and inference_cache is None   # hidden: [b, s/p, h]
         if self.score is not None:
             if labels is not None or inference_cache is not None:
                 raise RuntimeError("a reward model (reward_head) returns rewards: no labels, no generation")

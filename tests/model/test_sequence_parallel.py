@@ -222,9 +222,10 @@ def _eval_and_decode(sequence_parallel):
     tokens = _tokens(0)[0]
     with torch.no_grad():
         logits = model(tokens)                                         # [b, s, V]
+        odd = model(tokens[:, :SEQ - 1])                               # 15 positions: run without
         cache = model.new_inference_cache()
         steps = [model(tokens[:, i:i + 1], inference_cache=cache) for i in range(4)]
-    return {"logits": logits, "decoded": torch.cat(steps, dim=1)}
+    return {"logits": logits, "decoded": torch.cat(steps, dim=1), "odd length": odd}
 
 
 def _worker(zero_stages):
@@ -314,13 +315,15 @@ def test_lora_with_sequence_parallel_equals_lora_without(ranks):
 
 
 def test_evaluation_and_decoding_of_a_sequence_parallel_model(ranks):
-    """Evaluation runs sequence-parallel (gathered before the head), decoding with the KV cache without it: both
-    give the plain model's logits, and the cached decoding the full forward's first positions."""
+    """Evaluation runs sequence-parallel (gathered before the head), decoding with the KV cache and a length the
+    model-parallel size does not divide without it: all give the plain model's logits, and the cached decoding the
+    full forward's first positions."""
     for rank, result in enumerate(ranks):
         plain, got = result["eval"], result["eval sp"]
         assert got["logits"].shape == (BATCH, SEQ, VOCAB)
         assert max_relative_difference([got["logits"]], [plain["logits"]]) < TOLERANCE, rank
         assert max_relative_difference([got["decoded"]], [plain["decoded"]]) < TOLERANCE, rank
+        assert max_relative_difference([got["odd length"]], [plain["odd length"]]) < TOLERANCE, rank
         assert max_relative_difference([got["decoded"]], [got["logits"][:, :4]]) < 1e-5, rank
 
 
