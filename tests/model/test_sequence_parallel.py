@@ -17,8 +17,9 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
 - the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
   equal memory.activation_bytes_saved with the sequence-parallel layout at mp 2, for no recomputation, selective
   and full: the replicated part is divided by 2.
-- pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes): with sequence parallelism (the stages pass their
-  sequence slices) the losses of 10 steps equal the run without (1e-6 relative, no dropout).
+- pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes), on the Megatron path and on ZeRO-1: with sequence
+  parallelism (the stages pass their sequence slices) the losses of 10 steps equal the run without (1e-6 relative,
+  no dropout).
 - the command line: --sequence-parallel at mp 1 is one line.
 """
 import pytest
@@ -378,13 +379,21 @@ PIPELINE = TINY + NO_DROPOUT + ["--model-parallel-size", "2", "--pipeline-model-
 
 
 @pytest.fixture(scope="module")
-def pipelined_losses():
-    histories = run_distributed(train_each, 4, args=([PIPELINE, PIPELINE + ["--sequence-parallel"]],))
-    return [history["lm loss"] for history in histories[-1]]          # the last stage's
+def pipelined_losses(tmp_path_factory):
+    """pp 2 x mp 2 on the Megatron path and on ZeRO-1, each without and with --sequence-parallel."""
+    config = tmp_path_factory.mktemp("zero1") / "ds_config.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, '
+                      '"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}')
+    zero1 = ["--deepspeed", "--deepspeed_config", str(config)]
+    argv = [PIPELINE + path + sp for path in ([], zero1) for sp in ([], ["--sequence-parallel"])]
+    histories = run_distributed(train_each, 4, args=(argv,))
+    losses = [history["lm loss"] for history in histories[-1]]        # the last stage's
+    return {"megatron": losses[:2], "zero1": losses[2:]}
 
 
-def test_pipelined_sequence_parallel_equals_the_plain_pipeline(pipelined_losses):
-    plain, sequence_parallel = pipelined_losses
+@pytest.mark.parametrize("path", ["megatron", "zero1"])
+def test_pipelined_sequence_parallel_equals_the_plain_pipeline(pipelined_losses, path):
+    plain, sequence_parallel = pipelined_losses[path]
     assert len(plain) == 10 and len(set(plain)) == 10
     assert max_relative_difference(sequence_parallel, plain) < TOLERANCE
 
