@@ -229,6 +229,16 @@ def _eval_and_decode(sequence_parallel):
     return {"logits": logits, "decoded": torch.cat(steps, dim=1), "odd length": odd}
 
 
+def _reward_gradients(sequence_parallel):
+    """A reward model's rewards [b, s] and the gradients (full size) of their sum: its head gathers the slices with
+    a backward that only cuts (the head is replicated)."""
+    import dataclasses
+    model = _build(dataclasses.replace(_config(sequence_parallel), reward_head=True))
+    rewards = model(_tokens(0)[0])
+    (rewards * torch.linspace(0.5, 1.5, SEQ)).sum().backward()     # not summing to 0 (the final LN bias)
+    return {"rewards": rewards.detach(), "grads": _gathered(model, grads=True)}
+
+
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
@@ -241,6 +251,8 @@ def _worker(zero_stages):
     results["saved bytes"] = _measured_activation_bytes()
     results["eval"] = _eval_and_decode(False)
     results["eval sp"] = _eval_and_decode(True)
+    results["reward"] = _reward_gradients(False)
+    results["reward sp"] = _reward_gradients(True)
     for stage in zero_stages:
         results[f"zero {stage} sp"] = _zero_run(_config(True), stage)
     results["zero reference"] = _zero_run(_config(False), 0) if zero_stages else None
@@ -326,6 +338,14 @@ def test_evaluation_and_decoding_of_a_sequence_parallel_model(ranks):
         assert max_relative_difference([got["decoded"]], [plain["decoded"]]) < TOLERANCE, rank
         assert max_relative_difference([got["odd length"]], [plain["odd length"]]) < TOLERANCE, rank
         assert max_relative_difference([got["decoded"]], [got["logits"][:, :4]]) < 1e-5, rank
+
+
+def test_reward_model_with_sequence_parallel_equals_it_without(ranks):
+    for rank, result in enumerate(ranks):
+        got, reference = result["reward sp"], result["reward"]
+        assert got["rewards"].shape == (BATCH, SEQ)
+        assert max_relative_difference([got["rewards"]], [reference["rewards"]]) < TOLERANCE, rank
+        assert max_relative_difference(got["grads"], reference["grads"]) < TOLERANCE, rank
 
 
 def test_layernorm_and_bias_gradients_identical_across_the_group(ranks):
