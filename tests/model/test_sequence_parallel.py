@@ -10,8 +10,8 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
 - with dropout, sequence parallelism is NOT compared with the run without: as in Megatron-LM, the hidden and
   embedding dropouts then act on each rank's sequence slice and draw from the per-rank model-parallel stream (the
   run without draws one mask for the whole replicated tensor from the default stream), so the masks differ by
-  design. Asserted instead: full recomputation with sequence parallelism and dropout is bitwise the plain
-  sequence-parallel run (the slices' masks are replayed), and the two ranks' dropout masks differ.
+  design. Asserted instead: full and selective recomputation with sequence parallelism and dropout are bitwise the
+  plain sequence-parallel run (the slices' masks are replayed), and the two ranks' dropout masks differ.
 - ZeRO stage 2 and 3 at mp 2 with sequence parallelism == the Megatron-path run (the LayerNorm sums happen inside
   autograd, before ZeRO's gradient hooks).
 - the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
@@ -245,8 +245,9 @@ def _worker(zero_stages):
     results["lora mp2"] = _sgd_run(_config(False, lora=LORA))
     results["lora mp2 sp"] = _sgd_run(_config(True, lora=LORA))
     results["dropout sp"] = _dropout_run(_config(True, dropout=0.2))
-    results["dropout sp, full recompute"] = _dropout_run(
-        _config(True, dropout=0.2, recompute=mpu.RecomputeConfig("full", "uniform", 1)))
+    for mode, config in (("full", mpu.RecomputeConfig("full", "uniform", 1)),
+                         ("selective", mpu.RecomputeConfig("selective"))):
+        results[f"dropout sp, {mode} recompute"] = _dropout_run(_config(True, dropout=0.2, recompute=config))
     results["dropout mask"] = _embedding_dropout_mask()
     results["saved bytes"] = _measured_activation_bytes()
     results["eval"] = _eval_and_decode(False)
@@ -358,9 +359,10 @@ def test_layernorm_and_bias_gradients_identical_across_the_group(ranks):
         assert max_relative_difference([local[0][name]], [full]) < TOLERANCE, name
 
 
-def test_dropout_full_recompute_is_bitwise_the_plain_sequence_parallel_run(ranks):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_dropout_recompute_is_bitwise_the_plain_sequence_parallel_run(ranks, mode):
     for rank, result in enumerate(ranks):
-        plain, recomputed = result["dropout sp"], result["dropout sp, full recompute"]
+        plain, recomputed = result["dropout sp"], result[f"dropout sp, {mode} recompute"]
         assert all(torch.equal(a, b) for a, b in zip(plain["losses"], recomputed["losses"])), rank
         for g, ref in zip(recomputed["grads"], plain["grads"]):
             assert all(torch.equal(g[key], ref[key]) for key in ref), rank
