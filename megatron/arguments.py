@@ -44,6 +44,22 @@ def _add_network_size_args(parser):
                        help="pad the vocabulary to a multiple of this times the model-parallel size")
     group.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     group.add_argument("--init-method-std", type=float, default=0.02)
+    # Llama-family options (Megatron-DeepSpeed's names; docs/models.md)
+    group.add_argument("--num-key-value-heads", type=int, default=None,
+                       help="grouped-query attention: key/value heads (default: --num-attention-heads); a multiple "
+                            "of the model-parallel size")
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP inner width (default: 4 x hidden)")
+    group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP: down(silu(gate(x)) * up(x))")
+    group.add_argument("--normalization", choices=("layernorm", "rmsnorm"), default="layernorm",
+                       help="LayerNorm or RMSNorm (epsilon: --layernorm-epsilon)")
+    group.add_argument("--disable-bias-linear", action="store_true",
+                       help="no biases on the attention and MLP linears")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="rotary embeddings on q and k (HF Llama's rotate-half convention)")
+    group.add_argument("--rotary-position-embeddings-theta", type=float, default=10000.0, help="rotary base")
+    group.add_argument("--no-position-embedding", action="store_true", help="no learned position table")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="an output layer of its own instead of the word embedding as the LM head")
     return parser
 
 
@@ -316,6 +332,13 @@ def validate_args(args, parser):
     if args.num_attention_heads % mp != 0:
         parser.error(f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
                      f"--model-parallel-size ({mp})")
+    kv_heads = args.num_key_value_heads
+    if kv_heads is not None and (kv_heads < 1 or args.num_attention_heads % kv_heads
+                                 or (kv_heads % mp and mp % kv_heads)):
+        parser.error(f"--num-key-value-heads ({kv_heads}) must divide --num-attention-heads "
+                     f"({args.num_attention_heads}) and be a multiple or a divisor of --model-parallel-size ({mp})")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % mp:
+        parser.error(f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by --model-parallel-size ({mp})")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:

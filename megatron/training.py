@@ -280,17 +280,21 @@ def _combine(values):
 
 
 def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False,
-                    recompute=None, num_stages=1):
+                    recompute=None, num_stages=1, num_attention_heads=None, num_key_value_heads=None,
+                    ffn_hidden_size=None, swiglu=False):
     """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
     6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
     passes; the LM head 2hV per pass, 3 passes (it is not recomputed). Recomputation (`recompute`, an
     mpu.RecomputeConfig; checkpoint_activations=True is full uniform) adds one more forward of what it recomputes:
     full uniform every layer (4 passes), full block num_layers of each stage's L / num_stages layers, selective the
-    attention core (4sh per layer)."""
+    attention core (4sh per layer). The Llama options (docs/models.md): K key/value heads make qkv 2h (h + 2 K h /
+    heads); an MLP f wide costs 4hf, 6hf with SwiGLU (gate, up, down)."""
     L, h, s = num_layers, hidden_size, seq_length
     if recompute is None:
         recompute = mpu.RecomputeConfig.from_checkpoint_activations(checkpoint_activations)
-    layer_forward = 24 * h * h * (1 + s / (6 * h))
+    kv_width = h if not num_key_value_heads else h // num_attention_heads * num_key_value_heads
+    f = ffn_hidden_size or 4 * h
+    layer_forward = 2 * h * (h + 2 * kv_width) + 2 * h * h + (3 if swiglu else 2) * 2 * h * f + 4 * s * h
     recomputed = 0.0
     if recompute.full:
         per_stage = L // num_stages
@@ -304,7 +308,9 @@ def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, chec
 def _flops_per_iteration(args):
     return args.global_batch_size * args.seq_length * flops_per_token(
         args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size,
-        recompute=recompute_config_from_args(args), num_stages=args.pipeline_model_parallel_size)
+        recompute=recompute_config_from_args(args), num_stages=args.pipeline_model_parallel_size,
+        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+        ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu)
 
 
 def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):

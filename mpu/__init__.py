@@ -10,7 +10,7 @@ from .initialize import (destroy_model_parallel, get_data_parallel_group, get_da
 from .initialize import (get_embedding_group, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
                          get_pipeline_model_parallel_ranks, get_pipeline_model_parallel_world_size,
                          is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group)
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear, VocabParallelEmbedding
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)
@@ -20,7 +20,8 @@ from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel
                        scatter_to_sequence_parallel_region)
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker
 from .recompute import RecomputeConfig
-from .transformer import (ParallelMLP, ParallelSelfAttention, ParallelTransformer, ParallelTransformerLayer,
-                          init_method_normal, scaled_init_method_normal)
+from .rotary import apply_rotary, rotary_tables
+from .transformer import (GPT2_ARCHITECTURE, Architecture, ParallelMLP, ParallelSelfAttention, ParallelTransformer,
+                          ParallelTransformerLayer, init_method_normal, scaled_init_method_normal)
 from .utils import (device_is_set, divide, full_numel, full_shape, get_backend, get_device, init_distributed, set_device,
                     split_tensor_along_last_dim, VocabUtility)

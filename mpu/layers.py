@@ -14,16 +14,93 @@ reduce-scattered into sequence slices (backward: all-gather) and its bias, repli
 gradient summed over the group (see LayerNorm below: the same reason).
 Both linears can carry a LoRA adapter (`add_lora`, split along the same dimension: see lora.py).
 """
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .initialize import get_model_parallel_rank, get_model_parallel_world_size
+from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
                        gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
 from .mappings import gather_sequence, reduce_scatter_sequence
 from .utils import VocabUtility, divide, get_device
+
+
+@dataclass(frozen=True)
+class GroupedQKVStride:
+    """The row layout of a fused q/k/v with fewer key/value heads than query heads (grouped-query attention), used
+    as a parameter's `partition_stride`. The full master is [q (query_rows); k (kv_rows); v (kv_rows)]; rank r of
+    p holds [q_r; k_r; v_r], q_r its 1/p of q. With at least p key/value heads k_r and v_r are their 1/p too;
+    with fewer, the heads are replicated: rank r holds the one head its query heads use, head r // (p / kv heads).
+
+        q heads 4, kv heads 2, d = 1:  p = 2: rank 0 [q0 q1 k0 v0], rank 1 [q2 q3 k1 v1]
+                                       p = 4: rank 0 [q0 k0 v0], rank 1 [q1 k0 v0], rank 2 [q2 k1 v1], ...
+    """
+    query_rows: int
+    kv_rows: int
+    head_dim: int
+
+    @property
+    def kv_heads(self):
+        return self.kv_rows // self.head_dim
+
+    def replicas(self, world_size):
+        """How many ranks hold each key/value head (1: split, not replicated)."""
+        return max(1, world_size // self.kv_heads)
+
+    def rows_per_rank(self, world_size):
+        kv_piece = self.kv_rows // world_size if self.replicas(world_size) == 1 else self.head_dim
+        return self.query_rows // world_size + 2 * kv_piece
+
+    def split(self, full, dim, world_size, rank):
+        """Rank `rank`'s rows (along `dim`) of the full tensor."""
+        q, k, v = full.split([self.query_rows, self.kv_rows, self.kv_rows], dim)
+        if self.replicas(world_size) == 1:
+            k, v = k.chunk(world_size, dim)[rank], v.chunk(world_size, dim)[rank]
+        else:
+            start = rank // self.replicas(world_size) * self.head_dim
+            k, v = k.narrow(dim, start, self.head_dim), v.narrow(dim, start, self.head_dim)
+        return torch.cat([q.chunk(world_size, dim)[rank], k, v], dim)
+
+    def join(self, shards, dim):
+        """The full tensor from every rank's rows (a replicated head is read from its first holder)."""
+        world_size = len(shards)
+        q_piece = self.query_rows // world_size
+        kv_piece = (shards[0].size(dim) - q_piece) // 2
+        parts = [shard.split([q_piece, kv_piece, kv_piece], dim) for shard in shards]
+        owners = range(0, world_size, self.replicas(world_size))
+        return torch.cat([part[0] for part in parts] + [parts[r][1] for r in owners] + [parts[r][2] for r in owners],
+                         dim)
+
+
+class _ReplicatedKVGrad:
+    """A gradient hook on a fused q/k/v parameter whose key/value heads are replicated (GroupedQKVStride): each
+    copy's gradient holds only its rank's query heads' share; replaced by the sum over the ranks holding that head
+    (an all-gather of the k/v rows over the model-parallel group), so the copies get the same, whole gradient."""
+
+    def __init__(self, stride, world_size):
+        self.stride, self.world_size = stride, world_size
+
+    @classmethod
+    def register(cls, param, stride):
+        """Hook `param` (rows laid out by `stride`) when its key/value heads are replicated at this size."""
+        world_size = get_model_parallel_world_size()
+        if param is not None and isinstance(stride, GroupedQKVStride) and stride.replicas(world_size) > 1:
+            param.register_hook(cls(stride, world_size))
+
+    def __call__(self, grad):
+        q_piece, d = self.stride.query_rows // self.world_size, self.stride.head_dim
+        kv = grad.narrow(0, q_piece, 2 * d).contiguous()                          # [2d, ...]: this rank's k, v
+        gathered = [torch.empty_like(kv) for _ in range(self.world_size)]
+        dist.all_gather(gathered, kv, group=get_model_parallel_group())
+        replicas = self.stride.replicas(self.world_size)
+        first = get_model_parallel_rank() // replicas * replicas
+        grad = grad.clone()
+        grad.narrow(0, q_piece, 2 * d).copy_(sum(gathered[first:first + replicas]))
+        return grad
 
 
 def _mark_model_parallel(param, partition_dim, stride):
@@ -36,7 +113,8 @@ def _initialize_affine_weight(weight, master_shape, partition_dim, init_method, 
     """Fill `weight` with this rank's slice of a full-size master weight drawn by `init_method`.
 
     With stride s (fused q/k/v: s=3) the master's partition dimension is cut into s blocks, each block is cut
-    into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r].
+    into world_size pieces, and rank r takes piece r of every block: [q_r, k_r, v_r]. Grouped-query attention's
+    unequal blocks: a GroupedQKVStride.
     """
     if get_model_parallel_world_size() == 1 and weight.dtype == torch.float32:
         with torch.no_grad():   # the same draws as into a master, without a second full-size copy (zero.Init)
@@ -54,6 +132,8 @@ def _split_master(master, partition_dim, per_partition, stride=1):
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return master
+    if isinstance(stride, GroupedQKVStride):
+        return stride.split(master, partition_dim, world_size, get_model_parallel_rank())
     per_stride = divide(per_partition, stride, "partition size / stride")
     pieces = torch.split(master, per_stride, dim=partition_dim)
     return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
@@ -120,8 +200,19 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, input_, sequence_parallel=False):
         if not sequence_parallel or get_model_parallel_world_size() == 1:
             return super().forward(input_)
-        return F.layer_norm(input_, self.normalized_shape, sequence_parallel_replicated(self.weight),
-                            sequence_parallel_replicated(self.bias), self.eps)
+        weight = None if self.weight is None else sequence_parallel_replicated(self.weight)
+        bias = None if self.bias is None else sequence_parallel_replicated(self.bias)
+        return F.layer_norm(input_, self.normalized_shape, weight, bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same parameter and state-dict name) whose `forward(x, sequence_parallel=True)` takes this
+    rank's sequence slice and sums its weight's gradient over the model-parallel group (as LayerNorm above)."""
+
+    def forward(self, input_, sequence_parallel=False):
+        if not sequence_parallel or get_model_parallel_world_size() == 1 or self.weight is None:
+            return super().forward(input_)
+        return F.rms_norm(input_, self.normalized_shape, sequence_parallel_replicated(self.weight), self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -152,7 +243,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns. `gather_output=False` leaves Y_i on rank i (for a following
-    RowParallelLinear); `stride` keeps fused outputs (q/k/v) grouped per rank."""
+    RowParallelLinear); `stride` keeps fused outputs (q/k/v, SwiGLU's gate/up) grouped per rank: an int for
+    equal blocks, a GroupedQKVStride for grouped-query attention's q/k/v."""
 
     def __init__(self, input_size, output_size, bias=True, gather_output=True, init_method=nn.init.xavier_normal_,
                  stride=1, params_dtype=torch.float32):
@@ -160,8 +252,11 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
-        self.output_size_per_partition = divide(output_size, get_model_parallel_world_size(),
-                                                "ColumnParallelLinear output size / model-parallel size")
+        if isinstance(stride, GroupedQKVStride):
+            self.output_size_per_partition = stride.rows_per_rank(get_model_parallel_world_size())
+        else:
+            self.output_size_per_partition = divide(output_size, get_model_parallel_world_size(),
+                                                    "ColumnParallelLinear output size / model-parallel size")
         device = get_device()
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
                                                device=device))
@@ -176,6 +271,8 @@ class ColumnParallelLinear(nn.Module):
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
         self.lora_disabled = False   # lora.adapters_disabled: the base layer alone
+        _ReplicatedKVGrad.register(self.weight, stride)
+        _ReplicatedKVGrad.register(self.bias, stride)
 
     def add_lora(self, lora_a, lora_b, scale, dropout=0.0):
         """A LoRA adapter from full-size masters A [r, in] and B [out, r]: A whole on every rank, B split by rows
@@ -183,6 +280,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_A = nn.Parameter(lora_a.detach().clone())
         self.lora_B = nn.Parameter(_split_master(lora_b, 0, self.output_size_per_partition, self.stride).clone())
         _mark_model_parallel(self.lora_B, 0, self.stride)
+        _ReplicatedKVGrad.register(self.lora_B, self.stride)
         self.lora_scale, self.lora_dropout = scale, dropout
 
     def forward(self, input_, weight_t=None, sequence_parallel=False):

@@ -16,6 +16,9 @@ The model builder passes zero.checkpointing's pair when it is configured, so mpu
 What is recomputed (nothing, the attention core of every layer, or whole layers in groups) is a RecomputeConfig
 (mpu/recompute.py): `ParallelTransformer(..., recompute=...)`.
 
+Llama-family options (`Architecture`): grouped-query attention (fewer key/value heads, each shared by a group of
+query heads), SwiGLU MLP, RMSNorm, no biases, another MLP width; rotary embeddings come in as (cos, sin) tables.
+
 Incremental decoding: pass one `InferenceCache` through `ParallelTransformer.forward(..., inference_cache=cache)`
 (GPT2Model.forward does). Each attention layer writes this step's keys/values (its own heads/p heads) into its
 slot's preallocated buffers, so a step feeds only the new tokens; `cache.sequence_length` is how many positions
@@ -23,6 +26,8 @@ are already cached.
 """
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +35,58 @@ from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
+from .layers import ColumnParallelLinear, GroupedQKVStride, LayerNorm, RMSNorm, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
 from .recompute import RecomputeConfig
+from .rotary import apply_rotary
 from .utils import divide, get_device
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The layer's shape options (the defaults are GPT-2's)."""
+    num_key_value_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention; None: one per query head). Query head j uses key/value head
+    j // (heads / kv heads). Split across model-parallel ranks when a multiple of the model-parallel size;
+    replicated when fewer (the model-parallel size a multiple of them): each rank holds the head its query heads
+    use, and the copies' gradients (LoRA's lora_B too) are summed over their holders in backward
+    (layers.GroupedQKVStride)."""
+    ffn_hidden_size: Optional[int] = None
+    """The MLP's inner width (None: 4 x hidden)."""
+    swiglu: bool = False
+    """MLP = down(silu(gate(x)) * up(x)); gate and up are one column-parallel linear, rank r holding
+    [gate_r; up_r] (stride 2), so every rank has the matching columns of both."""
+    normalization: str = "layernorm"
+    """'layernorm' or 'rmsnorm' (no bias, no mean subtraction)."""
+    add_bias_linear: bool = True
+    """Biases on the attention and MLP linears."""
+
+    def kv_heads(self, num_attention_heads):
+        return self.num_key_value_heads or num_attention_heads
+
+    def ffn_size(self, hidden_size):
+        return self.ffn_hidden_size or 4 * hidden_size
+
+    def qkv_rows(self, hidden_size, num_attention_heads):
+        """The fused q/k/v master's row blocks: (q, k, v) = (heads, kv heads, kv heads) x head_dim."""
+        head_dim = hidden_size // num_attention_heads
+        kv = self.kv_heads(num_attention_heads) * head_dim
+        return (hidden_size, kv, kv)
+
+
+GPT2_ARCHITECTURE = Architecture()
+
+
+def norm_layer(architecture, hidden_size, eps, device):
+    """The LayerNorm or RMSNorm of `architecture` (mpu.layers': nn.LayerNorm / nn.RMSNorm whose
+    `forward(x, sequence_parallel=True)` sums the weight's (and bias's) gradient over the model-parallel group)."""
+    if architecture.normalization == "rmsnorm":
+        return RMSNorm(hidden_size, eps=eps, device=device)
+    if architecture.normalization != "layernorm":
+        raise ValueError(f"normalization must be 'layernorm' or 'rmsnorm', got {architecture.normalization!r}")
+    return LayerNorm(hidden_size, eps=eps, device=device)
 
 
 def init_method_normal(std):
@@ -157,36 +208,56 @@ def decoding_weight_t(store, weight):
 
 class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                 init_method, output_layer_init_method, rng_tracker=None):
+                 init_method, output_layer_init_method, rng_tracker=None, architecture=GPT2_ARCHITECTURE):
         super().__init__()
         self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         world_size = get_model_parallel_world_size()
         self.hidden_size_per_partition = divide(hidden_size, world_size, "hidden size / model-parallel size")
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden size / attention heads")
         self.heads_per_partition = divide(num_attention_heads, world_size, "attention heads / model-parallel size")
-        # stride 3: rank r holds [q_r, k_r, v_r], matching a fused [q; k; v] master weight.
-        self.query_key_value = ColumnParallelLinear(hidden_size, 3 * hidden_size, gather_output=False, stride=3,
-                                                    init_method=init_method)
+        kv_heads = architecture.kv_heads(num_attention_heads)
+        divide(num_attention_heads, kv_heads, "attention heads / key-value heads")
+        if kv_heads >= world_size:
+            self.kv_heads_per_partition = divide(kv_heads, world_size, "key-value heads / model-parallel size")
+        else:   # replicated: one head per rank
+            divide(world_size, kv_heads, "model-parallel size / key-value heads (fewer than the ranks)")
+            self.kv_heads_per_partition = 1
+        q_rows, kv_rows, _ = architecture.qkv_rows(hidden_size, num_attention_heads)
+        # stride 3: rank r holds [q_r, k_r, v_r], matching a fused [q; k; v] master weight (with fewer key/value
+        # heads the blocks differ in size, and may be replicated: GroupedQKVStride).
+        stride = 3 if kv_heads == num_attention_heads else GroupedQKVStride(q_rows, kv_rows, self.head_dim)
+        self.query_key_value = ColumnParallelLinear(hidden_size, q_rows + 2 * kv_rows, gather_output=False,
+                                                    stride=stride, init_method=init_method,
+                                                    bias=architecture.add_bias_linear)
         self.attention_dropout_prob = attention_dropout_prob
         self.dense = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
-                                       init_method=output_layer_init_method)
+                                       init_method=output_layer_init_method, bias=architecture.add_bias_linear)
         self.output_dropout = nn.Dropout(output_dropout_prob)
         self.checkpoint_core_attention = False   # selective recomputation (ParallelTransformer sets it)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None, sequence_parallel=False):
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=False):
         # hidden_states: [b, s, h] ([b, s/p, h] sequence_parallel); attention_mask: None (causal) or bool
         # [b or 1, 1, s, t], True = masked out, t = past + s keys. layer_past: a LayerPast to read the cached
-        # keys/values from and append this step's to.
+        # keys/values from and append this step's to. rotary: None or the (cos, sin) tables of the whole sequence's
+        # s positions (mpu.rotary), applied to q and k per head: the column-parallel q/k/v linear has gathered the
+        # sequence, so q, k, v (and rotary, GQA's repeat and the core) cover all s positions.
         qkv = self.query_key_value(hidden_states, weight_t=None if layer_past is None else
                                    layer_past.weight_t(self.query_key_value.weight),
-                                   sequence_parallel=sequence_parallel)              # [b, s, 3h/p]
+                                   sequence_parallel=sequence_parallel)     # [b, s, (n + 2 n_kv) d / p]
         b, s, _ = qkv.shape
-        q, k, v = qkv.split(self.hidden_size_per_partition, dim=-1)               # 3 x [b, s, h/p]
-        q, k, v = (t.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        kv_width = self.kv_heads_per_partition * self.head_dim
+        q, k, v = qkv.split([self.hidden_size_per_partition, kv_width, kv_width], dim=-1)
+        q = q.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2)         # [b, n/p, s, d]
+        k, v = (t.view(b, s, self.kv_heads_per_partition, self.head_dim).transpose(1, 2) for t in (k, v))
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         past = 0
         if layer_past is not None:
             past = layer_past.length
-            k, v = layer_past.append(k, v)                                        # [b, heads/p, past + s, d]
+            k, v = layer_past.append(k, v)                                        # [b, n_kv/p, past + s, d]
+        group = self.heads_per_partition // self.kv_heads_per_partition
+        if group > 1:   # kv head j serves query heads j*group .. (j+1)*group - 1 (HF's repeat_kv)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [b, n/p, t, d]
         if self.checkpoint_core_attention and self.training and q.requires_grad:   # else autograd keeps nothing
             # Selective recomputation: keep q, k, v (views of qkv) and recompute the core in backward under the
             # forward's RNG states (default and tracker), so its dropout mask is the one drawn here. mpu's plain
@@ -231,21 +302,34 @@ def hidden_dropout(dropout, hidden_states, sequence_parallel, rng_tracker):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker=None):
+    """GELU (tanh) MLP h -> f -> h (f = ffn_hidden_size, 4h by default), or with `swiglu` down(silu(gate) * up):
+    dense_h_to_4h is then the fused [gate; up] master [2f, h] at stride 2 (rank r: [gate_r; up_r])."""
+
+    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker=None,
+                 architecture=GPT2_ARCHITECTURE):
         super().__init__()
         self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
-        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 4 * hidden_size, gather_output=False,
-                                                  init_method=init_method)
-        self.dense_4h_to_h = RowParallelLinear(4 * hidden_size, hidden_size, input_is_parallel=True,
-                                               init_method=output_layer_init_method)
+        ffn = architecture.ffn_size(hidden_size)
+        self.swiglu = architecture.swiglu
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
+                                                  init_method=init_method, stride=2 if self.swiglu else 1,
+                                                  bias=architecture.add_bias_linear)
+        self.dense_4h_to_h = RowParallelLinear(ffn, hidden_size, input_is_parallel=True,
+                                               init_method=output_layer_init_method,
+                                               bias=architecture.add_bias_linear)
         self.dropout = nn.Dropout(output_dropout_prob)
 
     def forward(self, hidden_states, layer_past=None, sequence_parallel=False):
         """layer_past: decoding (a LayerPast): only for its weight layouts. sequence_parallel: hidden_states and
         the output are this rank's sequence slice [b, s/p, h]."""
         weight_t = None if layer_past is None else layer_past.weight_t(self.dense_h_to_4h.weight)
-        intermediate = F.gelu(self.dense_h_to_4h(hidden_states, weight_t=weight_t, sequence_parallel=sequence_parallel),
-                              approximate="tanh")                                    # [b, s, 4h/p]
+        projected = self.dense_h_to_4h(hidden_states, weight_t=weight_t,
+                                       sequence_parallel=sequence_parallel)                # [b, s, f/p or 2f/p]
+        if self.swiglu:
+            gate, up = projected.chunk(2, dim=-1)                                          # 2 x [b, s, f/p]
+            intermediate = F.silu(gate) * up
+        else:
+            intermediate = F.gelu(projected, approximate="tanh")                           # [b, s, f/p]
         output = self.dense_4h_to_h(intermediate, sequence_parallel=sequence_parallel)   # [b, s, h] or [b, s/p, h]
         return hidden_dropout(self.dropout, output, sequence_parallel, self.rng_tracker)
 
@@ -257,26 +341,30 @@ class ParallelTransformerLayer(nn.Module):
 
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False,
-                 sequence_parallel=False):
+                 architecture=GPT2_ARCHITECTURE, sequence_parallel=False):
         super().__init__()
+        if fused and architecture != GPT2_ARCHITECTURE:
+            raise ValueError("--torch-compile (fused_compute) runs GPT-2's layers only: drop it, or the Llama options")
         self.fused = fused
         self.sequence_parallel = sequence_parallel
         device = get_device()
-        self.input_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
+        self.input_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
         self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
                                                output_dropout_prob, init_method, output_layer_init_method,
-                                               rng_tracker)
-        self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
-        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker)
+                                               rng_tracker, architecture)
+        self.post_attention_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
+        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker,
+                               architecture)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None, sequence_parallel=None):
-        """sequence_parallel: whether hidden_states (and the result) are this rank's sequence slice [b, s/p, h];
-        None: the layer's own setting, except while decoding."""
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=None):
+        """rotary: the (cos, sin) tables of the whole sequence's positions, or None. sequence_parallel: whether
+        hidden_states (and the result) are this rank's sequence slice [b, s/p, h]; None: the layer's own setting,
+        except while decoding."""
         if self.fused and layer_past is None:
             return self._fused_forward(hidden_states, attention_mask)
         sp = self.sequence_parallel and layer_past is None if sequence_parallel is None else sequence_parallel
         hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
-                                                       attention_mask, layer_past, sequence_parallel=sp)
+                                                       attention_mask, layer_past, rotary, sequence_parallel=sp)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
                                         layer_past, sequence_parallel=sp)
 
@@ -298,11 +386,12 @@ class ParallelTransformerLayer(nn.Module):
                                              hidden_states, mlp.dropout.p, self.training)
 
 
-def layer_init_shapes(hidden_size):
+def layer_init_shapes(hidden_size, num_attention_heads=1, architecture=GPT2_ARCHITECTURE):
     """The full-size master shapes one ParallelTransformerLayer draws from the default generator, in build order
-    (its LayerNorms and biases draw nothing): q/k/v, attention output, MLP in, MLP out."""
-    return [(3 * hidden_size, hidden_size), (hidden_size, hidden_size), (4 * hidden_size, hidden_size),
-            (hidden_size, 4 * hidden_size)]
+    (its norms and biases draw nothing): q/k/v, attention output, MLP in, MLP out."""
+    ffn = architecture.ffn_size(hidden_size)
+    return [(sum(architecture.qkv_rows(hidden_size, num_attention_heads)), hidden_size), (hidden_size, hidden_size),
+            ((2 if architecture.swiglu else 1) * ffn, hidden_size), (hidden_size, ffn)]
 
 
 def skip_init_draws(shapes, device):
@@ -355,7 +444,8 @@ class ParallelTransformer(nn.Module):
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-                 final_layernorm=True, fused=False, recompute=None, sequence_parallel=False):
+                 final_layernorm=True, fused=False, recompute=None, architecture=GPT2_ARCHITECTURE,
+                 sequence_parallel=False):
         super().__init__()
         if recompute is not None and checkpoint_activations:
             raise ValueError("pass recompute=RecomputeConfig(...) or checkpoint_activations=True, not both")
@@ -370,14 +460,15 @@ class ParallelTransformer(nn.Module):
         start, end = layer_range if layer_range is not None else (0, num_layers)
         self.num_layers, self.first_layer = num_layers, start
         device = get_device()
-        skip_init_draws(layer_init_shapes(hidden_size) * start, device)               # the layers before
+        shapes = layer_init_shapes(hidden_size, num_attention_heads, architecture)
+        skip_init_draws(shapes * start, device)               # the layers before
         kept = [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                                          layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused,
-                                         sequence_parallel)
+                                         architecture, sequence_parallel)
                 for _ in range(start, end)]
-        skip_init_draws(layer_init_shapes(hidden_size) * (num_layers - end), device)  # the layers after
+        skip_init_draws(shapes * (num_layers - end), device)  # the layers after
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
-        self.final_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, device=device) \
+        self.final_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device) \
             if final_layernorm else None
         self.recompute = recompute if recompute is not None else \
             RecomputeConfig.from_checkpoint_activations(checkpoint_activations, checkpoint_num_layers)
@@ -417,11 +508,12 @@ class ParallelTransformer(nn.Module):
             layer.attention.rng_tracker = rng_tracker
             layer.mlp.rng_tracker = rng_tracker
 
-    def _chunk(self, start, end, sequence_parallel):
+    def _chunk(self, start, end, rotary=None, sequence_parallel=False):
         def run(hidden_states, *mask):
             attention_mask = mask[0] if mask else None
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel)
+                hidden_states = layer(hidden_states, attention_mask, rotary=rotary,
+                                      sequence_parallel=sequence_parallel)
             return hidden_states
         return run
 
@@ -429,26 +521,29 @@ class ParallelTransformer(nn.Module):
         """An empty InferenceCache for this stack (one slot per layer) of `capacity` positions."""
         return InferenceCache(len(self.layers), capacity)
 
-    def forward(self, hidden_states, attention_mask=None, inference_cache=None, sequence_parallel=None):
+    def forward(self, hidden_states, attention_mask=None, inference_cache=None, rotary=None,
+                sequence_parallel=None):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
-        checkpointed. hidden_states and the result: [b, s, h], or this rank's sequence slice [b, s/p, h] with
-        sequence_parallel (not while decoding). sequence_parallel: whether this call runs sequence-parallel (None:
-        the stack's setting, except while decoding; False: whole sequences, e.g. a length the model-parallel size
-        does not divide)."""
+        checkpointed. rotary: the (cos, sin) tables of the whole sequence's positions (mpu.rotary.rotary_tables),
+        or None (attention runs on whole sequences, also with sequence parallelism). hidden_states and the result:
+        [b, s, h], or this rank's sequence slice [b, s/p, h] with sequence_parallel (not while decoding).
+        sequence_parallel: whether this call runs sequence-parallel (None: the stack's setting, except while
+        decoding; False: whole sequences, e.g. a length the model-parallel size does not divide)."""
         if sequence_parallel is None:
             sequence_parallel = self.sequence_parallel and inference_cache is None
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
-                hidden_states = layer(hidden_states, attention_mask, layer_past, sequence_parallel=sequence_parallel)
+                hidden_states = layer(hidden_states, attention_mask, layer_past, rotary,
+                                      sequence_parallel=sequence_parallel)
         elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
             for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
-                run = self._chunk(start, end, sequence_parallel)
+                run = self._chunk(start, end, rotary, sequence_parallel)
                 hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
                     run(hidden_states, *mask_args)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel)
+                hidden_states = layer(hidden_states, attention_mask, rotary=rotary, sequence_parallel=sequence_parallel)
         if self.final_layernorm is None:
             return hidden_states
         return self.final_layernorm(hidden_states, sequence_parallel=sequence_parallel)

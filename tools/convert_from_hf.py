@@ -1,4 +1,5 @@
-"""Convert a local Hugging Face GPT2LMHeadModel directory into a checkpoint that training loads with --finetune.
+"""Convert a local Hugging Face GPT2LMHeadModel or LlamaForCausalLM directory into a checkpoint that training loads
+with --finetune.
 
     python tools/convert_from_hf.py --hf hf/gpt2 --save checkpoints/from_hf --model-parallel-size 2 [--deepspeed]
     python pretrain_gpt.py ... --model-parallel-size 2 --load checkpoints/from_hf --finetune [--deepspeed ...]
@@ -8,7 +9,9 @@ with weights_only=True); no hub access. Maps the names back (Conv1D weights tran
 query_key_value's rows) and writes a 'release' checkpoint through megatron.checkpoint.full_checkpoint.write_full_checkpoint: the
 Megatron layout, or the ZeRO layout with --deepspeed, split for --model-parallel-size, the vocabulary padded to a
 multiple of --make-vocab-size-divisible-by x model-parallel size (train with the same flag). Any vocabulary size
-is accepted. Bad input: one line, exit status 1.
+is accepted. A Llama directory (model_type "llama") becomes our model with the Llama options (docs/models.md: q/k/v
+and gate/up fused, grouped-query attention, RMSNorm, rotary, untied head); the printed flags build it.
+Bad input: one line, exit status 1.
 """
 import argparse
 import json
@@ -18,7 +21,8 @@ import sys
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
-from megatron.model.hf_interchange import InterchangeError, check_hf_config, from_hf_state_dict  # noqa: E402
+from megatron.model.hf_interchange import (InterchangeError, check_hf_config, check_llama_config,  # noqa: E402
+                                           from_hf_llama_state_dict, from_hf_state_dict)
 from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -94,18 +98,25 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
     """Returns (model_config, number of parameters). ConversionError on bad input. `progress`: a cli.ProgressLine
     counting the tensors written (one per model-parallel rank and parameter)."""
     hf_config = read_hf_config(hf_dir)
+    llama = hf_config.get("model_type") == "llama"
+    check, from_state = (check_llama_config, from_hf_llama_state_dict) if llama else \
+        (check_hf_config, from_hf_state_dict)
     try:
-        model_config = check_hf_config(hf_config)
+        model_config = check(hf_config)
     except InterchangeError as error:
         raise ConversionError(f"{hf_dir}: {error}") from None
     heads = model_config["num_attention_heads"]
     if model_parallel_size < 1 or heads % model_parallel_size:
         raise ConversionError(f"--model-parallel-size {model_parallel_size} does not divide the {heads} attention "
                               "heads")
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    if kv_heads % model_parallel_size and model_parallel_size % kv_heads:
+        raise ConversionError(f"--model-parallel-size {model_parallel_size} is neither a divisor nor a multiple of "
+                              f"the {kv_heads} key/value heads")
     if make_vocab_size_divisible_by < 1:
         raise ConversionError(f"--make-vocab-size-divisible-by must be at least 1, got {make_vocab_size_divisible_by}")
     try:
-        weights, model_config = from_hf_state_dict(read_hf_weights(hf_dir), hf_config)
+        weights, model_config = from_state(read_hf_weights(hf_dir), hf_config)
     except InterchangeError as error:
         raise ConversionError(f"{hf_dir}: {error}") from None
     from megatron.checkpoint.full_checkpoint import write_full_checkpoint
@@ -126,13 +137,36 @@ def training_flags(model_config, options):
              str(options.make_vocab_size_divisible_by)]
     if model_config["layernorm_epsilon"] != 1e-5:
         flags += ["--layernorm-epsilon", repr(model_config["layernorm_epsilon"])]
+    flags += architecture_flags(model_config)
     return flags + (["--deepspeed"] if options.deepspeed else [])
+
+
+def architecture_flags(model_config):
+    """The Llama-option flags (docs/models.md) of a model_config; none for GPT-2."""
+    flags = []
+    for key, flag in (("swiglu", "--swiglu"), ("rotary", "--use-rotary-position-embeddings"),
+                      ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights")):
+        if model_config.get(key):
+            flags.append(flag)
+    if model_config.get("rotary"):
+        flags += ["--rotary-position-embeddings-theta", repr(model_config["rotary_theta"])]
+    if model_config.get("add_bias_linear") is False:
+        flags.append("--disable-bias-linear")
+    if model_config.get("learned_position_embeddings") is False:
+        flags.append("--no-position-embedding")
+    if model_config.get("normalization", "layernorm") != "layernorm":
+        flags += ["--normalization", model_config["normalization"]]
+    for key in ("num_key_value_heads", "ffn_hidden_size"):
+        if model_config.get(key):
+            flags += [f"--{key.replace('_', '-')}", str(model_config[key])]
+    return flags
 
 
 def parse_args(argv=None):
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", required=True, help="local Hugging Face GPT2LMHeadModel directory")
+    parser.add_argument("--hf", required=True, help="local Hugging Face GPT2LMHeadModel or LlamaForCausalLM "
+                        "directory")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (for --load ... --finetune)")
     parser.add_argument("--model-parallel-size", "--tensor-model-parallel-size", type=int, default=1,
                         dest="model_parallel_size")

@@ -26,6 +26,11 @@ weights when the checkpoint has them), and the tokenizer (vocab.json, merges.txt
 tokenizer_config.json, special_tokens_map.json). Reads the checkpoint the tracker (or ZeRO's `latest`) names.
 Needs transformers and safetensors (pip install -r requirements-test.txt). Bad input: one line, exit status 1.
 
+A checkpoint of our model with the Llama options (docs/models.md; e.g. one tools/convert_from_hf.py imported from
+a LlamaForCausalLM) becomes a LlamaForCausalLM directory: config.json, generation_config.json and model.safetensors
+(q/k/v and gate/up cut back into their projections; fp32). Its tokenizer is not ours to write: copy the original
+directory's tokenizer files next to them.
+
 Note: transformers' tokenizer treats a literal "<|endoftext|>" in the text as the special token (its id), while
 megatron.tokenizer encodes it as ordinary text (callers append the eod id); every other text gets the same ids.
 """
@@ -39,7 +44,8 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import (REWARD_HEAD, InterchangeError, lora_layout, merge_lora,  # noqa: E402
-                                           peft_adapter_config, to_hf_config_dict, to_hf_state_dict, to_peft_state_dict)
+                                           peft_adapter_config, to_hf_config_dict, to_hf_state_dict, to_peft_state_dict,
+                                           is_llama_config, to_hf_llama_config_dict, to_hf_llama_state_dict)
 from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
@@ -194,6 +200,8 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
             raise ConversionError(f"{kind} file {path} does not exist (pass --{kind}-file)")
     require_hf_packages()
     full = read_checkpoint(load_dir)
+    if full.model_config is not None and is_llama_config(full.model_config):
+        return convert_llama(full, output_dir, progress)
     try:
         full.require_gpt2("a Hugging Face GPT2LMHeadModel")
     except CheckpointError as error:
@@ -218,6 +226,25 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
         raise ConversionError(f"{load_dir}: {error}") from None
     write_tokenizer(output_dir, tokenizer, full.model_config["max_sequence_length"])
     return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
+
+
+def convert_llama(full, output_dir, progress=None):
+    """A checkpoint with the Llama options -> a LlamaForCausalLM directory (no tokenizer); convert's return."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig
+    weights = full.fp32_weights(progress)
+    if lora_layout(weights, full.model_config["num_layers"]) is not None:
+        raise ConversionError("LoRA on a Llama checkpoint is not converted yet (issue 48)")
+    try:
+        state = to_hf_llama_state_dict(weights, full.model_config)
+    except InterchangeError as error:
+        raise ConversionError(f"{full.saved.directory}: {error}") from None
+    os.makedirs(output_dir, exist_ok=True)
+    config = LlamaConfig(**to_hf_llama_config_dict(full.model_config))
+    config.save_pretrained(output_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    return full.model_config, len(state), sum(t.numel() for t in state.values()), None
 
 
 def parse_args(argv=None):
@@ -251,8 +278,9 @@ def main(argv=None):
         architecture = json.load(handle)["architectures"][0]
     print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
-          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged}) and "
-          "its tokenizer", flush=True)
+          f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged})"
+          + (" (copy the tokenizer files from the original directory)" if architecture == "LlamaForCausalLM"
+             else " and its tokenizer"), flush=True)
     if args.peft_adapter is not None:
         print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "
               f"its unmerged base model in {os.path.join(args.peft_adapter, 'base')}", flush=True)

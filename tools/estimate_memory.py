@@ -69,6 +69,14 @@ def build_parser():
                              "--attention-dropout > 0)")
     parser.add_argument("--attention-dropout", type=float, default=0.1)
     parser.add_argument("--hidden-dropout", type=float, default=0.1)
+    llama = parser.add_argument_group("Llama options (docs/models.md)")
+    llama.add_argument("--num-key-value-heads", type=int, default=None)
+    llama.add_argument("--ffn-hidden-size", type=int, default=None)
+    llama.add_argument("--swiglu", action="store_true")
+    llama.add_argument("--normalization", choices=("layernorm", "rmsnorm"), default="layernorm")
+    llama.add_argument("--disable-bias-linear", action="store_true")
+    llama.add_argument("--no-position-embedding", action="store_true")
+    llama.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     return parser
 
 
@@ -113,14 +121,22 @@ def zero_keys(args):
     return keys
 
 
+def architecture_of(args):
+    """The Llama options of the command line as GPT2ModelConfig fields (docs/models.md)."""
+    return {"num_key_value_heads": args.num_key_value_heads, "ffn_hidden_size": args.ffn_hidden_size,
+            "swiglu": args.swiglu, "normalization": args.normalization, "add_bias_linear": not args.disable_bias_linear,
+            "learned_position_embeddings": not args.no_position_embedding,
+            "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights}
+
+
 def estimate(args):
     """(parameters per mp rank, per-group counts, model-state bytes, activation bytes)."""
     padded_vocab = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.model_parallel_size)
-    counts = memory.gpt2_param_groups(args.num_layers, args.hidden_size, padded_vocab,
-                                      args.max_position_embeddings or args.seq_length, args.model_parallel_size)
-    sizes = memory.gpt2_parameter_sizes(args.num_layers, args.hidden_size, padded_vocab,
-                                        args.max_position_embeddings or args.seq_length, args.model_parallel_size)
+    shape = (args.num_layers, args.hidden_size, padded_vocab, args.max_position_embeddings or args.seq_length,
+             args.model_parallel_size, args.num_attention_heads, architecture_of(args))
+    counts = memory.gpt2_param_groups(*shape)
+    sizes = memory.gpt2_parameter_sizes(*shape)
     dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
     config = None if args.zero_stage is None else \
         zero.load_config(ds_config(args.zero_stage, dtype, args.micro_batch_size, **zero_keys(args)),

@@ -22,16 +22,19 @@ class FullCheckpoint:
         weights = saved.weights_of[0]
         shape = saved.model_shape
         self.model_config = None      # a ZeRO checkpoint of another model (any module the engine trains)
-        if VOCAB_PARAMETER in weights and "position_embeddings.weight" in weights:
+        positions = "position_embeddings.weight" in weights
+        if VOCAB_PARAMETER in weights and (positions or shape.get("learned_position_embeddings") is False):
             vocab_shape = tensor_shape(weights, VOCAB_PARAMETER)
             padded = vocab_shape[0] * saved.model_parallel_size
             self.model_config = {
                 "num_layers": shape.get("num_layers", _count_layers(weights)),
                 "hidden_size": vocab_shape[1],
                 "num_attention_heads": shape.get("num_attention_heads"),
-                "max_sequence_length": tensor_shape(weights, "position_embeddings.weight")[0],
+                "max_sequence_length": (tensor_shape(weights, "position_embeddings.weight")[0] if positions
+                                        else shape.get("max_sequence_length")),
                 "vocab_size": saved.real_vocab_size or padded,
-                "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5)}
+                "layernorm_epsilon": shape.get("layernorm_epsilon", 1e-5),
+                **ckpt.architecture_record(shape)}
 
     def require_gpt2(self, what):
         """CheckpointError unless the checkpoint is of our GPT2Model (what `what` needs)."""
@@ -103,7 +106,9 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
     padded = vocab_size_with_padding(vocab, make_vocab_size_divisible_by, model_parallel_size)
     shape = ckpt.model_shape_record(model_config["num_layers"], model_config["hidden_size"],
                                     model_config["num_attention_heads"], padded, model_parallel_size, vocab,
-                                    model_config.get("layernorm_epsilon", 1e-5))
+                                    model_config.get("layernorm_epsilon", 1e-5),
+                                    architecture=ckpt.architecture_record(model_config),
+                                    max_sequence_length=model_config.get("max_sequence_length"))
     run_state = {ckpt.ITERATION: 0, ckpt.MODEL_SHAPE: shape}
     if saved is not None:
         run_state.update(saved.train_state().to_state())
@@ -116,7 +121,8 @@ def _write_checkpoint(save_dir, tag, tensor_of, names, model_config, model_paral
         for rank in range(model_parallel_size):
             def shard(name, kind="weight"):
                 full = tensor_of(name) if kind == "weight" else saved.full_tensor(name, kind)
-                result = shard_for(name, full, model_parallel_size, rank, padded).contiguous().clone()
+                result = shard_for(name, full, model_parallel_size, rank, padded,
+                                   shape).contiguous().clone()
                 if progress is not None:
                     progress.advance(1, result.nbytes)
                 return result

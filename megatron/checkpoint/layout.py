@@ -89,26 +89,45 @@ MODEL_SHAPE = "model_shape"           # MODEL_SHAPE_FIELDS, plus "vocab_size" (t
 PARAM_NAMES = "param_names"           # per optimizer param group, the parameter names in the group's order
 # Fields of MODEL_SHAPE, compared with the loading model's on load at the saving topology.
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")
+# The Llama-family options (GPT2ModelConfig's names) and their GPT-2 values: recorded by every writer, compared on
+# every load; a checkpoint written before they existed holds these values.
+ARCHITECTURE_DEFAULTS = {"num_key_value_heads": None, "ffn_hidden_size": None, "swiglu": False,
+                         "normalization": "layernorm", "add_bias_linear": True, "learned_position_embeddings": True,
+                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False}
 
 
 ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")
 
 
 def model_shape_record(num_layers, hidden_size, num_attention_heads, padded_vocab_size, model_parallel_size,
-                       vocab_size, layernorm_epsilon, lora=None):
+                       vocab_size, layernorm_epsilon, lora=None, architecture=None, max_sequence_length=None):
     """MODEL_SHAPE as every writer stores it (a LoRA run also records its rank and alpha: convert_to_hf merges
-    the adapters with them; they are not compared on load)."""
+    the adapters with them; they are not compared on load). `architecture`: {ARCHITECTURE_DEFAULTS key: value},
+    the missing ones at their defaults."""
     shape = {"num_layers": num_layers, "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
              "padded_vocab_size": padded_vocab_size, "model_parallel_size": model_parallel_size,
              "vocab_size": vocab_size, "layernorm_epsilon": layernorm_epsilon}
+    shape.update(architecture_record(architecture or {}))
+    if max_sequence_length is not None:   # not compared on load (the position table's rows are)
+        shape["max_sequence_length"] = max_sequence_length
     if lora is not None:
         shape.update(lora_rank=lora.rank, lora_alpha=lora.alpha)
     return shape
 
 
+def architecture_record(values):
+    """Every ARCHITECTURE_DEFAULTS key with its value in `values` (a dict or an object with those attributes),
+    else its default."""
+    get = values.get if isinstance(values, dict) else (lambda key, default: getattr(values, key, default))
+    return {key: get(key, default) for key, default in ARCHITECTURE_DEFAULTS.items()}
+
+
 def check_model_shape(saved, ours, fields, where, strict=True):
-    """CheckpointError naming every field of `fields` where the saved MODEL_SHAPE differs from this run's;
-    a field the saved record lacks differs when `strict` (at the saving topology), is skipped otherwise."""
+    """CheckpointError naming every field of `fields` (and every architecture field of `ours`) where the saved
+    MODEL_SHAPE differs from this run's; a field the saved record lacks differs when `strict` (at the saving
+    topology), is skipped otherwise; a missing architecture field is its GPT-2 default."""
+    saved = dict(architecture_record(saved), **saved)
+    fields = list(fields) + [key for key in ARCHITECTURE_DEFAULTS if key in ours and key not in fields]
     diffs = [f"{field} {saved.get(field)} (checkpoint) != {ours[field]} (this run)" for field in fields
              if field in ours and (strict or field in saved) and saved.get(field) != ours[field]]
     if diffs:

@@ -11,9 +11,10 @@ of any other topology or path. Files are memory-mapped: a process touches only t
 How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it
 against the attributes mpu gives the real parameters):
 
-    word_embeddings.weight                 rows (dim 0): the vocabulary, padded to the loading run's multiple
-    attention.query_key_value.weight/bias/lora_B  rows with stride 3: rank r holds [q_r; k_r; v_r]
-    mlp.dense_h_to_4h.weight/bias/lora_B   rows
+    word_embeddings.weight, output_layer.weight  rows (dim 0): the vocabulary, padded to the loading run's multiple
+    attention.query_key_value.weight/bias/lora_B  rows with stride 3: rank r holds [q_r; k_r; v_r] (with fewer
+                                           key/value heads, an mpu.GroupedQKVStride: unequal, maybe replicated)
+    mlp.dense_h_to_4h.weight/bias/lora_B   rows (SwiGLU: stride 2, rank r holds [gate_r; up_r])
     attention.dense.weight/lora_A, mlp.dense_4h_to_h.weight/lora_A    columns (dim 1)
     everything else                        replicated (checked equal across the saved ranks; LoRA's lora_A of
                                            the column-parallel linears and lora_B of the row-parallel ones too)
@@ -43,17 +44,25 @@ from megatron.train_state import TrainState
 _ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
 _COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.(weight|lora_A)$")
 VOCAB_PARAMETER = "word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"     # the untied LM head: split like the word embedding
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def partitioning(name):
+def partitioning(name, model_shape=None):
     """(partition dim or None for replicated, stride, whether the dim is the padded vocabulary) of a GPT2Model
-    parameter name."""
-    if name.endswith(VOCAB_PARAMETER):
+    parameter name; `model_shape` (a checkpoint's MODEL_SHAPE) for the strides of the Llama options."""
+    if name.endswith((VOCAB_PARAMETER, OUTPUT_LAYER)):
         return 0, 1, True
     match = _ROW_SPLIT.search(name)
     if match:
-        return 0, 3 if match.group(1) == "query_key_value" else 1, False
+        shape = model_shape or {}
+        if match.group(1) == "dense_h_to_4h":
+            return 0, 2 if shape.get("swiglu") else 1, False
+        heads, kv_heads = shape.get("num_attention_heads"), shape.get("num_key_value_heads")
+        if kv_heads in (None, heads):
+            return 0, 3, False
+        head_dim = shape["hidden_size"] // heads
+        return 0, mpu.GroupedQKVStride(shape["hidden_size"], head_dim * kv_heads, head_dim), False
     if _COLUMN_SPLIT.search(name):
         return 1, 1, False
     return None, 1, False
@@ -61,20 +70,25 @@ def partitioning(name):
 
 def join_shards(shards, dim, stride):
     """The full tensor from the model-parallel shards (inverse of split_full)."""
+    if isinstance(stride, mpu.GroupedQKVStride):
+        return stride.join(shards, dim)
     pieces = [shard.chunk(stride, dim) for shard in shards]       # pieces[r][j]
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
 
 
 def split_full(full, dim, stride, world_size, rank):
-    """Rank `rank`'s shard of `full`: cut into world_size x stride blocks, take blocks rank, rank + world, ..."""
+    """Rank `rank`'s shard of `full`: cut into world_size x stride blocks, take blocks rank, rank + world, ...
+    (grouped-query q/k/v: mpu.GroupedQKVStride's split)"""
+    if isinstance(stride, mpu.GroupedQKVStride):
+        return stride.split(full, dim, world_size, rank)
     blocks = full.chunk(world_size * stride, dim)
     return torch.cat(blocks[rank::world_size], dim)
 
 
-def shard_for(name, full, world_size, rank, padded_rows=None):
+def shard_for(name, full, world_size, rank, padded_rows=None, model_shape=None):
     """This rank's shard of the full tensor of parameter `name`; the vocabulary re-padded with zero rows to
     `padded_rows` (the loading model's padded vocabulary)."""
-    dim, stride, vocab = partitioning(name)
+    dim, stride, vocab = partitioning(name, model_shape)
     if vocab and padded_rows is not None and padded_rows != full.shape[0]:
         if padded_rows < full.shape[0]:
             raise ckpt.CheckpointError(f"{name}: the checkpoint's vocabulary ({full.shape[0]}) does not fit this "
@@ -82,7 +96,13 @@ def shard_for(name, full, world_size, rank, padded_rows=None):
         full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
     if dim is None or world_size == 1:
         return full
-    if full.shape[dim] % (world_size * stride):
+    if isinstance(stride, mpu.GroupedQKVStride):
+        kv_heads = stride.kv_heads
+        if (stride.query_rows + 2 * stride.kv_rows != full.shape[dim] or stride.query_rows % world_size
+                or (kv_heads % world_size and world_size % kv_heads)):
+            raise ckpt.CheckpointError(f"{name}: {kv_heads} key/value heads of size {stride.head_dim} do not split "
+                                       f"into {world_size} model-parallel ranks")
+    elif full.shape[dim] % (world_size * stride):
         raise ckpt.CheckpointError(f"{name}: size {full.shape[dim]} along dim {dim} does not split into "
                                    f"{world_size} model-parallel ranks x stride {stride}")
     return split_full(full, dim, stride, world_size, rank)
@@ -197,7 +217,7 @@ class SavedCheckpoint:
         shards = [self._shard(rank, name, kind) for rank in range(self.model_parallel_size)]
         if any(shard is None for shard in shards):
             return None
-        dim, stride, vocab = partitioning(name)
+        dim, stride, vocab = partitioning(name, self.model_shape)
         if dim is None:
             for rank, shard in enumerate(shards[1:], 1):
                 if not torch.equal(shard, shards[0]):
@@ -213,12 +233,15 @@ class SavedCheckpoint:
     def shard(self, name, kind, world_size, rank, padded_rows=None):
         """Rank `rank`'s (of `world_size`) piece of `name`'s full tensor, read from only the overlapping parts of
         the saved shards; the vocabulary re-padded with zero rows to `padded_rows`. None when not saved."""
-        dim, stride, vocab = partitioning(name)
+        dim, stride, vocab = partitioning(name, self.model_shape)
         if dim is None:
             return self.full_tensor(name, kind)
         saved_world = self.model_parallel_size
         if saved_world == world_size and (not vocab or padded_rows in (None, self.padded_vocab_size())):
             return self._shard(rank, name, kind)
+        if isinstance(stride, mpu.GroupedQKVStride):   # grouped-query q/k/v (never the vocabulary): through the full tensor
+            full = self.full_tensor(name, kind)
+            return None if full is None else split_full(full, dim, stride, world_size, rank)
         shards = [self._shard(q, name, kind) for q in range(saved_world)]
         if any(shard is None for shard in shards):
             return None

@@ -15,7 +15,7 @@ from megatron.train_state import TrainState
 def check_same_model(saved, config):
     """The saved model and `config` (a GPT2ModelConfig) differ only in how they are split."""
     ours = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_attention_heads}
+            "num_attention_heads": config.num_attention_heads, **ckpt.architecture_record(config)}
     if saved.real_vocab_size is not None and config.real_vocab_size is not None:
         ours["vocab_size"] = config.real_vocab_size
     ckpt.check_model_shape(saved.model_shape, ours, list(ours), saved.directory, strict=False)

@@ -39,7 +39,8 @@ def model_shape(model):
         return None
     return ckpt.model_shape_record(config.num_layers, config.hidden_size, config.num_attention_heads,
                                    config.vocab_size, mpu.get_model_parallel_world_size(), config.real_vocab_size,
-                                   config.layernorm_epsilon, getattr(config, "lora", None))
+                                   config.layernorm_epsilon, getattr(config, "lora", None),
+                                   ckpt.architecture_record(config), config.max_sequence_length)
 
 
 def optimizer_param_names(module, optimizer):

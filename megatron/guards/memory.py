@@ -149,23 +149,40 @@ def tensors_bytes(tensors):
 
 # ---- GPT-2 shapes -----------------------------------------------------------------------------------------------
 def gpt2_parameter_sizes(num_layers, hidden_size, padded_vocab_size, max_position_embeddings,
-                         model_parallel_size=1):
+                         model_parallel_size=1, num_attention_heads=None, architecture=None):
     """[(elements, decayed)] of every parameter on one model-parallel rank of our GPT2Model (megatron/model,
     mpu/transformer.py): the word embedding [V/p, h] (tied LM head) and position embedding [s, h] replicated; per
     layer two LayerNorms (h weight + h bias each, replicated), QKV column-parallel [3h/p, h] + bias 3h/p, attention
     output row-parallel [h, h/p] + bias h (replicated), MLP h->4h [4h/p, h] + 4h/p, 4h->h [h, 4h/p] + h; the final
-    LayerNorm. Megatron's grouping: biases and LayerNorm parameters are not decayed."""
+    LayerNorm. Megatron's grouping: biases and LayerNorm parameters are not decayed.
+    `architecture`: the Llama options (docs/models.md) as {GPT2ModelConfig field: value}, the missing ones GPT-2's:
+    grouped-query q/k/v rows (mpu.GroupedQKVStride.rows_per_rank, `num_attention_heads` needed), SwiGLU's [2f/p, h],
+    RMSNorm without bias, no biases, no position table, an untied output layer [V/p, h]."""
+    import mpu
+    options = dict(architecture or {})
     h, p = hidden_size, model_parallel_size
-    layer = [(h, False), (h, False), (3 * h // p * h, True), (3 * h // p, False), (h * (h // p), True), (h, False),
-             (h, False), (h, False), (4 * h // p * h, True), (4 * h // p, False), (h * (4 * h // p), True), (h, False)]
-    return [(padded_vocab_size // p * h, True), (max_position_embeddings * h, True)] + layer * num_layers + \
-        [(h, False), (h, False)]
+    kv_heads = options.get("num_key_value_heads")
+    qkv = 3 * h // p if not kv_heads else \
+        mpu.GroupedQKVStride(h, h // num_attention_heads * kv_heads, h // num_attention_heads).rows_per_rank(p)
+    f = options.get("ffn_hidden_size") or 4 * h
+    mlp_in = (2 if options.get("swiglu") else 1) * f // p
+    norm = [(h, False)] if options.get("normalization") == "rmsnorm" else [(h, False), (h, False)]
+    bias = options.get("add_bias_linear", True)
+
+    def linear(rows, columns, bias_size):
+        return [(rows * columns, True)] + ([(bias_size, False)] if bias else [])
+    layer = norm + linear(qkv, h, qkv) + linear(h, h // p, h) + norm + linear(mlp_in, h, mlp_in) + \
+        linear(h, f // p, h)
+    positions = [(max_position_embeddings * h, True)] if options.get("learned_position_embeddings", True) else []
+    output = [(padded_vocab_size // p * h, True)] if options.get("untie_embeddings_and_output_weights") else []
+    return [(padded_vocab_size // p * h, True)] + positions + layer * num_layers + norm + output
 
 
-def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_embeddings, model_parallel_size=1):
+def gpt2_param_groups(num_layers, hidden_size, padded_vocab_size, max_position_embeddings, model_parallel_size=1,
+                      num_attention_heads=None, architecture=None):
     """(weight-decay elements, no-decay elements) per model-parallel rank (gpt2_parameter_sizes summed)."""
     sizes = gpt2_parameter_sizes(num_layers, hidden_size, padded_vocab_size, max_position_embeddings,
-                                 model_parallel_size)
+                                 model_parallel_size, num_attention_heads, architecture)
     return sum(n for n, decay in sizes if decay), sum(n for n, decay in sizes if not decay)
 
 

@@ -24,6 +24,10 @@ weights are bitwise the single-stage model's of the same seed. Names stay the si
     P = 2, L = 4:  stage 0: word_embeddings, position_embeddings, transformer.layers.{0,1}
                    stage 1: transformer.layers.{2,3}, transformer.final_layernorm, word_embeddings (LM head)
 
+Llama-family options (docs/models.md; Megatron-DeepSpeed's flags): rotary embeddings instead of (or besides) the
+learned position table, SwiGLU, RMSNorm, grouped-query attention, no biases, another MLP width, and an untied output
+layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embedding; on the last stage only).
+
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).
 
@@ -83,6 +87,24 @@ class GPT2ModelConfig:
     """--torch-compile: the layers and the loss run mpu/fused.py's compiled pieces (the same math)."""
     lora: Optional[mpu.LoRAConfig] = None
     """--lora-*: LoRA adapters on the layers' linears, every other parameter frozen (mpu/lora.py); None: no LoRA."""
+    num_key_value_heads: Optional[int] = None
+    """--num-key-value-heads: grouped-query attention's key/value heads (None: one per query head)."""
+    ffn_hidden_size: Optional[int] = None
+    """--ffn-hidden-size: the MLP's inner width (None: 4 x hidden_size)."""
+    swiglu: bool = False
+    """--swiglu: the MLP is down(silu(gate(x)) * up(x)) (gate and up column-parallel, split alike)."""
+    normalization: str = "layernorm"
+    """--normalization: 'layernorm' or 'rmsnorm' (eps: layernorm_epsilon)."""
+    add_bias_linear: bool = True
+    """False with --disable-bias-linear: no biases on the attention and MLP linears."""
+    learned_position_embeddings: bool = True
+    """False with --no-position-embedding: no position table (use rotary embeddings)."""
+    rotary: bool = False
+    """--use-rotary-position-embeddings: rotate q and k per head (mpu/rotary.py, HF Llama's rotate-half)."""
+    rotary_theta: float = 10000.0
+    """--rotary-position-embeddings-theta: the rotary base."""
+    untie_embeddings_and_output_weights: bool = False
+    """--untie-embeddings-and-output-weights: the LM head is its own vocabulary-parallel output_layer."""
     sequence_parallel: bool = False
     """--sequence-parallel: the LayerNorm, dropout and residual regions hold a slice of the sequence per
     model-parallel rank (see the module docstring); the same parameters and results as without."""
@@ -101,7 +123,24 @@ class GPT2ModelConfig:
                    init_method_std=args.init_method_std,
                    layernorm_epsilon=args.layernorm_epsilon, real_vocab_size=args.real_vocab_size,
                    fused_compute=args.torch_compile, lora=lora_config_from_args(args),
+                   num_key_value_heads=args.num_key_value_heads, ffn_hidden_size=args.ffn_hidden_size,
+                   swiglu=args.swiglu, normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
+                   learned_position_embeddings=not args.no_position_embedding,
+                   rotary=args.use_rotary_position_embeddings, rotary_theta=args.rotary_position_embeddings_theta,
+                   untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                    sequence_parallel=args.sequence_parallel)
+
+    @property
+    def architecture(self):
+        """The transformer layers' options (mpu.Architecture)."""
+        return mpu.Architecture(num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
+                                swiglu=self.swiglu, normalization=self.normalization,
+                                add_bias_linear=self.add_bias_linear)
+
+    @property
+    def tied_head(self):
+        """The LM head is the word embedding (GPT-2)."""
+        return not self.untie_embeddings_and_output_weights
 
 
 def recompute_config_from_args(args):
@@ -179,21 +218,21 @@ class GPT2Model(nn.Module):
         # whole model's order (word, position, layers), so that its weights are the whole model's.
         init_method = mpu.init_method_normal(config.init_method_std)
         self.word_embeddings = None
-        if self.pre_process or self.post_process:
+        if self.pre_process or (self.post_process and config.tied_head):
             self.word_embeddings = mpu.VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                               init_method=init_method)
         else:
             skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
         self.position_embeddings = None
-        if self.pre_process:
+        if config.learned_position_embeddings and self.pre_process:
             self.position_embeddings = nn.Embedding(config.max_sequence_length, config.hidden_size,
                                                     device=mpu.get_device())
             with GatheredParameters(self.position_embeddings.weight, modifier_rank=0):   # whole under zero.Init
                 init_method(self.position_embeddings.weight)
-        else:   # nn.Embedding's own normal_ init, then init_method's
+        elif config.learned_position_embeddings:   # nn.Embedding's own normal_ init, then init_method's
             skip_init_draws([(config.max_sequence_length, config.hidden_size)] * 2, mpu.get_device())
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
-        if self.word_embeddings is not None and stages > 1:
+        if self.word_embeddings is not None and stages > 1 and config.tied_head:
             self.word_embeddings.weight.pipeline_tied = True
             self.word_embeddings.weight.shared = not self.pre_process   # the LM-head copy: not counted twice
         per_stage = config.num_layers // stages
@@ -205,12 +244,20 @@ class GPT2Model(nn.Module):
             layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
-            final_layernorm=self.post_process, fused=config.fused_compute,
+            final_layernorm=self.post_process, fused=config.fused_compute, architecture=config.architecture,
             sequence_parallel=config.sequence_parallel)
+        self.output_layer = None
+        if not config.tied_head:   # drawn after the layers, before LoRA and the reward head
+            if self.post_process:
+                self.output_layer = mpu.VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                               init_method=init_method)   # [V/p, h], rows split
+            else:
+                skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
 
         self.lm_head = TiedLMHead() if self.post_process and not config.reward_head else None
-        if self.lm_head is not None:   # ZeRO-3 gathers the word embedding for the head too
-            register_external_parameter(self.lm_head, self.word_embeddings.weight)
+        if self.lm_head is not None:   # ZeRO-3 gathers the head's weight (the word embedding's, tied) around it too
+            register_external_parameter(self.lm_head, (self.word_embeddings if config.tied_head
+                                                       else self.output_layer).weight)
         if config.lora is not None:
             if config.fused_compute:
                 raise ValueError("LoRA runs the eager layers: drop --torch-compile (fused_compute) or --lora-rank")
@@ -258,22 +305,36 @@ class GPT2Model(nn.Module):
         # divide (an evaluation window's tail: the same weights on whole sequences); a later stage gets slices
         sequence_parallel = self.config.sequence_parallel and inference_cache is None and (
             not self.pre_process or input_ids.size(1) % mpu.get_model_parallel_world_size() == 0)
+        if position_ids is None and (self.pre_process or self.config.rotary):
+            # the whole sequence's positions (attention, and so rotary, runs on whole sequences); a later stage's
+            # input is [b, s/p, h] with sequence parallelism
+            if input_ids is not None:
+                batch, length = input_ids.shape
+            else:
+                batch, length = self.input_tensor.shape[:2]
+                if sequence_parallel:
+                    length *= mpu.get_model_parallel_world_size()
+            device = input_ids.device if input_ids is not None else self.input_tensor.device
+            start = inference_cache.sequence_length if inference_cache is not None else 0
+            position_ids = torch.arange(start, start + length, device=device)
+            position_ids = position_ids.unsqueeze(0).expand(batch, length)
         if self.pre_process:
-            if position_ids is None:
-                start = inference_cache.sequence_length if inference_cache is not None else 0
-                position_ids = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
-                position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
-            words = self.word_embeddings(input_ids)                           # [b, s, h]
-            positions = self.position_embeddings(position_ids)                # [b, s, h]
+            hidden = self.word_embeddings(input_ids)                          # [b, s, h]
+            if self.position_embeddings is not None:
+                hidden = hidden + self.position_embeddings(position_ids)      # [b, s, h]
             if sequence_parallel:
-                hidden = mpu.scatter_to_sequence_parallel_region(words + positions)   # [b, s/p, h]
+                hidden = mpu.scatter_to_sequence_parallel_region(hidden)     # [b, s/p, h]
                 with mpu.get_cuda_rng_tracker().fork() if self.embedding_dropout.training else nullcontext():
                     hidden = self.embedding_dropout(hidden)
             else:
-                hidden = self.embedding_dropout(words + positions)
+                hidden = self.embedding_dropout(hidden)
         else:
             hidden = self.input_tensor                                        # [b, s, h] from the previous stage
-        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache,
+        rotary = None
+        if self.config.rotary:   # [b, 1, s, d] each, of the whole sequence, shared by every layer
+            rotary = mpu.rotary_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
+                                       self.config.rotary_theta, hidden.dtype)
+        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache, rotary=rotary,
                                   sequence_parallel=sequence_parallel)               # [b, s, h] or [b, s/p, h]
         if not self.post_process:
             return hidden
@@ -289,9 +350,10 @@ class GPT2Model(nn.Module):
                 hidden = mpu.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
                 sequence_parallel = False
             hidden = hidden[:, -1:]                                           # [b, 1, h]
+        head_weight = self.word_embeddings.weight if self.config.tied_head else self.output_layer.weight
         matmul = None if inference_cache is None else inference_cache.head_matmul(
-            self.word_embeddings.weight, hidden.size(0) * hidden.size(1))
-        logits_parallel = self.lm_head(hidden, self.word_embeddings.weight, matmul,
+            head_weight, hidden.size(0) * hidden.size(1))
+        logits_parallel = self.lm_head(hidden, head_weight, matmul,
                                        sequence_parallel=sequence_parallel)   # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,

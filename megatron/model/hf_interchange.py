@@ -253,3 +253,147 @@ def peft_adapter_config(rank, alpha, targets, dropout=0.0, base_model_name_or_pa
             "target_modules": [PEFT_TARGET_MODULES[t] for t in targets], "fan_in_fan_out": True, "bias": "none",
             "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "inference_mode": True}
+
+
+# ---------------------------------------------------------------------------------------------------- Llama
+# Our GPT2Model with the Llama options (docs/models.md) <-> transformers' LlamaForCausalLM:
+#     ours                                              HF LlamaForCausalLM (nn.Linear: the same [out, in] layout)
+#     word_embeddings.weight [V, h]                     model.embed_tokens.weight
+#     transformer.layers.{i}.input_layernorm.weight     model.layers.{i}.input_layernorm.weight (RMSNorm)
+#     ...attention.query_key_value [(n + 2 n_kv) d, h]  cat(q_proj [n d, h], k_proj [n_kv d, h], v_proj [n_kv d, h])
+#     ...attention.dense [h, h]                         self_attn.o_proj
+#     ...post_attention_layernorm.weight                post_attention_layernorm.weight
+#     ...mlp.dense_h_to_4h [2f, h]                      cat(mlp.gate_proj [f, h], mlp.up_proj [f, h])
+#     ...mlp.dense_4h_to_h [h, f]                       mlp.down_proj
+#     transformer.final_layernorm.weight                model.norm.weight
+#     output_layer.weight [V, h] (untied)               lm_head.weight
+# HF's q_proj/k_proj rows are already in the rotate-half order our rotary embedding uses: no permutation.
+LLAMA_ARCHITECTURE = {"swiglu": True, "normalization": "rmsnorm", "add_bias_linear": False,
+                      "learned_position_embeddings": False, "rotary": True}
+
+
+LLAMA_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings")
+
+
+def check_llama_config(hf_config):
+    """The model_config (with the architecture fields) of a Llama config.json (dict or LlamaConfig);
+    InterchangeError (one line) for what our model cannot express."""
+    if not isinstance(hf_config, dict):
+        hf_config = hf_config.to_dict()
+    if hf_config.get("model_type") != "llama":
+        raise InterchangeError(f"config.json has model_type {hf_config.get('model_type')!r}, not 'llama'")
+    missing = [key for key in LLAMA_CONFIG_KEYS if key not in hf_config]
+    if missing:
+        raise InterchangeError(f"config.json has model_type 'llama' but lacks {', '.join(missing)}")
+    for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                      ("pretraining_tp", 1)):
+        if hf_config.get(key, ours) != ours:
+            raise InterchangeError(f"config.json has {key} {hf_config[key]!r}: our Llama needs {ours!r}")
+    rope = hf_config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", (hf_config.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rope_type != "default":
+        raise InterchangeError(f"config.json has rope_type {rope_type!r}: only plain rotary embeddings ('default')")
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    if hidden % heads or hf_config.get("head_dim", hidden // heads) != hidden // heads or heads % kv_heads:
+        raise InterchangeError(f"config.json: hidden_size {hidden}, {heads} heads, head_dim "
+                               f"{hf_config.get('head_dim')}, {kv_heads} key/value heads: our attention needs "
+                               "head_dim = hidden_size / heads and heads a multiple of the key/value heads")
+    return dict(LLAMA_ARCHITECTURE, num_layers=hf_config["num_hidden_layers"], hidden_size=hidden,
+                num_attention_heads=heads, max_sequence_length=hf_config["max_position_embeddings"],
+                vocab_size=hf_config["vocab_size"], layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
+                num_key_value_heads=None if kv_heads == heads else kv_heads,
+                ffn_hidden_size=hf_config["intermediate_size"],
+                rotary_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))),
+                untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False))
+
+
+def _llama_layer_pairs(i):
+    """[(our name, [HF names fused along rows, in order])] of layer i."""
+    ours, theirs = f"transformer.layers.{i}.", f"model.layers.{i}."
+    return [(ours + "input_layernorm.weight", [theirs + "input_layernorm.weight"]),
+            (ours + "attention.query_key_value.weight",
+             [theirs + f"self_attn.{p}_proj.weight" for p in ("q", "k", "v")]),
+            (ours + "attention.dense.weight", [theirs + "self_attn.o_proj.weight"]),
+            (ours + "post_attention_layernorm.weight", [theirs + "post_attention_layernorm.weight"]),
+            (ours + "mlp.dense_h_to_4h.weight", [theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"]),
+            (ours + "mlp.dense_4h_to_h.weight", [theirs + "mlp.down_proj.weight"])]
+
+
+def llama_name_pairs(model_config):
+    """[(our name, [HF names])] of every parameter (lm_head only when untied)."""
+    pairs = [("word_embeddings.weight", ["model.embed_tokens.weight"])]
+    for i in range(model_config["num_layers"]):
+        pairs += _llama_layer_pairs(i)
+    pairs.append(("transformer.final_layernorm.weight", ["model.norm.weight"]))
+    if model_config.get("untie_embeddings_and_output_weights"):
+        pairs.append(("output_layer.weight", ["lm_head.weight"]))
+    return pairs
+
+
+def _row_blocks(model_config, ours):
+    """The row sizes of a fused parameter's HF pieces: q/k/v (n d, n_kv d, n_kv d) or gate/up (f, f)."""
+    if ours.endswith("query_key_value.weight"):
+        h, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+        kv = h // heads * (model_config.get("num_key_value_heads") or heads)
+        return [h, kv, kv]
+    f = model_config["ffn_hidden_size"]
+    return [f, f]
+
+
+def from_hf_llama_state_dict(hf_state, hf_config):
+    """LlamaForCausalLM tensors + its config.json -> (our full weights, model_config); q/k/v and gate/up fused
+    (concatenated rows), tensors keep their dtype."""
+    model_config = check_llama_config(hf_config)
+    weights = {}
+    for ours, theirs in llama_name_pairs(model_config):
+        missing = [name for name in theirs if name not in hf_state]
+        if missing:
+            raise InterchangeError(f"the weights lack {missing[0]} (config.json has num_hidden_layers "
+                                   f"{model_config['num_layers']}, tie_word_embeddings "
+                                   f"{not model_config['untie_embeddings_and_output_weights']})")
+        tensors = [hf_state[name] for name in theirs]
+        if len(tensors) > 1 and [t.shape[0] for t in tensors] != _row_blocks(model_config, ours):
+            raise InterchangeError(f"{', '.join(theirs)} have {[t.shape[0] for t in tensors]} rows, expected "
+                                   f"{_row_blocks(model_config, ours)} from config.json")
+        weights[ours] = torch.cat(tensors).contiguous() if len(tensors) > 1 else tensors[0].contiguous()
+    rows = tuple(weights["word_embeddings.weight"].shape)
+    if rows != (model_config["vocab_size"], model_config["hidden_size"]):
+        raise InterchangeError(f"model.embed_tokens.weight is {list(rows)} but config.json has vocab_size "
+                               f"{model_config['vocab_size']} and hidden_size {model_config['hidden_size']}")
+    return weights, model_config
+
+
+def to_hf_llama_state_dict(weights, model_config):
+    """Our full weights -> LlamaForCausalLM's state dict (q/k/v and gate/up cut back into their projections);
+    contiguous copies."""
+    state = {}
+    for ours, theirs in llama_name_pairs(model_config):
+        if ours not in weights:
+            raise InterchangeError(f"the checkpoint lacks {ours}")
+        tensor = weights[ours]
+        pieces = tensor.split(_row_blocks(model_config, ours)) if len(theirs) > 1 else [tensor]
+        for name, piece in zip(theirs, pieces, strict=True):
+            state[name] = piece.contiguous().clone()
+    return state
+
+
+def to_hf_llama_config_dict(model_config, bos_id=None, eos_id=None):
+    """Keyword arguments of transformers.LlamaConfig for our model with the Llama options."""
+    heads = model_config["num_attention_heads"]
+    return {"vocab_size": model_config["vocab_size"], "hidden_size": model_config["hidden_size"],
+            "intermediate_size": model_config["ffn_hidden_size"], "num_hidden_layers": model_config["num_layers"],
+            "num_attention_heads": heads, "num_key_value_heads": model_config.get("num_key_value_heads") or heads,
+            "head_dim": model_config["hidden_size"] // heads, "hidden_act": "silu",
+            "max_position_embeddings": model_config["max_sequence_length"],
+            "rms_norm_eps": model_config["layernorm_epsilon"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": model_config["rotary_theta"]},
+            "tie_word_embeddings": not model_config["untie_embeddings_and_output_weights"],
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id,
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+
+def is_llama_config(model_config):
+    """Our model_config has the Llama options (converted as LlamaForCausalLM, not GPT2LMHeadModel)."""
+    return all(model_config.get(key) == value for key, value in LLAMA_ARCHITECTURE.items())

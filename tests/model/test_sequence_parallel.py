@@ -20,6 +20,8 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
 - pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes), on the Megatron path and on ZeRO-1: with sequence
   parallelism (the stages pass their sequence slices) the losses of 10 steps equal the run without (1e-6 relative,
   no dropout).
+- a tiny Llama shape (SwiGLU, RMSNorm, rotary, GQA 2 of 4 heads, no biases, untied head) at mp 2: with sequence
+  parallelism (and with it and full recomputation) its 10 SGD losses and RMSNorm gradients equal the run without;
 - the command line: --sequence-parallel at mp 1 is one line.
 """
 import pytest
@@ -239,11 +241,43 @@ def _reward_gradients(sequence_parallel):
     return {"rewards": rewards.detach(), "grads": _gathered(model, grads=True)}
 
 
+def _llama_config(sequence_parallel, recompute=None):
+    """A tiny Llama shape: SwiGLU, RMSNorm, rotary (no position table), GQA (2 key/value heads for 4), no biases,
+    an untied output layer."""
+    import dataclasses
+    return dataclasses.replace(_config(sequence_parallel, recompute=recompute), num_key_value_heads=2, swiglu=True,
+                               ffn_hidden_size=48, normalization="rmsnorm", add_bias_linear=False,
+                               learned_position_embeddings=False, rotary=True,
+                               untie_embeddings_and_output_weights=True)
+
+
+def _llama_run(config):
+    """STEPS SGD steps of the Llama shape: losses, and the first step's norm gradients as this rank holds them."""
+    model = _build(config)
+    mpu.model_parallel_cuda_manual_seed(99)
+    losses, norms = [], None
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        tokens, labels = _tokens(step)
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        losses.append(float(loss))
+        if step == 0:
+            norms = {n: p.grad.clone() for n, p in model.named_parameters() if "layernorm" in n}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-LR)
+    return {"losses": losses, "norms": norms}
+
+
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
     results["lora mp2"] = _sgd_run(_config(False, lora=LORA))
     results["lora mp2 sp"] = _sgd_run(_config(True, lora=LORA))
+    results["llama mp2"] = _llama_run(_llama_config(False))
+    results["llama mp2 sp"] = _llama_run(_llama_config(True))
+    results["llama mp2 sp, full recompute"] = _llama_run(_llama_config(True, mpu.RecomputeConfig("full", "uniform", 1)))
     results["dropout sp"] = _dropout_run(_config(True, dropout=0.2))
     for mode, config in (("full", mpu.RecomputeConfig("full", "uniform", 1)),
                          ("selective", mpu.RecomputeConfig("selective"))):
@@ -326,6 +360,20 @@ def test_lora_with_sequence_parallel_equals_lora_without(ranks):
         assert max_relative_difference(got["weights"], reference["weights"]) < TOLERANCE, rank
         # the adapters moved: B starts at zero
         assert float(got["weights"]["transformer.layers.0.mlp.dense_4h_to_h.lora_B"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("run", ["llama mp2 sp", "llama mp2 sp, full recompute"])
+def test_llama_shape_with_sequence_parallel_equals_it_without(ranks, run):
+    """SwiGLU, RMSNorm (its weight's gradient summed over the group), rotary tables of the whole sequence, GQA on
+    the gathered sequence, no biases, the untied head on the gathered hidden states; full recomputation's chunks
+    carry the rotary tables and the sequence-parallel flag."""
+    for rank, result in enumerate(ranks):
+        got, reference = result[run], result["llama mp2"]
+        assert max_relative_difference(got["losses"], reference["losses"]) < TOLERANCE, (rank, run)
+        assert len(got["norms"]) == 2 * LAYERS + 1                     # RMSNorm: weights only
+        assert max_relative_difference(list(got["norms"].values()), list(reference["norms"].values())) < \
+            TOLERANCE, (rank, run)
+    assert len(set(ranks[0]["llama mp2"]["losses"])) == STEPS
 
 
 def test_evaluation_and_decoding_of_a_sequence_parallel_model(ranks):
