@@ -173,6 +173,10 @@ def _add_distributed_args(parser):
                        type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", "--pipe-parallel-size", dest="pipeline_model_parallel_size",
                        type=int, default=1, help="pipeline stages (layers split evenly; 1F1B schedule)")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Megatron-LM's sequence parallelism (needs --model-parallel-size > 1): LayerNorm, dropout "
+                            "and residual activations split along the sequence across the tensor-parallel group, "
+                            "all-gather/reduce-scatter around the parallel linears instead of all-reduce")
     group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                        help="default: nccl on CUDA, gloo on CPU")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -294,6 +298,20 @@ NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "we
                       "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
 
 
+def _check_sequence_parallel(args, parser):
+    """--sequence-parallel: one line for each combination not supported (yet)."""
+    if not args.sequence_parallel:
+        return
+    if args.model_parallel_size == 1:
+        parser.error("--sequence-parallel splits the sequence across the tensor-parallel group: it needs "
+                     "--model-parallel-size > 1")
+    if args.seq_length % args.model_parallel_size:
+        parser.error(f"--sequence-parallel: --seq-length ({args.seq_length}) is not divisible by "
+                     f"--model-parallel-size ({args.model_parallel_size})")
+    if args.torch_compile:
+        parser.error("--sequence-parallel runs the eager layers: drop --torch-compile or --sequence-parallel")
+
+
 def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
     cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
@@ -330,6 +348,7 @@ def validate_args(args, parser):
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
+    _check_sequence_parallel(args, parser)
     _resolve_recompute_args(args, parser)
     if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
         parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "

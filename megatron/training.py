@@ -239,7 +239,9 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
         timers("backward").stop()
         if engine_step is not None:
             engine_step()
-    spec = p2p_communication.TensorSpec((args.batch_size, args.seq_length, args.hidden_size),
+    # with sequence parallelism a stage passes on its rank's sequence slice (Megatron-LM's tensor_shape too)
+    seq = args.seq_length // (args.model_parallel_size if args.sequence_parallel else 1)
+    spec = p2p_communication.TensorSpec((args.batch_size, seq, args.hidden_size),
                                         getattr(torch, args.params_dtype), mpu.get_device())
     losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward, args.num_micro_batches,
                                                    spec, forward_only=forward_only)

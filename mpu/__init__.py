@@ -15,7 +15,9 @@ from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
-                       reduce_from_model_parallel_region, scatter_to_model_parallel_region)
+                       gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region,
+                       scatter_to_sequence_parallel_region)
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker
 from .recompute import RecomputeConfig
 from .rotary import apply_rotary, rotary_tables

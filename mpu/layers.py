@@ -8,6 +8,10 @@ Linear layer Y = X A + b with A of shape [in, out] (torch stores weight = A^T, [
     RowParallelLinear:    A = [A_1; ...; A_p] split by rows, X = [X_1 ... X_p] split by columns;
                           rank i computes X_i A_i, and Y = sum_i X_i A_i + b (an all-reduce).
 A column-parallel linear followed by a row-parallel one (the MLP, attention) needs no communication between.
+Sequence parallelism (`forward(..., sequence_parallel=True)`, Megatron-LM's): the column-parallel linear's input is
+this rank's sequence slice, all-gathered (backward: reduce-scatter); the row-parallel linear's partial sums are
+reduce-scattered into sequence slices (backward: all-gather) and its bias, replicated, is added to the slice, its
+gradient summed over the group (see LayerNorm below: the same reason).
 Both linears can carry a LoRA adapter (`add_lora`, split along the same dimension: see lora.py).
 """
 from dataclasses import dataclass
@@ -19,7 +23,9 @@ from torch import nn
 
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel_region,
-                       reduce_from_model_parallel_region, scatter_to_model_parallel_region)
+                       gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
+from .mappings import gather_sequence, reduce_scatter_sequence
 from .utils import VocabUtility, divide, get_device
 
 
@@ -133,18 +139,80 @@ def _split_master(master, partition_dim, per_partition, stride=1):
     return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
 
 
-def _lora_dropout(input_, p, training, column_slice=False):
+def _lora_dropout(input_, p, training, column_slice=False, sequence_slice=False):
     """Dropout on a LoRA adapter's input with one mask over the full input width, drawn from the default generator
     (the same on every model-parallel rank): `column_slice` (a row-parallel input, this rank's columns of that
-    width) takes this rank's columns of the mask, so the masks are those of model-parallel size 1."""
+    width) takes this rank's columns of the mask, `sequence_slice` (a sequence-parallel input [b, s/p, in]) this
+    rank's positions, so the masks are those of model-parallel size 1."""
     if not training or p == 0.0:
         return input_
-    world_size = get_model_parallel_world_size() if column_slice else 1
-    keep = torch.empty(*input_.shape[:-1], input_.shape[-1] * world_size, dtype=input_.dtype,
-                       device=input_.device).bernoulli_(1.0 - p)
-    if world_size > 1:
-        keep = keep.chunk(world_size, dim=-1)[get_model_parallel_rank()]
+    world_size = get_model_parallel_world_size()
+    columns = world_size if column_slice else 1
+    positions = world_size if sequence_slice else 1
+    shape = list(input_.shape)
+    shape[-1] *= columns
+    shape[1] *= positions                                                   # [b, s, in]
+    keep = torch.empty(shape, dtype=input_.dtype, device=input_.device).bernoulli_(1.0 - p)
+    if columns > 1:
+        keep = keep.chunk(columns, dim=-1)[get_model_parallel_rank()]
+    if positions > 1:
+        keep = keep.chunk(positions, dim=1)[get_model_parallel_rank()]
     return input_ * keep / (1.0 - p)
+
+
+def sequence_parallel_replicated(param):
+    """`param` (replicated on every model-parallel rank) as used inside a sequence-parallel region: identity in
+    forward, its gradient all-reduced over the model-parallel group in backward. Each rank sees only its slice of
+    the sequence, so its gradient is a partial sum (Megatron-LM all-reduces the grads of parameters marked
+    `sequence_parallel` after backward; summing here, inside autograd, makes .grad whole before any hook sees it:
+    data-parallel reduction, ZeRO's buckets and partitions, the pipeline's embedding sync)."""
+    param.sequence_parallel = True
+    return copy_to_model_parallel_region(param)
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Y = gather(X_slice) A_i + b_i, keeping only X_slice for backward (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel): backward all-gathers X again for A's
+    gradient and reduce-scatters X's. The same math as gather_from_sequence_parallel_region then F.linear, but
+    autograd would keep the gathered [b, s, in] (p times the slice)."""
+
+    @staticmethod
+    def forward(ctx, input_slice, weight, bias):
+        ctx.save_for_backward(input_slice, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(gather_sequence(input_slice), weight, bias)                 # [b, s, out/p]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_slice, weight = ctx.saved_tensors
+        grad_input = reduce_scatter_sequence(grad_output.matmul(weight))             # [b, s/p, in]
+        total = gather_sequence(input_slice) if ctx.needs_input_grad[1] else None    # [b, s, in]
+        rows = grad_output.reshape(-1, grad_output.size(-1))                         # [b s, out/p]
+        grad_weight = rows.t().matmul(total.reshape(-1, total.size(-1))) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None   # (frozen under LoRA)
+        return grad_input, grad_weight, grad_bias
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (the same parameters and state-dict names) whose `forward(x, sequence_parallel=True)` takes
+    this rank's sequence slice and sums its weight and bias gradients over the model-parallel group."""
+
+    def forward(self, input_, sequence_parallel=False):
+        if not sequence_parallel or get_model_parallel_world_size() == 1:
+            return super().forward(input_)
+        weight = None if self.weight is None else sequence_parallel_replicated(self.weight)
+        bias = None if self.bias is None else sequence_parallel_replicated(self.bias)
+        return F.layer_norm(input_, self.normalized_shape, weight, bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same parameter and state-dict name) whose `forward(x, sequence_parallel=True)` takes this
+    rank's sequence slice and sums its weight's gradient over the model-parallel group (as LayerNorm above)."""
+
+    def forward(self, input_, sequence_parallel=False):
+        if not sequence_parallel or get_model_parallel_world_size() == 1 or self.weight is None:
+            return super().forward(input_)
+        return F.rms_norm(input_, self.normalized_shape, sequence_parallel_replicated(self.weight), self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -215,19 +283,32 @@ class ColumnParallelLinear(nn.Module):
         _ReplicatedKVGrad.register(self.lora_B, self.stride)
         self.lora_scale, self.lora_dropout = scale, dropout
 
-    def forward(self, input_, weight_t=None):
-        """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t)."""
-        input_parallel = copy_to_model_parallel_region(input_)
-        if weight_t is None:
-            output_parallel = F.linear(input_parallel, self.weight, self.bias)
+    def forward(self, input_, weight_t=None, sequence_parallel=False):
+        """weight_t: self.weight transposed, contiguous (decoding on CPU: mpu.transformer.decoding_weight_t).
+        sequence_parallel: input_ is this rank's sequence slice [b, s/p, in]; the output covers the whole
+        sequence [b, s, out/p]."""
+        sequence_parallel = sequence_parallel and get_model_parallel_world_size() > 1
+        if sequence_parallel and weight_t is None:
+            output_parallel = _SequenceParallelLinear.apply(input_, self.weight, self.bias)   # keeps the slice only
         else:
-            output_parallel = torch.matmul(input_parallel, weight_t)
-            output_parallel = output_parallel if self.bias is None else output_parallel + self.bias
+            input_parallel = gather_from_sequence_parallel_region(input_) if sequence_parallel else \
+                copy_to_model_parallel_region(input_)
+            if weight_t is None:
+                output_parallel = F.linear(input_parallel, self.weight, self.bias)
+            else:
+                output_parallel = torch.matmul(input_parallel, weight_t)
+                output_parallel = output_parallel if self.bias is None else output_parallel + self.bias
         if self.lora_A is not None and not self.lora_disabled:
             # u = A x' on every rank, from the input before the copy (whose backward all-reduces the input
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
-            lora_input = _lora_dropout(input_, self.lora_dropout, self.training)
-            u = copy_to_model_parallel_region(F.linear(lora_input, self.lora_A))              # [..., r]
+            # Sequence parallel: u = A x' of this rank's positions, gathered (backward: dL/du summed over the ranks
+            # and cut to my positions), so A's gradient is my positions' share: summed over the group.
+            lora_input = _lora_dropout(input_, self.lora_dropout, self.training, sequence_slice=sequence_parallel)
+            if sequence_parallel:
+                u = gather_from_sequence_parallel_region(
+                    F.linear(lora_input, sequence_parallel_replicated(self.lora_A)))          # [b, s, r]
+            else:
+                u = copy_to_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]
             output_parallel = output_parallel + self.lora_scale * F.linear(u, self.lora_B)     # [..., out/p]
         if self.gather_output:
             return gather_from_model_parallel_region(output_parallel)
@@ -267,15 +348,21 @@ class RowParallelLinear(nn.Module):
         self.lora_B = nn.Parameter(lora_b.detach().clone())
         self.lora_scale, self.lora_dropout = scale, dropout
 
-    def forward(self, input_):
+    def forward(self, input_, sequence_parallel=False):
+        """sequence_parallel: the output is this rank's sequence slice [b, s/p, out] of the summed result."""
+        sequence_parallel = sequence_parallel and get_model_parallel_world_size() > 1
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
-        output = reduce_from_model_parallel_region(output_parallel)
+        # sequence parallel: reduce-scatter (the sum, my positions) instead of all-reduce, [b, s/p, out]
+        reduce = reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_model_parallel_region
+        replicated = sequence_parallel_replicated if sequence_parallel else (lambda param: param)
+        output = reduce(output_parallel)
         if self.lora_A is not None and not self.lora_disabled:
-            # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient.
+            # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient
+            # (sequence parallel: u of my positions, B's gradient their share, summed over the group).
             lora_input = _lora_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
-            u = reduce_from_model_parallel_region(F.linear(lora_input, self.lora_A))          # [..., r]
-            output = output + self.lora_scale * F.linear(u, self.lora_B)                      # [..., out]
+            u = reduce(F.linear(lora_input, self.lora_A))                                     # [..., r]
+            output = output + self.lora_scale * F.linear(u, replicated(self.lora_B))          # [..., out]
         if self.bias is not None:
-            output = output + self.bias
+            output = output + replicated(self.bias)
         return output

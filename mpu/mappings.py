@@ -6,6 +6,7 @@ They come in pairs whose forward of one is the backward of the other:
     scatter_to_model_parallel_region   forward: keep my slice   backward: all-gather
     gather_from_model_parallel_region  forward: all-gather      backward: keep my slice
 Slices are taken along the last dimension: model-parallel rank r of m keeps columns [r*n/m, (r+1)*n/m).
+The sequence-parallel pairs (scatter/gather/reduce-scatter along the sequence) are below, with their table.
 """
 import torch
 import torch.distributed as dist
@@ -98,3 +99,108 @@ def scatter_to_model_parallel_region(input_):
 
 def gather_from_model_parallel_region(input_):
     return input_ if get_model_parallel_world_size() == 1 else _GatherFromModelParallelRegion.apply(input_)
+
+
+# Sequence parallelism (Megatron-LM's tensor_parallel mappings): the LayerNorm, dropout and residual regions hold
+# rank r's slice of the sequence, positions [r*s/m, (r+1)*s/m) of the activations [b, s, h] (dimension 1); the
+# column/row-parallel linears between them work on the whole sequence. The pairs:
+#     scatter_to_sequence_parallel_region        forward: keep my sequence slice   backward: all-gather
+#     gather_from_sequence_parallel_region       forward: all-gather               backward: reduce-scatter
+#                                                  (tensor_parallel_output_grad=False: keep my slice)
+#     reduce_scatter_to_sequence_parallel_region forward: reduce-scatter         backward: all-gather
+# They replace copy (identity/all-reduce) before a column-parallel linear and reduce (all-reduce/identity) after a
+# row-parallel one: at m = 2, s = 4, rank 0 holds positions 0-1 and rank 1 positions 2-3 of every row; the gather
+# gives both ranks positions 0-3, the row-parallel linear's partial sums [b, 4, h] are summed and cut back into
+# the two slices.
+SEQUENCE_DIM = 1
+
+
+def _split_sequence(input_):
+    """This rank's slice of the sequence dimension."""
+    world_size = get_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    length = input_.size(SEQUENCE_DIM)
+    if length % world_size:
+        raise ValueError(f"sequence parallelism: the sequence length {length} is not divisible by the "
+                         f"model-parallel size {world_size}")
+    return input_.chunk(world_size, dim=SEQUENCE_DIM)[get_model_parallel_rank()].contiguous()
+
+
+def gather_sequence(input_):
+    """Concatenate every rank's sequence slice (the collective alone, no autograd: also used by layers.py's
+    sequence-parallel linear)."""
+    world_size = get_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    input_ = input_.contiguous()
+    pieces = [torch.empty_like(input_) for _ in range(world_size)]
+    dist.all_gather(pieces, input_, group=get_model_parallel_group())
+    return torch.cat(pieces, dim=SEQUENCE_DIM)
+
+
+def reduce_scatter_sequence(input_):
+    """Sum over the group, then keep this rank's sequence slice."""
+    world_size = get_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    length = input_.size(SEQUENCE_DIM)
+    if length % world_size:
+        raise ValueError(f"sequence parallelism: the sequence length {length} is not divisible by the "
+                         f"model-parallel size {world_size}")
+    pieces = [piece.contiguous() for piece in input_.chunk(world_size, dim=SEQUENCE_DIM)]
+    output = torch.empty_like(pieces[0])
+    dist.reduce_scatter(output, pieces, group=get_model_parallel_group())
+    return output
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split_sequence(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_sequence(grad_output)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, tensor_parallel_output_grad):
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return gather_sequence(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # Into a tensor-parallel linear each rank's gradient is a partial sum (its columns' share): sum and cut.
+        # Into a computation replicated on every rank the gradient is already whole: cut only.
+        if ctx.tensor_parallel_output_grad:
+            return reduce_scatter_sequence(grad_output), None
+        return _split_sequence(grad_output), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return reduce_scatter_sequence(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_sequence(grad_output)
+
+
+def scatter_to_sequence_parallel_region(input_):
+    return input_ if get_model_parallel_world_size() == 1 else _ScatterToSequenceParallelRegion.apply(input_)
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True):
+    """tensor_parallel_output_grad: the gathered tensor feeds a tensor-parallel computation (a column-parallel
+    linear, the vocabulary-parallel LM head), so backward reduce-scatters; False: a replicated one, backward
+    keeps this rank's slice of the (identical) gradient."""
+    if get_model_parallel_world_size() == 1:
+        return input_
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_):
+    return input_ if get_model_parallel_world_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(input_)

@@ -3,6 +3,13 @@
 Activations are [b, s, h] (batch, sequence, hidden). With p model-parallel ranks each rank holds heads/p
 attention heads and 4h/p MLP columns: column-parallel in, row-parallel out, one all-reduce per block.
 
+Sequence parallelism (`ParallelTransformer(..., sequence_parallel=True)`, Megatron-LM's --sequence-parallel): the
+stack's input and output and everything between the blocks (LayerNorms, hidden dropout, residual adds) are this
+rank's slice of the sequence, [b, s/p, h]; each block all-gathers the sequence before its column-parallel linear
+and reduce-scatters after its row-parallel one (the all-reduce's two halves), and the LayerNorms' and row-parallel
+biases' gradients are summed over the group (mpu.layers.sequence_parallel_replicated). The hidden dropouts draw
+from the model-parallel RNG stream (each rank masks a different slice); incremental decoding runs without it.
+
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
 The model builder passes zero.checkpointing's pair when it is configured, so mpu imports nothing but torch.
@@ -28,7 +35,7 @@ from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear
+from .layers import ColumnParallelLinear, GroupedQKVStride, LayerNorm, RMSNorm, RowParallelLinear
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
@@ -73,12 +80,13 @@ GPT2_ARCHITECTURE = Architecture()
 
 
 def norm_layer(architecture, hidden_size, eps, device):
-    """The LayerNorm or RMSNorm of `architecture`."""
+    """The LayerNorm or RMSNorm of `architecture` (mpu.layers': nn.LayerNorm / nn.RMSNorm whose
+    `forward(x, sequence_parallel=True)` sums the weight's (and bias's) gradient over the model-parallel group)."""
     if architecture.normalization == "rmsnorm":
-        return nn.RMSNorm(hidden_size, eps=eps, device=device)
+        return RMSNorm(hidden_size, eps=eps, device=device)
     if architecture.normalization != "layernorm":
         raise ValueError(f"normalization must be 'layernorm' or 'rmsnorm', got {architecture.normalization!r}")
-    return nn.LayerNorm(hidden_size, eps=eps, device=device)
+    return LayerNorm(hidden_size, eps=eps, device=device)
 
 
 def init_method_normal(std):
@@ -227,13 +235,16 @@ class ParallelSelfAttention(nn.Module):
         self.output_dropout = nn.Dropout(output_dropout_prob)
         self.checkpoint_core_attention = False   # selective recomputation (ParallelTransformer sets it)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None):
-        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b or 1, 1, s, t], True = masked out,
-        # t = past + s keys. layer_past: a LayerPast to read the cached keys/values from and append this step's to.
-        # rotary: None or the (cos, sin) tables of these s positions (mpu.rotary), applied to q and k per head.
-        b, s, _ = hidden_states.shape
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=False):
+        # hidden_states: [b, s, h] ([b, s/p, h] sequence_parallel); attention_mask: None (causal) or bool
+        # [b or 1, 1, s, t], True = masked out, t = past + s keys. layer_past: a LayerPast to read the cached
+        # keys/values from and append this step's to. rotary: None or the (cos, sin) tables of the whole sequence's
+        # s positions (mpu.rotary), applied to q and k per head: the column-parallel q/k/v linear has gathered the
+        # sequence, so q, k, v (and rotary, GQA's repeat and the core) cover all s positions.
         qkv = self.query_key_value(hidden_states, weight_t=None if layer_past is None else
-                                   layer_past.weight_t(self.query_key_value.weight))   # [b, s, (n + 2 n_kv) d / p]
+                                   layer_past.weight_t(self.query_key_value.weight),
+                                   sequence_parallel=sequence_parallel)     # [b, s, (n + 2 n_kv) d / p]
+        b, s, _ = qkv.shape
         kv_width = self.kv_heads_per_partition * self.head_dim
         q, k, v = qkv.split([self.hidden_size_per_partition, kv_width, kv_width], dim=-1)
         q = q.view(b, s, self.heads_per_partition, self.head_dim).transpose(1, 2)         # [b, n/p, s, d]
@@ -256,7 +267,8 @@ class ParallelSelfAttention(nn.Module):
             context = mpu_checkpoint(core, q, k, v, *(() if attention_mask is None else (attention_mask,)))
         else:
             context = self.core_attention(q, k, v, attention_mask, past=past)      # [b, s, h/p]
-        return self.output_dropout(self.dense(context))                           # [b, s, h]
+        output = self.dense(context, sequence_parallel=sequence_parallel)         # [b, s, h] or [b, s/p, h]
+        return hidden_dropout(self.output_dropout, output, sequence_parallel, self.rng_tracker)
 
     def core_attention(self, q, k, v, attention_mask=None, past=0):
         """softmax(q k^T / sqrt(d) + mask) with attention dropout, times v (Megatron's "core attention": what
@@ -279,13 +291,24 @@ class ParallelSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
 
 
+def hidden_dropout(dropout, hidden_states, sequence_parallel, rng_tracker):
+    """`dropout` on a block's output: from the default generator (the same mask on every model-parallel rank:
+    the tensor is replicated), or with sequence parallelism, where each rank holds a different slice, from the
+    model-parallel stream (as Megatron-LM)."""
+    if not sequence_parallel or not dropout.training or dropout.p == 0.0:
+        return dropout(hidden_states)
+    with rng_tracker.fork():
+        return dropout(hidden_states)
+
+
 class ParallelMLP(nn.Module):
     """GELU (tanh) MLP h -> f -> h (f = ffn_hidden_size, 4h by default), or with `swiglu` down(silu(gate) * up):
     dense_h_to_4h is then the fused [gate; up] master [2f, h] at stride 2 (rank r: [gate_r; up_r])."""
 
-    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method,
+    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker=None,
                  architecture=GPT2_ARCHITECTURE):
         super().__init__()
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         ffn = architecture.ffn_size(hidden_size)
         self.swiglu = architecture.swiglu
         self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
@@ -296,43 +319,54 @@ class ParallelMLP(nn.Module):
                                                bias=architecture.add_bias_linear)
         self.dropout = nn.Dropout(output_dropout_prob)
 
-    def forward(self, hidden_states, layer_past=None):
-        """layer_past: decoding (a LayerPast): only for its weight layouts."""
+    def forward(self, hidden_states, layer_past=None, sequence_parallel=False):
+        """layer_past: decoding (a LayerPast): only for its weight layouts. sequence_parallel: hidden_states and
+        the output are this rank's sequence slice [b, s/p, h]."""
         weight_t = None if layer_past is None else layer_past.weight_t(self.dense_h_to_4h.weight)
-        projected = self.dense_h_to_4h(hidden_states, weight_t=weight_t)                   # [b, s, f/p or 2f/p]
+        projected = self.dense_h_to_4h(hidden_states, weight_t=weight_t,
+                                       sequence_parallel=sequence_parallel)                # [b, s, f/p or 2f/p]
         if self.swiglu:
             gate, up = projected.chunk(2, dim=-1)                                          # 2 x [b, s, f/p]
             intermediate = F.silu(gate) * up
         else:
             intermediate = F.gelu(projected, approximate="tanh")                           # [b, s, f/p]
-        return self.dropout(self.dense_4h_to_h(intermediate))                        # [b, s, h]
+        output = self.dense_4h_to_h(intermediate, sequence_parallel=sequence_parallel)   # [b, s, h] or [b, s/p, h]
+        return hidden_dropout(self.dropout, output, sequence_parallel, self.rng_tracker)
 
 
 class ParallelTransformerLayer(nn.Module):
     """fused: run training and evaluation forwards through mpu/fused.py's compiled pieces (the same math;
-    incremental decoding stays eager)."""
+    incremental decoding stays eager). sequence_parallel: the input and output are this rank's sequence slice
+    (except while decoding, which runs without sequence parallelism)."""
 
     def __init__(self, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False,
-                 architecture=GPT2_ARCHITECTURE):
+                 architecture=GPT2_ARCHITECTURE, sequence_parallel=False):
         super().__init__()
         if fused and architecture != GPT2_ARCHITECTURE:
             raise ValueError("--torch-compile (fused_compute) runs GPT-2's layers only: drop it, or the Llama options")
         self.fused = fused
+        self.sequence_parallel = sequence_parallel
         device = get_device()
         self.input_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
         self.attention = ParallelSelfAttention(hidden_size, num_attention_heads, attention_dropout_prob,
                                                output_dropout_prob, init_method, output_layer_init_method,
                                                rng_tracker, architecture)
         self.post_attention_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
-        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, architecture)
+        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker,
+                               architecture)
 
-    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None):
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=None):
+        """rotary: the (cos, sin) tables of the whole sequence's positions, or None. sequence_parallel: whether
+        hidden_states (and the result) are this rank's sequence slice [b, s/p, h]; None: the layer's own setting,
+        except while decoding."""
         if self.fused and layer_past is None:
             return self._fused_forward(hidden_states, attention_mask)
-        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states), attention_mask,
-                                                       layer_past, rotary)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), layer_past)
+        sp = self.sequence_parallel and layer_past is None if sequence_parallel is None else sequence_parallel
+        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
+                                                       attention_mask, layer_past, rotary, sequence_parallel=sp)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
+                                        layer_past, sequence_parallel=sp)
 
     def _fused_forward(self, hidden_states, attention_mask):
         """The eager forward's math, compiled between the collectives (see mpu/fused.py)."""
@@ -410,10 +444,14 @@ class ParallelTransformer(nn.Module):
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
                  init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
-                 final_layernorm=True, fused=False, recompute=None, architecture=GPT2_ARCHITECTURE):
+                 final_layernorm=True, fused=False, recompute=None, architecture=GPT2_ARCHITECTURE,
+                 sequence_parallel=False):
         super().__init__()
         if recompute is not None and checkpoint_activations:
             raise ValueError("pass recompute=RecomputeConfig(...) or checkpoint_activations=True, not both")
+        if sequence_parallel and fused:
+            raise ValueError("sequence parallelism runs the eager layers: drop --torch-compile or --sequence-parallel")
+        self.sequence_parallel = sequence_parallel
         self.checkpoint_num_layers = checkpoint_num_layers
         self.checkpoint_function = checkpoint_function if checkpoint_function is not None else mpu_checkpoint
         rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
@@ -426,7 +464,7 @@ class ParallelTransformer(nn.Module):
         skip_init_draws(shapes * start, device)               # the layers before
         kept = [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                                          layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused,
-                                         architecture)
+                                         architecture, sequence_parallel)
                 for _ in range(start, end)]
         skip_init_draws(shapes * (num_layers - end), device)  # the layers after
         self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
@@ -468,12 +506,14 @@ class ParallelTransformer(nn.Module):
         self.checkpoint_function = checkpoint_function
         for layer in self.layers:
             layer.attention.rng_tracker = rng_tracker
+            layer.mlp.rng_tracker = rng_tracker
 
-    def _chunk(self, start, end, rotary=None):
+    def _chunk(self, start, end, rotary=None, sequence_parallel=False):
         def run(hidden_states, *mask):
             attention_mask = mask[0] if mask else None
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, rotary=rotary)
+                hidden_states = layer(hidden_states, attention_mask, rotary=rotary,
+                                      sequence_parallel=sequence_parallel)
             return hidden_states
         return run
 
@@ -481,19 +521,29 @@ class ParallelTransformer(nn.Module):
         """An empty InferenceCache for this stack (one slot per layer) of `capacity` positions."""
         return InferenceCache(len(self.layers), capacity)
 
-    def forward(self, hidden_states, attention_mask=None, inference_cache=None, rotary=None):
+    def forward(self, hidden_states, attention_mask=None, inference_cache=None, rotary=None,
+                sequence_parallel=None):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
-        checkpointed. rotary: the (cos, sin) tables of these positions (mpu.rotary.rotary_tables), or None."""
+        checkpointed. rotary: the (cos, sin) tables of the whole sequence's positions (mpu.rotary.rotary_tables),
+        or None (attention runs on whole sequences, also with sequence parallelism). hidden_states and the result:
+        [b, s, h], or this rank's sequence slice [b, s/p, h] with sequence_parallel (not while decoding).
+        sequence_parallel: whether this call runs sequence-parallel (None: the stack's setting, except while
+        decoding; False: whole sequences, e.g. a length the model-parallel size does not divide)."""
+        if sequence_parallel is None:
+            sequence_parallel = self.sequence_parallel and inference_cache is None
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
-                hidden_states = layer(hidden_states, attention_mask, layer_past, rotary)
+                hidden_states = layer(hidden_states, attention_mask, layer_past, rotary,
+                                      sequence_parallel=sequence_parallel)
         elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
             for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
-                run = self._chunk(start, end, rotary)
+                run = self._chunk(start, end, rotary, sequence_parallel)
                 hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
                     run(hidden_states, *mask_args)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask, rotary=rotary)
-        return self.final_layernorm(hidden_states) if self.final_layernorm is not None else hidden_states
+                hidden_states = layer(hidden_states, attention_mask, rotary=rotary, sequence_parallel=sequence_parallel)
+        if self.final_layernorm is None:
+            return hidden_states
+        return self.final_layernorm(hidden_states, sequence_parallel=sequence_parallel)

@@ -32,6 +32,8 @@ def build_parser():
     parser.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary (before padding)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--model-parallel-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="activations: the replicated part split along the sequence too (needs mp > 1)")
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="ZeRO stage (the --deepspeed path); omitted: the Megatron path (no partitioning)")
@@ -142,7 +144,8 @@ def estimate(args):
     states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size,
                                       parameter_sizes=[n for n, _ in sizes])
     layout = memory.ActivationLayout.for_run(args.device, 4 if dtype == "float32" else 2, args.attention_dropout,
-                                             args.hidden_dropout)
+                                             args.hidden_dropout,
+                                             sequence_parallel=args.sequence_parallel and args.model_parallel_size > 1)
     activations = memory.activation_bytes(args.num_layers, args.seq_length, args.micro_batch_size, args.hidden_size,
                                           args.num_attention_heads, args.model_parallel_size,
                                           recompute_config(args), layout)

@@ -204,14 +204,18 @@ class ActivationLayout:
     partition_activations: bool = False
     """Full recomputation: each model-parallel rank keeps 1/t of a checkpointed group's input
     (zero.checkpointing's partition_activations)."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: the replicated part (LayerNorms, their outputs, the hidden dropout masks) and a
+    checkpointed group's input hold 1/t of the sequence per model-parallel rank."""
 
     @classmethod
-    def for_run(cls, device_type, bytes_per_element, attention_dropout, hidden_dropout, partition_activations=False):
+    def for_run(cls, device_type, bytes_per_element, attention_dropout, hidden_dropout, partition_activations=False,
+                sequence_parallel=False):
         """The layout of a run on `device_type` ("cuda" or "cpu") with these dropout probabilities."""
         cuda = device_type == "cuda"
         return cls(bytes_per_element=bytes_per_element, mask_bytes=1 if cuda else bytes_per_element,
                    attention_scores=not cuda and attention_dropout > 0, hidden_dropout=hidden_dropout > 0,
-                   partition_activations=partition_activations)
+                   partition_activations=partition_activations, sequence_parallel=sequence_parallel)
 
 
 def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
@@ -243,9 +247,14 @@ def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_at
     Selective: the attention core's part is not kept (recomputed from q, k, v): sbh(4e + 2m + 12e/t) + 16sb, 34sbh
     at t = 1 in 16 bits. Full: a layer that starts a checkpointed group keeps its input e sbh (e sbh / t with
     partition_activations), the other layers of the group nothing; activation_bytes_saved sums the groups.
-    Sequence parallelism (another change) divides the replicated part by t: see _layer_parts."""
+    Sequence parallelism (layout.sequence_parallel) divides the replicated part by t too, sbh(4e + 2m)/t + 16sb/t:
+    Korthikanti's sbh(34 + 5as/h)/t (its column-parallel linears keep their input's sequence slice and all-gather
+    it again in backward, mpu.layers._SequenceParallelLinear); and a checkpointed group's input is a slice, e sbh/t.
+    """
     replicated, split, core = _layer_parts(seq_length, micro_batch_size, hidden_size, num_attention_heads, layout)
     t = model_parallel_size
+    if layout.sequence_parallel:
+        replicated /= t
     if recompute is not None and recompute.full:
         return _checkpointed_input_bytes(seq_length, micro_batch_size, hidden_size, t, layout)
     if recompute is not None and recompute.selective:
@@ -256,8 +265,8 @@ def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_at
 def _layer_parts(s, b, h, a, layout):
     """(replicated bytes, tensor-parallel bytes outside the attention core, the attention core's bytes) of one
     layer without recomputation, before dividing by t (the table in activation_bytes_per_layer's docstring).
-    The hook for sequence parallelism: it splits the replicated part along the sequence, i.e. divides
-    `replicated` by t as well."""
+    Sequence parallelism splits the replicated part along the sequence: activation_bytes_per_layer divides it by t.
+    """
     e, m = layout.bytes_per_element, layout.mask_bytes
     replicated = s * b * h * (4 * e + (2 * m if layout.hidden_dropout else 0)) + 16 * s * b
     split = s * b * h * 12 * e
@@ -271,8 +280,10 @@ def _layer_parts(s, b, h, a, layout):
 
 
 def _checkpointed_input_bytes(s, b, h, t, layout):
-    """A checkpointed group's input [b, s, h], whole or (partition_activations) 1/t per model-parallel rank."""
-    return s * b * h * layout.bytes_per_element // (t if layout.partition_activations else 1)
+    """A checkpointed group's input [b, s, h], whole or 1/t per model-parallel rank (partition_activations; with
+    sequence parallelism the input is already a slice of the sequence: 1/t, and 1/t^2 with both)."""
+    return s * b * h * layout.bytes_per_element // (t if layout.partition_activations else 1) \
+        // (t if layout.sequence_parallel else 1)
 
 
 def activation_bytes_saved(num_layers, seq_length, micro_batch_size, hidden_size, num_attention_heads,

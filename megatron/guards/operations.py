@@ -222,7 +222,8 @@ def activation_estimate(args):
     config = checkpointing.get_config()
     partition = config is not None and config.partition_activations and args.model_parallel_size > 1
     layout = memory.ActivationLayout.for_run(mpu.get_device().type, 4 if args.params_dtype == "float32" else 2,
-                                             args.attention_dropout, args.hidden_dropout, partition)
+                                             args.attention_dropout, args.hidden_dropout, partition,
+                                             args.sequence_parallel)
     in_flight = min(stages - stage, args.num_micro_batches) if stages > 1 else 1
     total = memory.activation_bytes(args.num_layers // stages, args.seq_length, args.batch_size, args.hidden_size,
                                     args.num_attention_heads, args.model_parallel_size, recompute, layout, in_flight)

@@ -30,7 +30,15 @@ layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embeddin
 
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).
+
+Sequence parallelism (config.sequence_parallel, --sequence-parallel, Megatron-LM's): the embedding sum is cut into
+this rank's sequence slice [b, s/p, h] (backward: all-gathered, so the embeddings' gradients are whole) and
+dropped out there under the model-parallel RNG stream; the stack runs on slices (mpu/transformer.py) through the
+final LayerNorm, and the slices are all-gathered before the LM head (backward: reduce-scatter) or the reward head
+(backward: this rank's slice). Generation (an inference_cache) and a sequence length the model-parallel size does
+not divide run without it: the same weights, whole sequences.
 """
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -97,6 +105,9 @@ class GPT2ModelConfig:
     """--rotary-position-embeddings-theta: the rotary base."""
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: the LM head is its own vocabulary-parallel output_layer."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: the LayerNorm, dropout and residual regions hold a slice of the sequence per
+    model-parallel rank (see the module docstring); the same parameters and results as without."""
     reward_head: bool = False
     """A reward model (train_reward_model.py): a scalar head `score` (Linear(h, 1) without bias, HF
     GPT2ForSequenceClassification's) on the final LayerNorm's output instead of the LM head; forward returns one
@@ -116,7 +127,8 @@ class GPT2ModelConfig:
                    swiglu=args.swiglu, normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
                    learned_position_embeddings=not args.no_position_embedding,
                    rotary=args.use_rotary_position_embeddings, rotary_theta=args.rotary_position_embeddings_theta,
-                   untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+                   untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+                   sequence_parallel=args.sequence_parallel)
 
     @property
     def architecture(self):
@@ -158,9 +170,11 @@ class TiedLMHead(nn.Module):
     """logits_r = hidden @ W_r^T with the word embedding W (no parameters of its own: a module so that ZeRO-3 can
     gather W around this use)."""
 
-    def forward(self, hidden, word_embedding_weight, matmul=None):
-        """matmul: x -> x @ word_embedding_weight^T in a decoding layout (on CPU: InferenceCache.head_matmul)."""
-        hidden_parallel = mpu.copy_to_model_parallel_region(hidden)
+    def forward(self, hidden, word_embedding_weight, matmul=None, sequence_parallel=False):
+        """matmul: x -> x @ word_embedding_weight^T in a decoding layout (on CPU: InferenceCache.head_matmul).
+        sequence_parallel: hidden is this rank's sequence slice [b, s/p, h], all-gathered here."""
+        hidden_parallel = mpu.gather_from_sequence_parallel_region(hidden) if sequence_parallel else \
+            mpu.copy_to_model_parallel_region(hidden)
         if matmul is not None:
             return matmul(hidden_parallel)
         return torch.nn.functional.linear(hidden_parallel, word_embedding_weight)
@@ -230,7 +244,8 @@ class GPT2Model(nn.Module):
             layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
             rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
-            final_layernorm=self.post_process, fused=config.fused_compute, architecture=config.architecture)
+            final_layernorm=self.post_process, fused=config.fused_compute, architecture=config.architecture,
+            sequence_parallel=config.sequence_parallel)
         self.output_layer = None
         if not config.tied_head:   # drawn after the layers, before LoRA and the reward head
             if self.post_process:
@@ -286,36 +301,60 @@ class GPT2Model(nn.Module):
         if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
             raise RuntimeError("logits and generation need the whole model on one stage: run with "
                                "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        # sequence parallelism for this call: not while decoding, nor for a length the model-parallel size does not
+        # divide (an evaluation window's tail: the same weights on whole sequences); a later stage gets slices
+        sequence_parallel = self.config.sequence_parallel and inference_cache is None and (
+            not self.pre_process or input_ids.size(1) % mpu.get_model_parallel_world_size() == 0)
         if position_ids is None and (self.pre_process or self.config.rotary):
-            like = input_ids if input_ids is not None else self.input_tensor[..., 0]     # [b, s]
+            # the whole sequence's positions (attention, and so rotary, runs on whole sequences); a later stage's
+            # input is [b, s/p, h] with sequence parallelism
+            if input_ids is not None:
+                batch, length = input_ids.shape
+            else:
+                batch, length = self.input_tensor.shape[:2]
+                if sequence_parallel:
+                    length *= mpu.get_model_parallel_world_size()
+            device = input_ids.device if input_ids is not None else self.input_tensor.device
             start = inference_cache.sequence_length if inference_cache is not None else 0
-            position_ids = torch.arange(start, start + like.size(1), device=like.device)
-            position_ids = position_ids.unsqueeze(0).expand(like.shape)
+            position_ids = torch.arange(start, start + length, device=device)
+            position_ids = position_ids.unsqueeze(0).expand(batch, length)
         if self.pre_process:
             hidden = self.word_embeddings(input_ids)                          # [b, s, h]
             if self.position_embeddings is not None:
                 hidden = hidden + self.position_embeddings(position_ids)      # [b, s, h]
-            hidden = self.embedding_dropout(hidden)
+            if sequence_parallel:
+                hidden = mpu.scatter_to_sequence_parallel_region(hidden)     # [b, s/p, h]
+                with mpu.get_cuda_rng_tracker().fork() if self.embedding_dropout.training else nullcontext():
+                    hidden = self.embedding_dropout(hidden)
+            else:
+                hidden = self.embedding_dropout(hidden)
         else:
             hidden = self.input_tensor                                        # [b, s, h] from the previous stage
         rotary = None
-        if self.config.rotary:   # [b, 1, s, d] each, shared by every layer
+        if self.config.rotary:   # [b, 1, s, d] each, of the whole sequence, shared by every layer
             rotary = mpu.rotary_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
                                        self.config.rotary_theta, hidden.dtype)
-        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache,
-                                  rotary=rotary)                              # [b, s, h]
+        hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache, rotary=rotary,
+                                  sequence_parallel=sequence_parallel)               # [b, s, h] or [b, s/p, h]
         if not self.post_process:
             return hidden
         if self.score is not None:
             if labels is not None or inference_cache is not None:
                 raise RuntimeError("a reward model (reward_head) returns rewards: no labels, no generation")
+            if sequence_parallel:
+                hidden = mpu.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
             return self.score(hidden).squeeze(-1)                            # [b, s]
         if last_logits_only:
+            if sequence_parallel:
+                # the head's copy sums the gradient over the group: the gather's backward only cuts it
+                hidden = mpu.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+                sequence_parallel = False
             hidden = hidden[:, -1:]                                           # [b, 1, h]
         head_weight = self.word_embeddings.weight if self.config.tied_head else self.output_layer.weight
         matmul = None if inference_cache is None else inference_cache.head_matmul(
             head_weight, hidden.size(0) * hidden.size(1))
-        logits_parallel = self.lm_head(hidden, head_weight, matmul)      # [b, s, V/p]
+        logits_parallel = self.lm_head(hidden, head_weight, matmul,
+                                       sequence_parallel=sequence_parallel)   # [b, s, V/p]
         if labels is not None:
             return mpu.vocab_parallel_cross_entropy(logits_parallel, labels, fused=self.config.fused_compute,
                                                     real_vocab_size=self.config.real_vocab_size,

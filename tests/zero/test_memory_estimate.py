@@ -272,7 +272,7 @@ def test_start_up_activation_estimate_counts_the_stage_and_the_micro_batches_in_
     args = argparse.Namespace(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
                               pipeline_model_parallel_size=2, num_micro_batches=4, params_dtype="bfloat16",
                               attention_dropout=0.1, hidden_dropout=0.0, num_layers=4, seq_length=128, batch_size=2,
-                              hidden_size=64, num_attention_heads=4, model_parallel_size=1)
+                              hidden_size=64, num_attention_heads=4, model_parallel_size=1, sequence_parallel=False)
     total, setting = operations.activation_estimate(args)
     layout = memory.ActivationLayout(bytes_per_element=2, mask_bytes=2, attention_scores=True, hidden_dropout=False)
     assert total == memory.activation_bytes(2, 128, 2, 64, 4, 1, mpu.RecomputeConfig("full", "block", 1), layout, 2)
