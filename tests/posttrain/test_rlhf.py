@@ -122,6 +122,22 @@ def one_process(setup):
     return run_distributed(_run_rlhf_jobs, 1, args=(jobs,), timeout=900)[0]
 
 
+@pytest.fixture(scope="module")
+def two_processes(setup):
+    """PPO at mp2 and at ZeRO-3 dp2 (each rank its own rollout of 2 prompts: the same rows as mp1's micro-batches)."""
+    zero3 = str(setup["root"] / "zero3.json")
+    with open(zero3, "w") as handle:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                   "zero_optimization": {"stage": 3}}, handle)
+    runs = {"ppo-mp2": ["--model-parallel-size", "2"],
+            "ppo-zero3-dp2": ["--deepspeed", "--zero-stage", "3", "--deepspeed_config", zero3]}
+    jobs = [(name, _rlhf_args(setup, name, PPO + NO_DROPOUT + flags), None) for name, flags in runs.items()]
+    results = run_distributed(_run_rlhf_jobs, 2, args=(jobs,), timeout=900)
+    for name in runs:      # every rank logs the same step (the losses are summed over the data-parallel group)
+        assert results[1][name]["losses"] == results[0][name]["losses"], name
+    return results
+
+
 # ---------------------------------------------------------------------------------------------------- reference
 
 def _prompts(setup, count):
@@ -313,20 +329,25 @@ def test_ppo_experience_equals_hf_generate(setup, one_process, hf_ppo):
     assert len({len(c) for c in generated[0] + generated[1]}) > 1      # completions of unequal lengths
 
 
-def test_ppo_steps_equal_plain_pytorch(setup, one_process, hf_ppo):
+@pytest.mark.parametrize("name", ["ppo-mp1", "ppo-mp2", "ppo-zero3-dp2"])
+def test_ppo_steps_equal_plain_pytorch(setup, request, hf_ppo, name):
     logged, generated, before, after = hf_ppo
-    print("completions:", generated)
-    ours = one_process["ppo-mp1"]["losses"]
+    results = request.getfixturevalue("one_process" if name == "ppo-mp1" else "two_processes")
+    if name == "ppo-zero3-dp2":     # rank r generated for prompts 2r, 2r + 1 of each rollout
+        for rollout, key in enumerate(("first_rollout", "last_rollout")):
+            ranks = [results[rank][name][key]["completions"] for rank in (0, 1)]
+            assert ranks[0] + ranks[1] == generated[rollout], name
+    ours = (results if name == "ppo-mp1" else results[0])[name]["losses"]
     assert len(ours) == 4
     for step, (mine, theirs) in enumerate(zip(ours, logged)):
         for key, value in theirs.items():
             _close(mine[key], value, (step, key))
     assert logged[2]["objective/kl"] != 0 and logged[0]["objective/kl"] == 0          # the second rollout's KL
     assert logged[1]["policy/clipfrac_avg"] > 0                 # clipping active in the second epoch
-    actor = _weights_change_equal(_saved_weights_as_hf(str(setup["root"] / "ppo-mp1")), before[0], after[0], "actor")
-    critic_saved = _saved_weights_as_hf(str(setup["root"] / "ppo-mp1" / "critic"))
+    actor = _weights_change_equal(_saved_weights_as_hf(str(setup["root"] / name)), before[0], after[0], "actor")
+    critic_saved = _saved_weights_as_hf(str(setup["root"] / name / "critic"))
     critic = _weights_change_equal(critic_saved, before[1], after[1], "critic")
-    print(f"PPO: {[(r['loss/policy_avg'], r['loss/value_avg']) for r in ours]} vs plain PyTorch "
+    print(f"{name}: {[(r['loss/policy_avg'], r['loss/value_avg']) for r in ours]} vs plain PyTorch "
           f"{[(r['loss/policy_avg'], r['loss/value_avg']) for r in logged]}; weights' change {actor:.1e}, {critic:.1e}")
 
 
