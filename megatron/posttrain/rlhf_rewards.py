@@ -5,12 +5,14 @@ prompts, completions (texts; a completion without its end-of-text) and completio
 
 Toys a tiny model can learn in minutes (make rlhf), and the shape of a user's own function.
 """
-LENGTH_CAP = 12
+TARGET_WORDS = 6
 
 
 def answer_length(completions, **kwargs):
-    """The answer's number of words, up to LENGTH_CAP, divided by it: 0 for an empty answer, 1 from 12 words."""
-    return [min(len(text.split()), LENGTH_CAP) / LENGTH_CAP for text in completions]
+    """How close the answer is to TARGET_WORDS words: 1 - |words - 6| / 6, at least 0 (1 at six words, 0 for an
+    empty answer or one of 12 words or more): a model that answers too briefly learns to say more, one that never
+    stops learns to end its answer (both move mostly one logit, end-of-text's)."""
+    return [max(0.0, 1.0 - abs(len(text.split()) - TARGET_WORDS) / TARGET_WORDS) for text in completions]
 
 
 def says_yes(completions, **kwargs):
