@@ -272,7 +272,7 @@ def main(args_list=None):
             for key in ("generation", "scoring"):
                 seconds[key] += experience.seconds[key]
             history["last_rollout"] = {"prompts": experience.prompts, "completions": experience.completions,
-                                       "scores": experience.scores}     # this rank's, as token ids
+                                       "scores": experience.scores, "seconds": experience.seconds}   # this rank's
             history["first_rollout"] = history["first_rollout"] or history["last_rollout"]
         started = time.perf_counter()
         if config.algorithm == "ppo":

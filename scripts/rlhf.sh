@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # RLHF step 3 on the embedded data: GRPO of the `make finetune` checkpoint (LoRA, ZeRO-2) with a verifiable reward
-# a tiny model can learn, the answer's length (megatron/posttrain/rlhf_rewards.py: words up to 12, / 12), and the
+# a tiny model can learn, the answer's length (megatron/posttrain/rlhf_rewards.py: closeness to 6 words), and the
 # mean reward of sampled answers to validation questions before and after.
 #
 #   bash scripts/rlhf.sh                               # checkpoints/gpt2_lora -> checkpoints/gpt2_grpo (make rlhf)
