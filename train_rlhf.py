@@ -190,6 +190,11 @@ def _prompt_iterators(args, train_state, prompts_per_rank):
                                             [rollouts * per_rollout, args.eval_iters * per_rollout, 0],
                                             args.seq_length, args.seed, get_tokenizer().eod,
                                             global_batch_size=per_rollout)
+    valid = datasets[1]
+    if valid is not None and args.eval_iters * per_rollout > len(valid):
+        raise rlhf.RLHFError(f"--eval-iters {args.eval_iters} rollouts of {per_rollout} prompts need "
+                             f"{args.eval_iters * per_rollout} validation examples; the split has {len(valid)}: "
+                             f"pass --eval-iters {len(valid) // per_rollout} or fewer")
     iterators = []
     for dataset, consumed in zip(datasets[:2], (train_state.consumed_train_samples, 0)):
         if dataset is None or mpu.get_model_parallel_rank() != 0:
