@@ -16,9 +16,9 @@
 # Rerunning resumes, or only re-evaluates, the run in CHECKPOINT_PATH (delete it to start over).
 # Reads: PYTHON, BASE_CHECKPOINT (default checkpoints/gpt2_lora, LoRA rank LORA_RANK, alpha LORA_ALPHA, model shape
 # NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH as make pretrain), CHECKPOINT_PATH (default checkpoints/gpt2_grpo),
-# SFT_DATA_DIR (data/sft), TRAIN_ITERS (60), LR (3e-3), NUM_GENERATIONS (4), MAX_PROMPT (64), MAX_COMPLETION (24),
+# SFT_DATA_DIR (data/sft), TRAIN_ITERS (40), LR (3e-3), NUM_GENERATIONS (4), MAX_PROMPT (64), MAX_COMPLETION (24),
 # REWARD_FN, EVAL_ITERS (4), LOG_INTERVAL (5), DS_CONFIG, EXTRA_ARGS.
-TRAIN_ITERS=${TRAIN_ITERS:-60}
+TRAIN_ITERS=${TRAIN_ITERS:-40}
 LR=${LR:-3e-3}
 LOG_INTERVAL=${LOG_INTERVAL:-5}
 EVAL_ITERS=${EVAL_ITERS:-4}
@@ -47,7 +47,7 @@ launch 1 train_rlhf.py $MODEL_ARGS --lora-rank "${LORA_RANK:-8}" --lora-alpha "$
   --weight-decay 0.0 --hidden-dropout 0 --attention-dropout 0 --log-interval "$LOG_INTERVAL" \
   --eval-iters "$EVAL_ITERS" --save-interval "$TRAIN_ITERS" --deepspeed --deepspeed_config "$DS_CONFIG" \
   --log-jsonl "$CHECKPOINT_PATH/log.jsonl" ${EXTRA_ARGS:-} | tee "$CHECKPOINT_PATH/train.log" \
-  | grep -E "mean reward|iteration +[0-9]+/|error" \
-  | sed -E 's/ \| consumed samples: +[0-9]+//; s/ \| learning rate: [^ ]+//; s/ \| clip_ratio\/[a-z_]+: [^ ]+//g; s/ \| loss scale.*//'
+  | grep --line-buffered -E "mean reward|iteration +[0-9]+/|error" \
+  | sed -u -E 's/ \| consumed samples: +[0-9]+//; s/ \| learning rate: [^ ]+//; s/ \| clip_ratio\/[a-z_]+: [^ ]+//g; s/ \| loss scale.*//'
 plot_log "$CHECKPOINT_PATH/log.jsonl" "$CHECKPOINT_PATH"
 echo "checkpoint: $CHECKPOINT_PATH (LoRA rank ${LORA_RANK:-8}; load it with the same model flags and --lora-rank ${LORA_RANK:-8} --lora-alpha ${LORA_ALPHA:-16})"
