@@ -3,12 +3,14 @@
 #                   then print a greedy and a top-p sampled continuation of a fixed prompt
 #   make finetune   LoRA fine-tuning (ZeRO-2) of make pretrain's checkpoint on the embedded chat pairs (data/sft/):
 #                   the validation perplexity and three held-out answers before and after
+#   make rlhf       GRPO (train_rlhf.py) of make finetune's checkpoint with a verifiable reward (the answer's length):
+#                   the mean reward of sampled validation answers before and after, plotted
 #   make test       create .venv, install with test extras, run the test suite
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: pretrain finetune test install install-test data clean-data
+.PHONY: pretrain finetune rlhf test install install-test data clean-data
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +33,10 @@ pretrain: data
 finetune: data   # runs make pretrain first when its checkpoint is missing; builds data/sft/ on first use
 	@test -f checkpoints/gpt2_zero2/latest_checkpointed_iteration.txt || $(MAKE) pretrain
 	PYTHON=$(VPY) bash scripts/finetune_gpt.sh
+
+rlhf: data   # runs make finetune (and make pretrain) first when their checkpoints are missing
+	@test -f checkpoints/gpt2_lora/latest_checkpointed_iteration.txt || $(MAKE) finetune
+	PYTHON=$(VPY) bash scripts/rlhf.sh
 
 # 3 workers on 2 cores: many tests wait (process start-up, timeouts of the hang tests), and a third worker keeps
 # both cores busy meanwhile (9:27 vs 13:20 of pytest in one measurement); --dist loadfile keeps each file's shared

@@ -87,12 +87,14 @@ def param_groups_for_weight_decay(module):
     return [group for group in groups if group["params"]]
 
 
-def get_optimizer(model):
+def get_optimizer(model, lr=None):
+    """AdamW over the trainable parameters at --lr (or `lr`: train_rlhf.py's critic)."""
     args = get_args()
+    lr = args.lr if lr is None else lr
     groups = param_groups_for_weight_decay(unwrap_model(model))
     # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
     kernel = zero.adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
     if args.deepspeed:
         return optimizer  # the engine adds master weights and loss scaling itself
@@ -110,20 +112,23 @@ def _loss_scaler_config(args):
                             min_loss_scale=args.min_scale)
 
 
-def get_learning_rate_scheduler(optimizer):
+def get_learning_rate_scheduler(optimizer, lr=None):
+    """--lr's schedule; with `lr`, the same schedule scaled to peak at it (min_lr scaled alike)."""
     args = get_args()
-    return AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr,
+    scale = 1.0 if lr is None else lr / args.lr
+    return AnnealingLR(optimizer, max_lr=args.lr * scale, min_lr=args.min_lr * scale,
                        warmup_iter=int(args.warmup * args.lr_decay_iters), decay_iters=args.lr_decay_iters,
                        decay_style=args.lr_decay_style, override_lr_scheduler=args.override_lr_scheduler,
                        use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler)
 
 
-def setup_model_and_optimizer(model_provider):
-    """(model, optimizer, lr_scheduler, TrainState): built, wrapped, and loaded from --load when given."""
+def setup_model_and_optimizer(model_provider, options=None, lr=None):
+    """(model, optimizer, lr_scheduler, TrainState): built, wrapped, and loaded from --load when given. A second
+    model of the same run (train_rlhf.py's critic) passes its own CheckpointOptions (its load) and peak lr."""
     args = get_args()
     model = get_model(model_provider)
-    optimizer = get_optimizer(model)
-    lr_scheduler = get_learning_rate_scheduler(optimizer)
+    optimizer = get_optimizer(model, lr)
+    lr_scheduler = get_learning_rate_scheduler(optimizer, lr)
     if args.deepspeed:
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
@@ -131,8 +136,8 @@ def setup_model_and_optimizer(model_provider):
         optimizer.skip_nonfinite = not args.fp16   # a NaN/inf step is never applied; train() stops or skips
         if model.stage3 is not None:               # a forward one rank runs alone fails after this, naming the unit
             model.stage3.gather_timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    options = CheckpointOptions.from_args(args)
-    train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if args.load else TrainState()
+    options = CheckpointOptions.from_args(args) if options is None else options
+    train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if options.load else TrainState()
     return model, optimizer, lr_scheduler, train_state
 
 

@@ -58,7 +58,7 @@ with open(out_path, "w") as handle:
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _SPAN = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")
-_ENTRY = re.compile(r"(?<![\w./-])((?:tools|tasks)/(?:bench/)?\w+\.(?:py|sh)|pretrain_gpt\.py|finetune_gpt\.py|train_reward_model\.py)\b")
+_ENTRY = re.compile(r"(?<![\w./-])((?:tools|tasks)/(?:bench/)?\w+\.(?:py|sh)|pretrain_gpt\.py|finetune_gpt\.py|train_reward_model\.py|train_rlhf\.py)\b")
 _MODULE = re.compile(r"python -m ((?:megatron|tools|tasks)(?:\.\w+)+)")
 _LONG_FLAG = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 _REPO_PATH = re.compile(r"(?<![\w./:-])((?:megatron|mpu|tools|tasks|scripts|tests|docs|data)/[\w./-]*[\w/]|"

@@ -4,7 +4,9 @@
     python tools/plot_run.py fp32/log.jsonl bf16/log.jsonl --labels fp32 bf16 --output runs.png --html runs.html
 
 Panels (x: iteration): training loss (the validation loss as points), validation perplexity, learning rate, loss
-scale, skipped steps, gradient norm, tokens/s, TFLOP/s per rank, memory. A run without a panel's field leaves the
+scale, skipped steps, gradient norm, tokens/s, TFLOP/s per rank, memory; train_rlhf.py's runs also reward (the
+validation rewards as points), policy loss, value loss, KL to the reference, clipped fraction, completion length
+(left out without a word when no run logs them). A run without a panel's field leaves the
 panel to the other runs; a panel no run has is omitted (one line names it). The legend shows the file names (the
 shortest distinct path ends) or --labels. --html writes one self-contained page: the same charts as inline SVG and
 a table of each run's settings (its header record; a log without one: its first record). A resumed run appends to
@@ -128,6 +130,7 @@ class Panel:
     ylabel: str
     series: Tuple[Series, ...]
     log_scale: bool = False
+    rlhf: bool = False             # train_rlhf.py's: left out without a word when no run logs it
 
 
 PANELS = (
@@ -141,6 +144,22 @@ PANELS = (
     Panel("tokens/s", "tokens/s", (Series("train", _field("tokens_per_second")),)),
     Panel("TFLOP/s per rank", "TFLOP/s per rank", (Series("train", _field("tflops_per_rank")),)),
     Panel("memory", "GiB (CPU RSS / CUDA max allocated)", (Series("train", _gib(_field("memory", "bytes"))),)),
+    # train_rlhf.py's (TRL's names): GRPO's, then PPO's
+    Panel("reward", "mean reward (score)", (
+        Series("train", _field("losses", "reward")), Series("train", _field("losses", "objective/scores"), " scores"),
+        Series("validation", _field("losses", "reward"), " validation", True)), rlhf=True),
+    Panel("policy loss", "loss (GRPO) / loss/policy_avg (PPO)", (
+        Series("train", _field("losses", "loss")), Series("train", _field("losses", "loss/policy_avg"), " policy")),
+        rlhf=True),
+    Panel("value loss", "loss/value_avg", (Series("train", _field("losses", "loss/value_avg")),), rlhf=True),
+    Panel("KL to the reference", "kl (GRPO) / objective/kl (PPO)", (
+        Series("train", _field("losses", "kl")), Series("train", _field("losses", "objective/kl"), " objective")),
+        rlhf=True),
+    Panel("clipped fraction", "clip_ratio/region_mean / policy/clipfrac_avg", (
+        Series("train", _field("losses", "clip_ratio/region_mean")),
+        Series("train", _field("losses", "policy/clipfrac_avg"), " policy")), rlhf=True),
+    Panel("completion length", "completions/mean_length", (
+        Series("train", _field("losses", "completions/mean_length")),), rlhf=True),
 )
 
 
@@ -155,7 +174,7 @@ def present_panels(runs):
     """(the panels some run has a value for, the titles of the others)."""
     present = [panel for panel in PANELS
                if any(series_points(run, series)[0] for run in runs for series in panel.series)]
-    return present, [panel.title for panel in PANELS if panel not in present]
+    return present, [panel.title for panel in PANELS if panel not in present and not panel.rlhf]
 
 
 def line_id(panel, run_index, series_index):

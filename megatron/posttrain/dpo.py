@@ -72,13 +72,20 @@ def _eval_mode(module):
 class Reference:
     """The frozen reference policy's summed log-probs (the module docstring says which one)."""
 
-    def __init__(self, resuming=False, checkpoint=None):
+    def __init__(self, resuming=False, checkpoint=None, flag="--dpo-reference"):
         self.resuming = resuming
         self.checkpoint = checkpoint   # --dpo-reference: where a resumed run reads the reference weights
+        self.flag = flag               # that flag's name, for the message when it is missing
         self.frozen = None             # the copy without LoRA, taken at the first call
         self.partitions = None         # at ZeRO-3 without LoRA: this rank's partitions of the reference weights
 
     def log_probs(self, model, tokens, position_ids, attention_mask, labels, loss_mask):
+        """[rows] the reference's summed log-probs of the mask-1 labels."""
+        return sequence_log_probs(self.per_token_losses(model, tokens, position_ids, attention_mask, labels),
+                                  loss_mask)
+
+    def per_token_losses(self, model, tokens, position_ids, attention_mask, labels):
+        """[rows, s] the reference's -log p(label) per token (train_rlhf.py's reference log-probs negate them)."""
         from megatron.utils import unwrap_model
         module = unwrap_model(model)
         with torch.no_grad():
@@ -94,7 +101,7 @@ class Reference:
                 if self.frozen is None:
                     self.frozen = self._copy(module)
                 losses = self.frozen(tokens, position_ids, attention_mask, labels=labels)
-        return sequence_log_probs(losses, loss_mask)
+        return losses
 
     def _starting_weights(self, module):
         """{name: this rank's tensor} of the reference checkpoint (a resumed run), or None (the model's own weights
@@ -102,8 +109,8 @@ class Reference:
         if not self.resuming:
             return None
         if self.checkpoint is None:
-            raise DPOReferenceError("--objective dpo without LoRA takes its reference from the starting weights, "
-                                    "which a resumed run no longer has: pass --dpo-reference DIR (the checkpoint "
+            raise DPOReferenceError("a reference policy without LoRA is the starting weights, "
+                                    f"which a resumed run no longer has: pass {self.flag} DIR (the checkpoint "
                                     "it started from), or train with --lora-rank (the reference is then the base)")
         from megatron.checkpoint import reshard
         saved = reshard.SavedCheckpoint(self.checkpoint)

@@ -1,6 +1,6 @@
 """Text generation with the training model: KV-cache decoding, sampling, tensor-parallel agreement."""
-from .generation import InferenceInputError, generate, load_inference_model, sample_logits
+from .generation import InferenceInputError, generate, left_padded_layout, load_inference_model, sample_logits
 from .hybrid import generate_from_training_model
 
-__all__ = ["InferenceInputError", "generate", "generate_from_training_model", "load_inference_model",
-           "sample_logits"]
+__all__ = ["InferenceInputError", "generate", "generate_from_training_model", "left_padded_layout",
+           "load_inference_model", "sample_logits"]

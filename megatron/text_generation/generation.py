@@ -4,7 +4,7 @@
 
 Padding: prompts are LEFT-padded into one [b, P] batch (P: the longest prompt), so every row's next token is at
 the same column and the KV cache is written at one offset for all rows. Each row keeps the position ids it has
-alone and never attends to its padding (one mask built per call, sliced per step; see _left_padded_layout), so
+alone and never attends to its padding (one mask built per call, sliced per step; see left_padded_layout), so
 each row is decoded as if it were alone. With the KV cache (use_cache=True) the whole prompt batch is run once and
 each later step feeds one token per row into a cache preallocated for the call; with use_cache=False
 (--recompute) every step re-runs the whole sequence so far. Nothing is synchronized with the host per token:
@@ -98,7 +98,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)       # left-padded
     for row, prompt in enumerate(prompts):
         tokens[row, width - len(prompt):width] = torch.tensor(prompt, device=device)
-    position_ids, mask = _left_padded_layout(lengths, total, max_positions, device)
+    position_ids, mask = left_padded_layout(lengths, total, max_positions, device)
     last_column = torch.tensor([width + n - 1 for n in new_counts], device=device)   # a row's last new token
     done = last_column < width                                                # rows with no room at all
     generator = None
@@ -156,7 +156,7 @@ def _check_prompts(prompts, max_positions, real_vocab):
             raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): {bad[:5]}")
 
 
-def _left_padded_layout(lengths, total, max_positions, device):
+def left_padded_layout(lengths, total, max_positions, device):
     """(position_ids [b, total], mask [b, 1, total, total] or None) of prompts of `lengths` left-padded to the
     longest, over `total` columns. Row r has pad_r = max(lengths) - lengths[r] padding columns:
 

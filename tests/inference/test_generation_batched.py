@@ -35,11 +35,11 @@ def _hf_batched_left_padded(model, prompts, new):
 def _padded_prefill_error(model):
     """Max |logit difference| between every real position of the left-padded batch and the prompt alone; whether
     every logit (padding positions included) is finite; whether every query of the mask sees some key."""
-    from megatron.text_generation.generation import _left_padded_layout
+    from megatron.text_generation.generation import left_padded_layout
     lengths = [len(p) for p in PROMPTS]
     width = max(lengths)
     tokens = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    position_ids, mask = _left_padded_layout(lengths, width, model.config.max_sequence_length, tokens.device)
+    position_ids, mask = left_padded_layout(lengths, width, model.config.max_sequence_length, tokens.device)
     with torch.no_grad():
         logits = model(tokens, position_ids=position_ids, attention_mask=mask)                # [3, 7, V]
         error = max((logits[row, width - len(p):] - model(torch.tensor([p]))[0]).abs().max().item()
