@@ -299,7 +299,7 @@ def main(args_list=None):
             interval[key] = interval.get(key, 0.0) + value
         if train_state.iteration % args.log_interval == 0:
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
-            loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
+            loss_scale = getattr(optimizer, "cur_scale", 1.0)      # the ZeRO and fp16 wrappers both name it so
             record = training_log({key: value / args.log_interval for key, value in interval.items()}, train_state,
                                   optimizer.param_groups[0]["lr"], loss_scale, grad_norm, elapsed_ms,
                                   get_tensorboard_writer())
