@@ -28,7 +28,12 @@ and after training, printed and logged as validation records ("reward").
 Start and resume as finetune_gpt.py: a checkpoint in --save resumes exactly at a rollout boundary (the critic in
 --critic-save, default SAVE/critic; the reference read from the --load the run started from). Parallelism: model and
 data parallelism, --deepspeed with ZeRO 0-3 (and offload), LoRA; pipeline parallelism is refused (generation needs
-the whole model on one stage). Not yet: DeepSpeed-Chat's EMA actor and PTX (pretraining) loss.
+the whole model on one stage).
+
+DeepSpeed-Chat's options: --enable-ema keeps its EMA actor (megatron/posttrain/ema.py), saved with each checkpoint
+in --ema-save (default SAVE/ema) as an actor checkpoint; --unsupervised-data-path PREFIX (PPO-ptx) adds
+--unsup-coef (27.8) x the LM loss of as many pretraining micro-batches to each actor step, logged as loss/ptx_avg
+(rlhf.py's PTX section).
 """
 import dataclasses
 import functools
