@@ -18,6 +18,10 @@ models with the same weights.
   DeepSpeed-Chat's train_unsupervised (HF's loss with labels = input_ids); the PTX samples are the pretraining
   dataset's in order; the EMA saved with each checkpoint equals 0.992 ema + 0.008 actor computed here from the
   saved actors (float64), at mp1 and ZeRO-3 dp2.
+- resume is exact: that run (with the EMA actor and PTX) for 1 iteration, saved, then resumed in new model state for
+  the second, logs bitwise the losses of the straight run and saves bitwise the same actor, critic and EMA.
+- GRPO at data-parallel 2 (the group advantages and dapo's token count over both ranks) equals the same plain
+  implementation on the two ranks' completions.
 - bad flags are one line.
 """
 import json
@@ -127,19 +131,23 @@ def _rlhf_args(setup, name, flags):
 
 @pytest.fixture(scope="module")
 def one_process(setup):
-    dropout = [flag for flag in PPO if flag != "--greedy"] + ["--ppo-epochs", "1", "--train-iters", "2"]   # sampled,
-    # two rollouts, dropout 0.1
+    dropout = [flag for flag in PPO if flag != "--greedy"] + _ptx_flags(setup) + [
+        "--ppo-epochs", "1", "--train-iters", "2", "--enable-ema", "--lr-decay-iters", "2"]
+    # sampled, two rollouts, dropout 0.1, with the EMA actor and PTX; resumed after the first
     jobs = [("ppo-mp1", _rlhf_args(setup, "ppo-mp1", PPO + NO_DROPOUT), None),
             ("grpo-mp1", _rlhf_args(setup, "grpo-mp1", GRPO + NO_DROPOUT), None),
             ("dropout", _rlhf_args(setup, "dropout", dropout), None),
             ("dropout-replayed", _rlhf_args(setup, "dropout-replayed", dropout), "dropout"),
+            ("resume-first", _rlhf_args(setup, "resumed", dropout + ["--train-iters", "1"]), None),
+            ("resume-second", _rlhf_args(setup, "resumed", dropout), None),
             ("ptx-ema-mp1", _rlhf_args(setup, "ptx-ema-mp1", PTX_EMA + NO_DROPOUT + _ptx_flags(setup)), None)]
     return run_distributed(_run_rlhf_jobs, 1, args=(jobs,), timeout=900)[0]
 
 
 @pytest.fixture(scope="module")
 def two_processes(setup):
-    """PPO at mp2 and at ZeRO-3 dp2 (each rank its own rollout of 2 prompts: the same rows as mp1's micro-batches)."""
+    """PPO at mp2 and at ZeRO-3 dp2 (each rank its own rollout of 2 prompts: the same rows as mp1's micro-batches),
+    PPO-ptx with the EMA actor at ZeRO-3 dp2, GRPO at dp2 (Megatron's data parallelism)."""
     zero3 = str(setup["root"] / "zero3.json")
     with open(zero3, "w") as handle:
         json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -147,7 +155,8 @@ def two_processes(setup):
     runs = {"ppo-mp2": PPO + ["--model-parallel-size", "2"],
             "ppo-zero3-dp2": PPO + ["--deepspeed", "--zero-stage", "3", "--deepspeed_config", zero3],
             "ptx-ema-zero3-dp2": PTX_EMA + _ptx_flags(setup) + ["--deepspeed", "--zero-stage", "3",
-                                                                "--deepspeed_config", zero3]}
+                                                                "--deepspeed_config", zero3],
+            "grpo-dp2": GRPO}
     jobs = [(name, _rlhf_args(setup, name, flags + NO_DROPOUT), None) for name, flags in runs.items()]
     results = run_distributed(_run_rlhf_jobs, 2, args=(jobs,), timeout=900)
     for name in runs:      # every rank logs the same step (the losses are summed over the data-parallel group)
@@ -382,10 +391,12 @@ def test_ppo_steps_equal_plain_pytorch(setup, request, hf_ppo, name):
           f"{[(r['loss/policy_avg'], r['loss/value_avg']) for r in logged]}; weights' change {actor:.1e}, {critic:.1e}")
 
 
-def test_grpo_steps_equal_plain_pytorch(setup, one_process):
-    ours = one_process["grpo-mp1"]
+@pytest.mark.parametrize("name", ["grpo-mp1", "grpo-dp2"])
+def test_grpo_steps_equal_plain_pytorch(setup, request, name):
+    ours, ranks = _ours(request, name)          # at dp2 rank r answered prompt r twice
     prompts = _prompts(setup, 2)
-    rollout = ours["first_rollout"]
+    rollout = {key: [value for rank in ranks for value in rank["first_rollout"][key]]
+               for key in ("prompts", "completions", "scores")}
     assert rollout["prompts"] == [p for p in prompts for _ in range(2)]
     logged, rewards, before, after = _hf_grpo(setup, prompts, rollout["completions"])
     assert rollout["scores"] == pytest.approx(rewards, abs=1e-7) and len(set(rewards)) > 1
@@ -393,8 +404,8 @@ def test_grpo_steps_equal_plain_pytorch(setup, one_process):
         for key, value in theirs.items():
             _close(mine[key], value, (step, key))
     assert logged[1]["kl"] > 0 and logged[1]["clip_ratio/region_mean"] > 0
-    worst = _weights_change_equal(_saved_weights_as_hf(str(setup["root"] / "grpo-mp1")), before, after, "grpo")
-    print(f"GRPO: {ours['losses']} vs {logged}; weights' change {worst:.1e}")
+    worst = _weights_change_equal(_saved_weights_as_hf(str(setup["root"] / name)), before, after, "grpo")
+    print(f"{name}: {ours['losses']} vs {logged}; weights' change {worst:.1e}")
 
 
 def test_training_after_generation_is_bitwise_training_without_it(one_process):
@@ -462,8 +473,22 @@ def test_ema_actor_is_the_moving_average_of_the_saved_actors(setup, request, nam
         assert apart > 1e-4, (name, iteration, apart)    # the EMA is not the actor
     moved = max(float((ema[key] - first[key]).abs().max()) for key in ema)
     assert moved > 1e-5, moved                           # nor the starting weights
-    print(f"{name}: the saved EMA actor within {worst:.1e} (relative) of the hand-computed one (moved {moved:.1e} from the "
-          f"start, {apart:.1e} from the actor)")
+    print(f"{name}: the saved EMA actor within {worst:.1e} (relative) of the hand-computed one (moved {moved:.1e} "
+          f"from the start, {apart:.1e} from the actor)")
+
+
+def test_resume_is_exact(setup, one_process):
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
+    straight, first, second = (one_process[name] for name in ("dropout", "resume-first", "resume-second"))
+    assert len(first["losses"]) == 1 and len(second["losses"]) == 1
+    assert straight["losses"] == first["losses"] + second["losses"], (straight["losses"], first["losses"],
+                                                                      second["losses"])
+    assert "loss/ptx_avg" in straight["losses"][1] and straight["ptx"][1] == second["ptx"][0]
+    for sub in ("", "critic", "ema"):
+        ours, theirs = (read_full_checkpoint(str(setup["root"] / run / sub)).weights()
+                        for run in ("dropout", "resumed"))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), sub or "actor"
 
 
 def test_bad_flags_are_one_line(setup, capsys):
