@@ -17,7 +17,7 @@ models with the same weights.
   their LM loss, in one accumulation of twice the micro-batches) equal to the plain implementation extended with
   DeepSpeed-Chat's train_unsupervised (HF's loss with labels = input_ids); the PTX samples are the pretraining
   dataset's in order; the EMA saved with each checkpoint equals 0.992 ema + 0.008 actor computed here from the
-  saved actors (float64), at mp1 and ZeRO-3 dp2.
+  saved actors (float64), at mp1 and ZeRO-3 dp2, and for GRPO with LoRA (every parameter: A, B, the frozen base).
 - resume is exact: that run (with the EMA actor and PTX) for 1 iteration, saved, then resumed in new model state for
   the second, logs bitwise the losses of the straight run and saves bitwise the same actor, critic and EMA.
 - GRPO at data-parallel 2 (the group advantages and dapo's token count over both ranks) equals the same plain
@@ -50,6 +50,8 @@ PPO = ["--algorithm", "ppo", "--ppo-epochs", "2", "--train-iters", "4", "--greed
 PTX_EMA = ["--algorithm", "ppo", "--ppo-epochs", "1", "--train-iters", "3", "--save-interval", "1", "--greedy",
            "--lr", str(LR["ppo"]), "--enable-ema"]          # + --unsupervised-data-path (_ptx_flags)
 PTX_ROLLOUTS, PTX_COEF, EMA_BETA = 3, 27.8, 0.992
+LORA_EMA = ["--lora-rank", "4", "--ppo-epochs", "1", "--train-iters", "2", "--save-interval", "1", "--enable-ema"]
+EMA_STEPS = {"ptx-ema-mp1": PTX_ROLLOUTS, "ptx-ema-zero3-dp2": PTX_ROLLOUTS, "grpo-lora-ema-mp1": 2}
 GRPO = ["--algorithm", "grpo", "--num-generations", "2", "--ppo-epochs", "2", "--train-iters", "2", "--beta", "0.1",
         "--lr", str(LR["grpo"]),
         "--reward-fn", "tests.posttrain.test_rlhf:vowel_reward"]
@@ -140,7 +142,8 @@ def one_process(setup):
             ("dropout-replayed", _rlhf_args(setup, "dropout-replayed", dropout), "dropout"),
             ("resume-first", _rlhf_args(setup, "resumed", dropout + ["--train-iters", "1"]), None),
             ("resume-second", _rlhf_args(setup, "resumed", dropout), None),
-            ("ptx-ema-mp1", _rlhf_args(setup, "ptx-ema-mp1", PTX_EMA + NO_DROPOUT + _ptx_flags(setup)), None)]
+            ("ptx-ema-mp1", _rlhf_args(setup, "ptx-ema-mp1", PTX_EMA + NO_DROPOUT + _ptx_flags(setup)), None),
+            ("grpo-lora-ema-mp1", _rlhf_args(setup, "grpo-lora-ema-mp1", GRPO + NO_DROPOUT + LORA_EMA), None)]
     return run_distributed(_run_rlhf_jobs, 1, args=(jobs,), timeout=900)[0]
 
 
@@ -452,18 +455,23 @@ def test_ppo_ptx_steps_equal_plain_pytorch(setup, request, hf_ptx, name):
           f"{[r['loss/ptx_avg'] for r in logged]}; weights' change {actor:.1e}, {critic:.1e}")
 
 
-@pytest.mark.parametrize("name", ["ptx-ema-mp1", "ptx-ema-zero3-dp2"])
+@pytest.mark.parametrize("name", list(EMA_STEPS))
 def test_ema_actor_is_the_moving_average_of_the_saved_actors(setup, request, name):
+    """Every parameter's EMA, with LoRA (GRPO) the adapters A and B each and the frozen base (which stays)."""
     from megatron.checkpoint.full_checkpoint import read_full_checkpoint
     from megatron.checkpoint.layout import iteration_dir_name
     _ours(request, name)
     start = read_full_checkpoint(setup["actor"])
-    ema = {key: value.double() for key, value in start.weights().items()}
-    first = dict(ema)
-    for iteration in range(1, PTX_ROLLOUTS + 1):
+    ema = None
+    for iteration in range(1, EMA_STEPS[name] + 1):
         actor = read_full_checkpoint(str(setup["root"] / name), iteration_dir_name(iteration)).weights()
+        if ema is None:       # the starting weights; LoRA's: B = 0, A the actor's draw (unmoved by a step at B = 0)
+            ema = {key: value.double() for key, value in start.weights().items()}
+            ema.update({key: value.double() * key.endswith("lora_A") for key, value in actor.items()
+                        if key not in ema})
+            first = dict(ema)
         saved = read_full_checkpoint(str(setup["root"] / name / "ema"), iteration_dir_name(iteration))
-        assert saved.model_config == start.model_config
+        assert saved.model_config == start.model_config and sorted(saved.names()) == sorted(actor)
         ema = {key: EMA_BETA * value + (1 - EMA_BETA) * actor[key].double() for key, value in ema.items()}
         weights = saved.weights()
         worst = max(float(((weights[key].double() - value).abs() / value.abs().clamp(min=1e-3)).max())
