@@ -242,6 +242,17 @@ def _prompt_iterators(args, train_state, prompts_per_rank):
     return iterators, datasets[1] is not None
 
 
+def _ema_actor(args, actor, train_state):
+    """(EMAActor, its CheckpointOptions) with --enable-ema, else (None, None); a resumed run reads the EMA saved
+    with the actor's checkpoint."""
+    if not args.enable_ema:
+        return None, None
+    ema = posttrain.ema.EMAActor(actor)
+    if not args.finetune:
+        ema.load(ema_save_dir(args), train_state.iteration)
+    return ema, dataclasses.replace(CheckpointOptions.from_args(args), save=ema_save_dir(args))
+
+
 def _ptx_iterator(args, train_state):
     """This rank's iterator over PTX micro-batches of --batch-size samples (None off model-parallel rank 0): the
     pretraining samples in order, each rollout's --global-batch-size of them after the rollouts done (a resumed run
@@ -297,14 +308,8 @@ def main(args_list=None):
     prompts_per_rank = rows_per_rank // config.num_generations
     actor, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's actor
         pretrain_gpt.model_provider, accumulation=1 if config.unsup_coef is None else 2)  # accumulates twice as many
-    ema = ema_options = ptx_data = None
-    if args.enable_ema:
-        ema = posttrain.ema.EMAActor(actor)
-        ema_options = dataclasses.replace(CheckpointOptions.from_args(args), save=ema_save_dir(args))
-        if not args.finetune:                   # resumed: the EMA saved with the actor's checkpoint
-            ema.load(ema_save_dir(args), train_state.iteration)
-    if config.unsup_coef is not None:
-        ptx_data = _ptx_iterator(args, train_state)
+    ema, ema_options = _ema_actor(args, actor, train_state)
+    ptx_data = _ptx_iterator(args, train_state) if config.unsup_coef is not None else None
     critic = None
     actor_options = CheckpointOptions.from_args(args)
     critic_options = dataclasses.replace(actor_options, load=args.critic_load, save=critic_save_dir(args))
