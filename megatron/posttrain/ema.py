@@ -41,6 +41,15 @@ class _EMAWeights:
         return self.weights
 
 
+def _copy(tensor):
+    """A copy of an actor weight where the weight lives: ZeRO-3's offload_param partitions stay host offload memory
+    (swapped in for the save's gather, which copies them to the device as it does the engine's)."""
+    from megatron.zero import offload
+    if offload.is_host_offload(tensor):
+        return offload.host_copy(tensor)
+    return tensor.detach().clone()
+
+
 class EMAActor:
     def __init__(self, model, beta=EMA_BETA):
         self.model, self.beta = model, beta
@@ -48,7 +57,7 @@ class EMAActor:
         module = unwrap_model(model)
         self.params = [] if self.stage3 is not None else list(module.parameters())
         with torch.no_grad():
-            self.tensors = [source.detach().clone() for source in self._sources()]
+            self.tensors = [_copy(source) for source in self._sources()]
 
     def _sources(self):
         """The actor's weights, one tensor per EMA tensor (ZeRO-3: the current partitions of the engine's groups)."""

@@ -150,15 +150,20 @@ def one_process(setup):
 @pytest.fixture(scope="module")
 def two_processes(setup):
     """PPO at mp2 and at ZeRO-3 dp2 (each rank its own rollout of 2 prompts: the same rows as mp1's micro-batches),
-    PPO-ptx with the EMA actor at ZeRO-3 dp2, GRPO at dp2 (Megatron's data parallelism)."""
+    PPO-ptx with the EMA actor at ZeRO-3 dp2 with offload_param (the EMA's partitions in host offload memory too),
+    GRPO at dp2 (Megatron's data parallelism)."""
     zero3 = str(setup["root"] / "zero3.json")
     with open(zero3, "w") as handle:
         json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                    "zero_optimization": {"stage": 3}}, handle)
+    offload = str(setup["root"] / "zero3_offload.json")
+    with open(offload, "w") as handle:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                   "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, handle)
     runs = {"ppo-mp2": PPO + ["--model-parallel-size", "2"],
             "ppo-zero3-dp2": PPO + ["--deepspeed", "--zero-stage", "3", "--deepspeed_config", zero3],
             "ptx-ema-zero3-dp2": PTX_EMA + _ptx_flags(setup) + ["--deepspeed", "--zero-stage", "3",
-                                                                "--deepspeed_config", zero3],
+                                                                "--deepspeed_config", offload],
             "grpo-dp2": GRPO}
     jobs = [(name, _rlhf_args(setup, name, flags + NO_DROPOUT), None) for name, flags in runs.items()]
     results = run_distributed(_run_rlhf_jobs, 2, args=(jobs,), timeout=900)
