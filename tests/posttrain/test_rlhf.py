@@ -19,7 +19,8 @@ models with the same weights.
   dataset's in order; the EMA saved with each checkpoint equals 0.992 ema + 0.008 actor computed here from the
   saved actors (float64), at mp1 and ZeRO-3 dp2, and for GRPO with LoRA (every parameter: A, B, the frozen base).
 - resume is exact: that run (with the EMA actor and PTX) for 1 iteration, saved, then resumed in new model state for
-  the second, logs bitwise the losses of the straight run and saves bitwise the same actor, critic and EMA.
+  the second, logs bitwise the losses of the straight run and saves bitwise the same actor, critic and EMA; so does
+  the ZeRO-3 dp2 PTX/EMA run (offload_param) resumed after 2 of its 3 iterations.
 - GRPO at data-parallel 2 (the group advantages and dapo's token count over both ranks) equals the same plain
   implementation on the two ranks' completions.
 - bad flags are one line.
@@ -48,7 +49,7 @@ COMMON = ["--adam-eps", "1", "--weight-decay", "0", "--clip-grad", "0", "--lr-de
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 PPO = ["--algorithm", "ppo", "--ppo-epochs", "2", "--train-iters", "4", "--greedy", "--lr", str(LR["ppo"])]
 PTX_EMA = ["--algorithm", "ppo", "--ppo-epochs", "1", "--train-iters", "3", "--save-interval", "1", "--greedy",
-           "--lr", str(LR["ppo"]), "--enable-ema"]          # + --unsupervised-data-path (_ptx_flags)
+           "--lr", str(LR["ppo"]), "--enable-ema", "--lr-decay-iters", "3"]   # + --unsupervised-data-path (_ptx_flags)
 PTX_ROLLOUTS, PTX_COEF, EMA_BETA = 3, 27.8, 0.992
 LORA_EMA = ["--lora-rank", "4", "--ppo-epochs", "1", "--train-iters", "2", "--save-interval", "1", "--enable-ema"]
 EMA_STEPS = {"ptx-ema-mp1": PTX_ROLLOUTS, "ptx-ema-zero3-dp2": PTX_ROLLOUTS, "grpo-lora-ema-mp1": 2}
@@ -165,7 +166,10 @@ def two_processes(setup):
             "ptx-ema-zero3-dp2": PTX_EMA + _ptx_flags(setup) + ["--deepspeed", "--zero-stage", "3",
                                                                 "--deepspeed_config", offload],
             "grpo-dp2": GRPO}
+    zero3_ptx = runs["ptx-ema-zero3-dp2"]
     jobs = [(name, _rlhf_args(setup, name, flags + NO_DROPOUT), None) for name, flags in runs.items()]
+    jobs += [(name, _rlhf_args(setup, "zero3-resumed", zero3_ptx + NO_DROPOUT + ["--train-iters", iters]), None)
+             for name, iters in (("zero3-resume-first", "2"), ("zero3-resume-second", "3"))]
     results = run_distributed(_run_rlhf_jobs, 2, args=(jobs,), timeout=900)
     for name in runs:      # every rank logs the same step (the losses are summed over the data-parallel group)
         assert results[1][name]["losses"] == results[0][name]["losses"], name
@@ -490,16 +494,21 @@ def test_ema_actor_is_the_moving_average_of_the_saved_actors(setup, request, nam
           f"from the start, {apart:.1e} from the actor)")
 
 
-def test_resume_is_exact(setup, one_process):
+@pytest.mark.parametrize("fixture, runs", [
+    ("one_process", ("dropout", "resume-first", "resume-second", "resumed")),
+    ("two_processes", ("ptx-ema-zero3-dp2", "zero3-resume-first", "zero3-resume-second", "zero3-resumed"))])
+def test_resume_is_exact(setup, request, fixture, runs):
+    """(straight run, its first part, the resumed rest, the directory both parts saved in)."""
     from megatron.checkpoint.full_checkpoint import read_full_checkpoint
-    straight, first, second = (one_process[name] for name in ("dropout", "resume-first", "resume-second"))
-    assert len(first["losses"]) == 1 and len(second["losses"]) == 1
-    assert straight["losses"] == first["losses"] + second["losses"], (straight["losses"], first["losses"],
-                                                                      second["losses"])
-    assert "loss/ptx_avg" in straight["losses"][1] and straight["ptx"][1] == second["ptx"][0]
+    results = request.getfixturevalue(fixture)
+    results = results if fixture == "one_process" else results[0]
+    straight, first, second = (results[name] for name in runs[:3])
+    done = len(first["losses"])
+    assert len(second["losses"]) == 1 and straight["losses"] == first["losses"] + second["losses"], \
+        (straight["losses"], first["losses"], second["losses"])
+    assert "loss/ptx_avg" in straight["losses"][done] and straight["ptx"][done] == second["ptx"][0]
     for sub in ("", "critic", "ema"):
-        ours, theirs = (read_full_checkpoint(str(setup["root"] / run / sub)).weights()
-                        for run in ("dropout", "resumed"))
+        ours, theirs = (read_full_checkpoint(str(setup["root"] / run / sub)).weights() for run in (runs[0], runs[3]))
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), sub or "actor"
 
