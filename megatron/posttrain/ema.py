@@ -15,7 +15,8 @@ a copy of each parameter it holds whole (its tensor-parallel shard, in the param
 model is in the actor's dtype too); at ZeRO-3 a copy of its partitions of the engine's flat groups. The update is
 element-wise, so at ZeRO-3 it needs no gather: DeepSpeed-Chat gathers both parameters inside
 `GatheredParameters(..., modifier_rank=None)`, whose exit discards edits (DeepSpeed's, and zero.GatheredParameters'
-semantics), so its ZeRO-3 EMA never leaves the starting weights; here the formula holds at every stage.
+semantics), so its ZeRO-3 EMA never leaves the starting weights (OpenRLHF, whose moving_average is this one,
+fixed it in its PR 1357); here the formula holds at every stage.
 """
 import dataclasses
 
@@ -51,6 +52,9 @@ def _copy(tensor):
 
 
 class EMAActor:
+    """The EMA of one actor (an engine or the Megatron path's wrapped model): update() after each of its steps,
+    save() beside its checkpoints, load() when it resumes."""
+
     def __init__(self, model, beta=EMA_BETA):
         self.model, self.beta = model, beta
         self.stage3 = getattr(model, "stage3", None)
@@ -94,14 +98,14 @@ class EMAActor:
     def load(self, directory, iteration):
         """A resumed run's EMA: the checkpoint `directory` wrote at `iteration` (the actor's), any topology."""
         from megatron.checkpoint import reshard
-        from megatron.checkpoint.layout import CheckpointError
+        from megatron.checkpoint.layout import ITERATION, CheckpointError
         try:
             saved = reshard.SavedCheckpoint(directory)
         except (CheckpointError, OSError) as error:
             raise EMAError(f"--enable-ema: the resumed run's EMA actor cannot be read from --ema-save {directory}: "
                            f"{error}") from None
-        if int(saved.run_state.get("iteration", -1)) != iteration:
-            raise EMAError(f"--enable-ema: --ema-save {directory} holds iteration {saved.run_state.get('iteration')}, "
+        if int(saved.run_state.get(ITERATION, -1)) != iteration:
+            raise EMAError(f"--enable-ema: --ema-save {directory} holds iteration {saved.run_state.get(ITERATION)}, "
                            f"the actor resumes at {iteration}")
         module = unwrap_model(self.model)
         world, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
