@@ -28,7 +28,12 @@ and after training, printed and logged as validation records ("reward").
 Start and resume as finetune_gpt.py: a checkpoint in --save resumes exactly at a rollout boundary (the critic in
 --critic-save, default SAVE/critic; the reference read from the --load the run started from). Parallelism: model and
 data parallelism, --deepspeed with ZeRO 0-3 (and offload), LoRA; pipeline parallelism is refused (generation needs
-the whole model on one stage). Not yet: DeepSpeed-Chat's EMA actor and PTX (pretraining) loss.
+the whole model on one stage).
+
+DeepSpeed-Chat's options: --enable-ema keeps its EMA actor (megatron/posttrain/ema.py), saved with each checkpoint
+in --ema-save (default SAVE/ema) as an actor checkpoint; --unsupervised-data-path PREFIX (PPO-ptx) adds
+--unsup-coef (27.8) x the LM loss of as many pretraining micro-batches to each actor step, logged as loss/ptx_avg
+(rlhf.py's PTX section).
 """
 import dataclasses
 import functools
@@ -95,6 +100,15 @@ def add_rlhf_args(parser):
     group.add_argument("--loss-type", choices=rlhf_loss.LOSS_TYPES, default="dapo", help="GRPO: TRL's reduction")
     group.add_argument("--scale-rewards", choices=rlhf_loss.SCALE_REWARDS, default="group",
                        help="GRPO: the advantages' std: the group's, the batch's, none")
+    group.add_argument("--enable-ema", action="store_true",
+                       help="DeepSpeed-Chat's EMA actor: after each actor step ema = 0.992 ema + 0.008 actor, saved "
+                            "with the actor in --ema-save")
+    group.add_argument("--ema-save", default=None, help="where the EMA actor is saved (default: SAVE/ema)")
+    group.add_argument("--unsupervised-data-path", nargs="*", default=None,
+                       help="PPO-ptx: pretraining data (a tools/preprocess_data.py PREFIX or a weighted blend) whose "
+                            "LM loss joins each actor step (DeepSpeed-Chat's unsupervised training)")
+    group.add_argument("--unsup-coef", type=float, default=None,
+                       help=f"PPO-ptx: the LM loss's weight (default {rlhf.PTX_COEF}, DeepSpeed-Chat's)")
     add_no_finetune_flag(parser, group, "RLHF")
     return parser
 
@@ -105,7 +119,15 @@ def rlhf_config(args):
         max_completion_length=args.max_completion_length, greedy=args.greedy, kl_ctl=args.kl_ctl,
         clip_reward_value=args.clip_reward_value, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
         gamma=args.gamma, lam=args.lam, whiten_advantages=args.whiten_advantages, epsilon=args.epsilon,
-        epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards)
+        epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards,
+        unsup_coef=_unsup_coef(args))
+
+
+def _unsup_coef(args):
+    """PTX's weight (None: no PTX)."""
+    if not args.unsupervised_data_path:
+        return None
+    return rlhf.PTX_COEF if args.unsup_coef is None else args.unsup_coef
 
 
 def _flags_error(args):
@@ -124,6 +146,16 @@ def _flags_error(args):
     if args.ppo_epochs < 1 or args.train_iters % args.ppo_epochs or (args.save_interval or 0) % args.ppo_epochs:
         return (f"--train-iters ({args.train_iters}) and --save-interval ({args.save_interval}) must be multiples "
                 f"of --ppo-epochs ({args.ppo_epochs}) >= 1 (a rollout's steps end together)")
+    if args.unsupervised_data_path is not None and not args.unsupervised_data_path:
+        return "--unsupervised-data-path takes a PREFIX (tools/preprocess_data.py's) or a weighted blend"
+    if args.unsup_coef is not None and not args.unsupervised_data_path:
+        return "--unsup-coef weighs the PTX loss of --unsupervised-data-path: pass that too"
+    if args.unsupervised_data_path and args.algorithm != "ppo":
+        return "--unsupervised-data-path (PTX) is DeepSpeed-Chat's PPO-ptx: use it with --algorithm ppo"
+    if args.ema_save is not None and not args.enable_ema:
+        return "--ema-save is where --enable-ema saves the EMA actor: add --enable-ema"
+    if args.enable_ema and args.save is None and args.ema_save is None:
+        return "--enable-ema saves the EMA actor with the run: pass --save (or --ema-save)"
     if args.max_prompt_length < 1 or args.max_completion_length < 1 or \
             args.max_prompt_length + args.max_completion_length > args.max_position_embeddings:
         return (f"--max-prompt-length ({args.max_prompt_length}) + --max-completion-length "
@@ -168,6 +200,10 @@ def critic_save_dir(args):
     return args.critic_save or (os.path.join(args.save, "critic") if args.save else None)
 
 
+def ema_save_dir(args):
+    return args.ema_save or (os.path.join(args.save, "ema") if args.save else None)
+
+
 def _build_roles(args, actor):
     from megatron.posttrain.reward import load_reward_model
     roles = rlhf.Roles(actor)
@@ -204,6 +240,32 @@ def _prompt_iterators(args, train_state, prompts_per_rank):
         iterators.append(iter(pretraining_loader(prompts, consumed, prompts_per_rank, mpu.get_data_parallel_rank(),
                                                  mpu.get_data_parallel_world_size())))
     return iterators, datasets[1] is not None
+
+
+def _ema_actor(args, actor, train_state):
+    """(EMAActor, its CheckpointOptions) with --enable-ema, else (None, None); a resumed run reads the EMA saved
+    with the actor's checkpoint."""
+    if not args.enable_ema:
+        return None, None
+    ema = posttrain.ema.EMAActor(actor)
+    if not args.finetune:
+        ema.load(ema_save_dir(args), train_state.iteration)
+    return ema, dataclasses.replace(CheckpointOptions.from_args(args), save=ema_save_dir(args))
+
+
+def _ptx_iterator(args, train_state):
+    """This rank's iterator over PTX micro-batches of --batch-size samples (None off model-parallel rank 0): the
+    pretraining samples in order, each rollout's --global-batch-size of them after the rollouts done (a resumed run
+    goes on where it stopped)."""
+    from megatron.data.samplers import pretraining_loader
+    rollouts = args.train_iters // args.ppo_epochs
+    dataset = rlhf.ptx_dataset(args.unsupervised_data_path, rollouts * args.global_batch_size,
+                               args.max_prompt_length + args.max_completion_length, args.seed, args.data_cache_path)
+    if mpu.get_model_parallel_rank() != 0:
+        return None
+    consumed = train_state.iteration // args.ppo_epochs * args.global_batch_size
+    return iter(pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
+                                   mpu.get_data_parallel_world_size()))
 
 
 def _seed(args, rollout):
@@ -244,7 +306,10 @@ def main(args_list=None):
                              f"({args.data_parallel_size}) = {rows_per_rank} completions per rank: not whole groups "
                              f"of --num-generations ({config.num_generations})")
     prompts_per_rank = rows_per_rank // config.num_generations
-    actor, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(pretrain_gpt.model_provider)
+    actor, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's actor
+        pretrain_gpt.model_provider, accumulation=1 if config.unsup_coef is None else 2)  # accumulates twice as many
+    ema, ema_options = _ema_actor(args, actor, train_state)
+    ptx_data = _ptx_iterator(args, train_state) if config.unsup_coef is not None else None
     critic = None
     actor_options = CheckpointOptions.from_args(args)
     critic_options = dataclasses.replace(actor_options, load=args.critic_load, save=critic_save_dir(args))
@@ -258,7 +323,7 @@ def main(args_list=None):
     valid_batches = [rlhf.broadcast_prompts(valid_prompts) for _ in range(args.eval_iters)] if evaluate else []
     if args.log_jsonl and args.rank == 0:
         operations.write_jsonl_record(args.log_jsonl, operations.header_record(args, train_state.iteration))
-    history = {"iteration": [], "losses": [], "first_rollout": None, "last_rollout": None}
+    history = {"iteration": [], "losses": [], "first_rollout": None, "last_rollout": None, "ptx": []}
     if evaluate:
         history["reward_before"] = _report_reward(args, config, roles, valid_batches, prompts_per_rank, "before",
                                                   train_state.iteration)
@@ -279,16 +344,26 @@ def main(args_list=None):
             history["last_rollout"] = {"prompts": experience.prompts, "completions": experience.completions,
                                        "scores": experience.scores, "seconds": experience.seconds}   # this rank's
             history["first_rollout"] = history["first_rollout"] or history["last_rollout"]
+            actor_batches = experience.micro_batches
+            if config.unsup_coef is not None:
+                ptx = rlhf.ptx_micro_batches(ptx_data, len(experience.micro_batches))
+                history["ptx"].append([batch.tolist() for batch in ptx])                      # this rank's
+                actor_batches = rlhf.interleave(experience.micro_batches, ptx)
         started = time.perf_counter()
         if config.algorithm == "ppo":
             step = functools.partial(rlhf.ppo_actor_forward_step, config)
         else:
             step = functools.partial(rlhf.grpo_forward_step, config, experience.totals)
-        losses, skipped, grad_norm = _step(step, experience, actor, optimizer, lr_scheduler, train_state)
+        if config.unsup_coef is not None:
+            step = functools.partial(rlhf.with_ptx, step, config.unsup_coef)
+        losses, skipped, grad_norm = _step(step, actor_batches, actor, optimizer, lr_scheduler, train_state)
         if critic is not None:
-            critic_losses, _, _ = _step(functools.partial(rlhf.ppo_critic_forward_step, config), experience, critic,
-                                        critic_optimizer, critic_scheduler, train_state)
+            critic_losses, _, _ = _step(functools.partial(rlhf.ppo_critic_forward_step, config),
+                                        experience.micro_batches, critic, critic_optimizer, critic_scheduler,
+                                        train_state)
             losses.update(critic_losses)
+        if ema is not None:
+            ema.update()                        # after every actor step (DeepSpeed-Chat's moving_average)
         seconds["training"] += time.perf_counter() - started
         losses.update(rollout_metrics)
         train_state.iteration += 1
@@ -315,6 +390,8 @@ def main(args_list=None):
             save_checkpoint(train_state, actor, optimizer, lr_scheduler, actor_options)
             if critic is not None:
                 save_checkpoint(train_state, critic, critic_optimizer, critic_scheduler, critic_options)
+            if ema is not None:
+                ema.save(train_state, ema_options)
     finalize_async_save()
     if evaluate:
         history["reward_after"] = _report_reward(args, config, roles, valid_batches, prompts_per_rank, "after",
@@ -322,14 +399,16 @@ def main(args_list=None):
     return history
 
 
-def _step(forward_step, experience, model, optimizer, lr_scheduler, train_state):
+def _step(forward_step, micro_batches, model, optimizer, lr_scheduler, train_state):
     """One optimizer step over the rollout's micro-batches: ({metric: value}, skipped, grad norm)."""
     try:
-        return train_step(forward_step, iter(experience.micro_batches), model, optimizer, lr_scheduler)
+        return train_step(forward_step, iter(micro_batches), model, optimizer, lr_scheduler,
+                          num_micro_batches=len(micro_batches))
     except operations.NonFiniteStep as step:
         raise NonFiniteError(step.describe(train_state.iteration + 1) + "; stopping without saving") from None
 
 
 if __name__ == "__main__":
     run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError, DataPathError, IndexedDatasetError,
-                    TokenizerFileError, posttrain.SFTDataError, posttrain.dpo.DPOReferenceError, rlhf.RLHFError))
+                    TokenizerFileError, posttrain.SFTDataError, posttrain.dpo.DPOReferenceError, rlhf.RLHFError,
+                    posttrain.ema.EMAError))

@@ -1,6 +1,7 @@
 """Megatron's training loop, driven by three providers (datasets, model, forward step), so pretrain_gpt.py
 stays short. The ZeRO (--deepspeed) branches sit exactly where the DeepSpeed-Megatron tutorial puts them:
 get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line."""
+import dataclasses
 import datetime
 import math
 import time
@@ -122,17 +123,24 @@ def get_learning_rate_scheduler(optimizer, lr=None):
                        use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler)
 
 
-def setup_model_and_optimizer(model_provider, options=None, lr=None):
+def setup_model_and_optimizer(model_provider, options=None, lr=None, accumulation=1):
     """(model, optimizer, lr_scheduler, TrainState): built, wrapped, and loaded from --load when given. A second
-    model of the same run (train_rlhf.py's critic) passes its own CheckpointOptions (its load) and peak lr."""
+    model of the same run (train_rlhf.py's critic) passes its own CheckpointOptions (its load) and peak lr.
+    `accumulation` k: the model's steps take k x the run's micro-batches (train_step's num_micro_batches; the
+    engine's gradient_accumulation_steps and train_batch_size are k x the config's: train_rlhf.py's actor with PTX,
+    DeepSpeed-Chat's doubled gradient_accumulation_steps_actor)."""
     args = get_args()
     model = get_model(model_provider)
     optimizer = get_optimizer(model, lr)
     lr_scheduler = get_learning_rate_scheduler(optimizer, lr)
+    config = args.zero_config
+    if config is not None and accumulation != 1:
+        config = dataclasses.replace(config, train_batch_size=config.train_batch_size * accumulation,
+                                     gradient_accumulation_steps=config.gradient_accumulation_steps * accumulation)
     if args.deepspeed:
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
-                                                            dist_init_required=False, config=args.zero_config)
+                                                            dist_init_required=False, config=config)
         optimizer.skip_nonfinite = not args.fp16   # a NaN/inf step is never applied; train() stops or skips
         if model.stage3 is not None:               # a forward one rank runs alone fails after this, naming the unit
             model.stage3.gather_timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
@@ -141,14 +149,17 @@ def setup_model_and_optimizer(model_provider, options=None, lr=None):
     return model, optimizer, lr_scheduler, train_state
 
 
-def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, after_backward=None):
+def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, after_backward=None,
+                  num_micro_batches=None):
     """Backward of one micro-batch; after the last one, reduce gradients across data-parallel ranks (and the tied
     word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
     global gradient norm after the last micro-batch, else None. Pipelining (megatron.pipeline.schedules): before the last
     stage `loss` is the stage's output and `output_grad` the gradient the next stage sent (already scaled);
-    `after_backward()` sends this stage's input gradient back, before any reduction."""
+    `after_backward()` sends this stage's input gradient back, before any reduction. `num_micro_batches`: the
+    step's (default --global-batch-size's, args.num_micro_batches)."""
     args, timers = get_args(), get_timers()
-    last = micro_batch_index == args.num_micro_batches - 1
+    num_micro_batches = num_micro_batches or args.num_micro_batches
+    last = micro_batch_index == num_micro_batches - 1
 
     def before_reduce():
         if after_backward is not None:
@@ -164,9 +175,9 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
     if output_grad is not None:
         torch.autograd.backward(loss, output_grad)
     elif args.fp16 or args.bf16:
-        optimizer.backward(loss / args.num_micro_batches, update_master_grads=False)
+        optimizer.backward(loss / num_micro_batches, update_master_grads=False)
     else:
-        (loss / args.num_micro_batches).backward()
+        (loss / num_micro_batches).backward()
     timers("allreduce").start()
     before_reduce()
     if not last:
@@ -181,14 +192,15 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
     return schedules.clip_grad_norm(optimizer, unwrap_model(model), args.clip_grad)
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
-    """One optimizer step over num_micro_batches micro-batches. Returns (losses, skipped_iter, grad_norm)."""
+def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, num_micro_batches=None):
+    """One optimizer step over num_micro_batches micro-batches (default args.num_micro_batches; a ZeRO engine's
+    gradient_accumulation_steps must be the same). Returns (losses, skipped_iter, grad_norm)."""
     if get_args().deepspeed:
-        return _zero_train_step(forward_step_func, data_iterator, model, optimizer)
-    return _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler)
+        return _zero_train_step(forward_step_func, data_iterator, model, optimizer, num_micro_batches)
+    return _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, num_micro_batches)
 
 
-def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
+def _zero_train_step(forward_step_func, data_iterator, model, optimizer, num_micro_batches=None):
     """The engine's recipe: forward, engine.backward and engine.step per micro-batch (the engine reduces,
     steps the optimizer and the lr scheduler at the accumulation boundary)."""
     args, timers = get_args(), get_timers()
@@ -197,7 +209,8 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
         timers("optimizer").start()
         model.step()  # a no-op except at the gradient-accumulation boundary
         timers("optimizer").stop()
-    losses, _ = _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step)
+    losses, _ = _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step,
+                                  num_micro_batches=num_micro_batches)
     losses, grad_norm = _average(losses), model.get_global_grad_norm()
     if not args.fp16 and operations.is_nonfinite([losses], grad_norm):
         param = optimizer.last_nonfinite_param
@@ -206,11 +219,12 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer):
     return losses, int(optimizer.overflow), grad_norm
 
 
-def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler):
+def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, num_micro_batches=None):
     """Megatron's recipe: forward/backward per micro-batch (torch DDP syncs on the last one only), gradients
     reduced and clipped after the last, then the optimizer and (unless fp16 skipped the step) the lr scheduler."""
     args, timers = get_args(), get_timers()
-    losses, grad_norm = _forward_backward(forward_step_func, data_iterator, model, optimizer)
+    losses, grad_norm = _forward_backward(forward_step_func, data_iterator, model, optimizer,
+                                          num_micro_batches=num_micro_batches)
     losses = _average(losses)
     if not args.fp16 and operations.is_nonfinite([losses], grad_norm):   # fp16: the loss scaler skips overflows
         name = operations.gather_first_name(operations.first_nonfinite_gradient(unwrap_model(model)))
@@ -225,7 +239,8 @@ def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_
     return losses, skipped_iter, grad_norm
 
 
-def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step=None, forward_only=False):
+def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine_step=None, forward_only=False,
+                      num_micro_batches=None):
     """This step's micro-batches through the schedule (megatron.pipeline.schedules: a plain loop, or 1F1B across pipeline
     stages). Returns (every micro-batch's data-parallel averaged losses, on every rank; the gradient norm from
     backward_step, or None)."""
@@ -240,7 +255,8 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
 
     def backward(output, output_grad, micro_batch_index, after_backward):
         timers("backward").start()
-        norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad, after_backward))
+        norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad, after_backward,
+                                   num_micro_batches))
         timers("backward").stop()
         if engine_step is not None:
             engine_step()
@@ -248,7 +264,8 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
     seq = args.seq_length // (args.model_parallel_size if args.sequence_parallel else 1)
     spec = p2p_communication.TensorSpec((args.batch_size, seq, args.hidden_size),
                                         getattr(torch, args.params_dtype), mpu.get_device())
-    losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward, args.num_micro_batches,
+    losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward,
+                                                   num_micro_batches or args.num_micro_batches,
                                                    spec, forward_only=forward_only)
     return schedules.broadcast_losses_from_last_stage(losses_to_host(losses)), norms[-1]
 
@@ -271,8 +288,10 @@ def losses_to_host(losses):
 
 
 def _average(losses):
-    """Each key over the micro-batches' loss dicts: _combine."""
-    return {key: _combine([d[key] for d in losses]) for key in losses[0]}
+    """Each key over the micro-batches' loss dicts that have it (train_rlhf.py's PTX micro-batches report their
+    own): _combine."""
+    keys = dict.fromkeys(key for d in losses for key in d)
+    return {key: _combine([d[key] for d in losses if key in d]) for key in keys}
 
 
 def _combine(values):

@@ -5,8 +5,8 @@
 
 Panels (x: iteration): training loss (the validation loss as points), validation perplexity, learning rate, loss
 scale, skipped steps, gradient norm, tokens/s, TFLOP/s per rank, memory; train_rlhf.py's runs also reward (the
-validation rewards as points), policy loss, value loss, KL to the reference, clipped fraction, completion length
-(left out without a word when no run logs them). A run without a panel's field leaves the
+validation rewards as points), policy loss, value loss, KL to the reference, clipped fraction, completion length,
+PTX loss (left out without a word when no run logs them). A run without a panel's field leaves the
 panel to the other runs; a panel no run has is omitted (one line names it). The legend shows the file names (the
 shortest distinct path ends) or --labels. --html writes one self-contained page: the same charts as inline SVG and
 a table of each run's settings (its header record; a log without one: its first record). A resumed run appends to
@@ -160,6 +160,8 @@ PANELS = (
         Series("train", _field("losses", "policy/clipfrac_avg"), " policy")), rlhf=True),
     Panel("completion length", "completions/mean_length", (
         Series("train", _field("losses", "completions/mean_length")),), rlhf=True),
+    Panel("PTX loss", "loss/ptx_avg (the LM loss of PPO-ptx)", (
+        Series("train", _field("losses", "loss/ptx_avg")),), rlhf=True),
 )
 
 

@@ -7,16 +7,17 @@
     reward        the reward model's pair losses (last token, DeepSpeed-Chat's divergence span) and metrics
     rlhf          RLHF step 3: experience from the actor being trained, the per-micro-batch PPO and GRPO steps
     rlhf_loss     RLHF step 3's losses: PPO as DeepSpeed-Chat computes it, GRPO's advantages and reductions as TRL
+    ema           RLHF step 3's EMA actor (DeepSpeed-Chat's moving_average), saved as an actor checkpoint
 """
 from .sft_data import (DEFAULT_TEMPLATE, TEMPLATES, ChatTemplate, ExampleError, assemble_row, encode_example,
                        encode_prompt, pack_examples, parse_example, parse_preference, truncate_example)
 from .sft_dataset import (PreferenceDataset, SFTDataError, SFTDataset, build_preference_datasets, build_sft_datasets,
                           open_sft_files, output_prefixes)
-from . import dpo, reward, rlhf, rlhf_loss
+from . import dpo, ema, reward, rlhf, rlhf_loss
 from .sft_loss import StepBatches, masked_sum, model_inputs, sum_over_group, trim_to_longest
 
 __all__ = ["DEFAULT_TEMPLATE", "TEMPLATES", "ChatTemplate", "ExampleError", "assemble_row", "encode_example",
            "encode_prompt", "pack_examples", "parse_example", "parse_preference", "truncate_example", "SFTDataError",
            "SFTDataset", "PreferenceDataset", "build_sft_datasets", "build_preference_datasets", "open_sft_files",
            "output_prefixes", "StepBatches", "masked_sum", "model_inputs", "sum_over_group", "trim_to_longest",
-           "dpo", "reward", "rlhf", "rlhf_loss"]
+           "dpo", "ema", "reward", "rlhf", "rlhf_loss"]

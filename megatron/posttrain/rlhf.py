@@ -21,6 +21,12 @@ log-probs, values) runs per micro-batch with dropout off and no gradient; GRPO w
 log-probs from the training forward, detached, as TRL does (its ratio is 1). Generation and scoring leave every
 RNG state as they found it (generate_from_training_model, reward.score_sequences, and the --reward-fn call), so
 training on an experience is bitwise what it is without generating it.
+
+PTX (PPO-ptx, DeepSpeed-Chat's DeepSpeedPPOTrainerUnsupervised.train_unsupervised): after each PPO micro-batch the
+actor trains on a micro-batch of pretraining data, backward of unsup_coef x its LM loss, in the same accumulation:
+DeepSpeed-Chat doubles the actor's gradient_accumulation_steps when unsupervised training is on, so one actor step
+is (sum of the PPO losses + unsup_coef x sum of the LM losses) / (2 x micro-batches). train_rlhf.py runs the
+actor's train_step over the interleaved micro-batches (interleave, with_ptx) with twice the micro-batches.
 """
 import dataclasses
 import importlib
@@ -40,6 +46,7 @@ from .sft_loss import sum_over_group
 ALGORITHMS = ("ppo", "grpo")
 PPO_METRICS = ("objective/kl", "objective/scores", "objective/non_score_reward", "objective/rlhf_reward")
 GRPO_METRICS = ("reward", "reward_std", "completions/mean_length")
+PTX_COEF = 27.8            # DeepSpeed-Chat's --unsup_coef default (InstructGPT's PPO-ptx gamma)
 
 
 class RLHFError(ValueError):
@@ -73,6 +80,9 @@ class RLHFConfig:
     """GRPO's KL weight (0: no reference model)."""
     loss_type: str = "dapo"
     scale_rewards: str = "group"
+    unsup_coef: Optional[float] = None
+    """PPO-ptx (DeepSpeed-Chat's unsupervised training): the weight of the LM loss on pretraining data in the
+    actor's step (its --unsup_coef, PTX_COEF); None: no PTX."""
 
     @property
     def needs_reference(self):
@@ -385,3 +395,47 @@ def grpo_forward_step(config, totals, data_iterator, model):
         metrics = rlhf_loss.grpo_metrics(ratio, batch.advantages, mask, config.epsilon, config.epsilon_high,
                                          None if kl is None else kl.detach())
     return loss, _reported({"loss": (loss.detach(), 1), **metrics}, "grpo metrics")
+
+
+# ---- PTX: DeepSpeed-Chat's unsupervised training of the actor -------------------------------------------------
+
+def ptx_dataset(data_path, num_samples, block, seed, data_cache_path=None):
+    """The pretraining samples of --unsupervised-data-path (a tools/preprocess_data.py prefix, or a weighted
+    blend, read as pretrain_gpt.py reads it, every document in the train split): `block` tokens each
+    (DeepSpeed-Chat's max_prompt_seq_len + max_answer_seq_len chunks of the concatenated texts)."""
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+    return build_train_valid_test_datasets(data_path, "1,0,0", [num_samples, 0, 0], block - 1, seed,
+                                           data_cache_path)[0]
+
+
+def ptx_micro_batches(data_iterator, count):
+    """This rank's next `count` PTX micro-batches, [b, block] int64 each (read on model-parallel rank 0)."""
+    batches = []
+    for _ in range(count):
+        data = next(data_iterator) if data_iterator is not None else None
+        batches.append(mpu.broadcast_data(["text"], data, torch.int64)["text"])
+    return batches
+
+
+def interleave(experience_batches, ptx_batches):
+    """DeepSpeed-Chat's order within one actor step: each PPO micro-batch, then one PTX micro-batch."""
+    return [batch for pair in zip(experience_batches, ptx_batches) for batch in pair]
+
+
+def ptx_forward_step(unsup_coef, text, model):
+    """DeepSpeed-Chat's train_unsupervised on one micro-batch: the LM loss of the text (every next token, plain
+    causal attention, positions from 0: Hugging Face's loss with labels = input_ids), backward of unsup_coef x it;
+    reported as loss/ptx_avg (unscaled, DeepSpeed-Chat's "Unsupervised Loss")."""
+    tokens, labels = text[:, :-1], text[:, 1:]                                   # [b, block - 1] each
+    position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+    loss = model(tokens, position_ids, None, labels=labels).float().mean()
+    return unsup_coef * loss, _reported({"loss/ptx_avg": (loss.detach(), 1)}, "ptx metrics")
+
+
+def with_ptx(forward_step, unsup_coef, data_iterator, model):
+    """The actor's forward step over interleave()'s micro-batches: a PTX micro-batch (a tensor) or an experience
+    micro-batch for `forward_step`."""
+    batch = next(data_iterator)
+    if torch.is_tensor(batch):
+        return ptx_forward_step(unsup_coef, batch, model)
+    return forward_step(iter([batch]), model)
