@@ -146,9 +146,10 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
     word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
     global gradient norm after the last micro-batch, else None. Pipelining (megatron.pipeline.schedules): before the last
     stage `loss` is the stage's output and `output_grad` the gradient the next stage sent (already scaled);
-    `after_backward()` sends this stage's input gradient back, before any reduction."""
+    `after_backward()` sends this stage's input gradient back, before any reduction. Interleaved, a micro-batch
+    has one backward per model chunk: the step's first and last are schedules.backward_position's."""
     args, timers = get_args(), get_timers()
-    last = micro_batch_index == args.num_micro_batches - 1
+    first, last = schedules.backward_position(micro_batch_index, args.num_micro_batches)
 
     def before_reduce():
         if after_backward is not None:
@@ -159,7 +160,7 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
         model.backward(loss, output_grad, before_reduce)  # scales, accumulates, reduces (at the boundary)
         timers("allreduce").reset()
         return None
-    if micro_batch_index == 0:
+    if first:
         optimizer.zero_grad()
     if output_grad is not None:
         torch.autograd.backward(loss, output_grad)
@@ -242,7 +243,7 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
         timers("backward").start()
         norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad, after_backward))
         timers("backward").stop()
-        if engine_step is not None:
+        if engine_step is not None and schedules.finishes_micro_batch():   # one engine micro-step a micro-batch
             engine_step()
     # with sequence parallelism a stage passes on its rank's sequence slice (Megatron-LM's tensor_shape too)
     seq = args.seq_length // (args.model_parallel_size if args.sequence_parallel else 1)
