@@ -64,6 +64,14 @@ def num_warmup_micro_batches(num_stages, stage, num_micro_batches, num_chunks=1)
     return min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
 
 
+def forwards_in_flight(num_stages, stage, num_micro_batches, num_chunks=1):
+    """The most (chunk) forwards whose activations stage `stage` holds at once: its warmup's plus the steady
+    state's next one, at most all of them. 1F1B: min(P - s, M); interleaved on stage 0 with M large:
+    2 (P - 1) + (v - 1) P + 1 chunks of L / (P v) layers, i.e. L (1 + (P - 1) / (P v)) layers (Megatron-LM's)."""
+    warmup = num_warmup_micro_batches(num_stages, stage, num_micro_batches, num_chunks)
+    return min(warmup + 1, num_micro_batches * num_chunks)
+
+
 def model_chunk_id(k, num_stages, num_chunks, forward):
     """The model chunk of a stage's k-th forward (or backward: chunks run from the last down)."""
     chunk = k % (num_stages * num_chunks) // num_stages

@@ -6,8 +6,8 @@ simulation, and its executor on two processes)."""
 import pytest
 import torch
 
-from megatron.pipeline.schedules import (interleaved_order, interleaving_error, micro_batch_id, model_chunk_id,
-                                       num_warmup_micro_batches, pipeline_order)
+from megatron.pipeline.schedules import (forwards_in_flight, interleaved_order, interleaving_error, micro_batch_id,
+                                       model_chunk_id, num_warmup_micro_batches, pipeline_order)
 
 
 def _expected(num_stages, stage, num_micro_batches):
@@ -214,6 +214,17 @@ def test_interleaved_orders_run_together_and_bubble(num_stages, num_chunks, num_
         assert sorted(order) == sorted([("F", i, c) for i, c in ops] + [("B", i, c) for i, c in ops])
         assert all(order.index(("F", i, c)) < order.index(("B", i, c)) for i, c in ops)
     assert _simulate_interleaved(P, M, v) == 2 * (v * M + P - 1)
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches", [(2, 4), (4, 8), (4, 16)])
+def test_interleaved_activation_memory_bound(num_stages, num_micro_batches):
+    """Stage s holds at most forwards_in_flight chunk forwards; on stage 0 that is Megatron-LM's
+    L (1 + (P - 1) / (P v)) layers' worth (chunks of L / (P v) layers), at v = 2."""
+    P, v, L = num_stages, 2, 8
+    for stage in range(P):
+        order = interleaved_order(P, stage, num_micro_batches, v)
+        assert _max_in_flight([op[:2] for op in order]) == forwards_in_flight(P, stage, num_micro_batches, v)
+    assert forwards_in_flight(P, 0, num_micro_batches, v) * L // (P * v) == L * (1 + (P - 1) / (P * v))
 
 
 def test_interleaving_error_is_megatron_lms():
