@@ -314,7 +314,8 @@ def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, chec
 def _flops_per_iteration(args):
     return args.global_batch_size * args.seq_length * flops_per_token(
         args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size,
-        recompute=recompute_config_from_args(args), num_stages=args.pipeline_model_parallel_size,
+        recompute=recompute_config_from_args(args),   # block recomputation: the first layers of each model chunk
+        num_stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
         ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu)
 

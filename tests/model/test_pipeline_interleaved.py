@@ -1,6 +1,6 @@
 """Interleaved pipeline (--num-layers-per-virtual-pipeline-stage) on gloo processes, L = 8 layers, 8 micro-batches a
 step (fp32, dropout off): pp4 x v2 (Megatron path) and pp2 x v2 (ZeRO-1) equal one process within 1e-6 (losses
-every step, every final weight), the tied embedding copies bitwise equal after every step; each stage holds
+every step, validation losses, every final weight), the tied embedding copies bitwise equal after every step; each stage holds
 Megatron-LM's layers; the pp4 x v2 checkpoint loads at pp1 and at pp2 x v1 bitwise (weights as saved, the next
 loss identical), and the pp2 x v2 ZeRO-1 one at pp2 x v1 (same P, other layers per stage: resharded by name).
 The schedule itself, as data and on two processes: test_pipeline_schedule.py; bad flags: test_pipeline.py."""
@@ -17,7 +17,8 @@ from tests.model.test_pipeline import PIPELINE, TOLERANCE, _check_tied_copies, _
 
 EIGHT_LAYERS = _with(PIPELINE, {"--num-layers": "8", "--train-iters": "3", "--global-batch-size": "16"}) + [
     "--batch-size", "2",                                # 16 / (2 x dp1) = 8 micro-batches: P = 4 has a steady state
-    "--distributed-timeout-minutes", "1"]               # a schedule bug that mismatches collectives fails in a minute
+    "--distributed-timeout-minutes", "1",               # a schedule bug that mismatches collectives fails in a minute
+    "--eval-iters", "1", "--eval-interval", "2"]        # evaluation: the interleaved schedule's forwards only
 INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage"]
 
 
@@ -65,6 +66,7 @@ def _saved_weights(directory):
 
 def _assert_equals_reference(results, reference):
     assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
+    assert len(reference["valid"]) == 1 and _relative(results[0]["valid"], reference["valid"]) <= TOLERANCE
     merged = _merged(results)
     assert sorted(merged) == sorted(reference["weights"])
     for name, tensor in reference["weights"].items():
