@@ -233,109 +233,126 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         else contextlib.nullcontext()
     try:
         with no_sync:
-            return _interleaved(forward_step_func, data_iterator, model, backward_func, num_micro_batches,
-                                tensor_spec, forward_only, trace)
+            return _Interleaved(forward_step_func, data_iterator, model, backward_func, num_micro_batches,
+                                tensor_spec, trace).run(forward_only)
     finally:
         mpu.set_virtual_pipeline_model_parallel_rank(0)
 
 
-def _interleaved(forward_step_func, data_iterator, model, backward_func, num_micro_batches, spec, forward_only,
-                 trace):
-    """Megatron-LM's interleaved loop, its bookkeeping kept: per chunk, the inputs, outputs and output gradients
-    of the micro-batches in flight, and where each received tensor goes (recv_prev / recv_next say whether one
-    comes). The exchange after a backward runs as backward_func's after_backward, before any reduction."""
-    stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
-    chunks = mpu.get_virtual_pipeline_model_parallel_world_size()
-    first_stage, last_stage = stage == 0, stage == stages - 1
-    total = num_micro_batches * chunks
-    all_warmup = forward_only or num_micro_batches == stages
-    warmup = total if forward_only else num_warmup_micro_batches(stages, stage, num_micro_batches, chunks)
-    remaining = total - warmup
-    inputs, outputs, output_grads = ([[] for _ in range(chunks)] for _ in range(3))
-    data, losses = _chunk_iterators(data_iterator, chunks), []
+class _Interleaved:
+    """One step of Megatron-LM's interleaved loop, its bookkeeping kept: per chunk, the inputs, outputs and output
+    gradients of the micro-batches in flight, and where each received tensor goes (recv_prev / recv_next say
+    whether one comes). The exchange after a backward runs as backward_func's after_backward, before any
+    reduction."""
 
-    def chunk_of(k, forward):
-        return model_chunk_id(k, stages, chunks, forward)
+    def __init__(self, forward_step_func, data_iterator, model, backward_func, num_micro_batches, spec, trace):
+        self.forward_step_func, self.model, self.backward_func, self.spec, self.trace = \
+            forward_step_func, model, backward_func, spec, trace
+        self.stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+        self.chunks = mpu.get_virtual_pipeline_model_parallel_world_size()
+        self.first_stage, self.last_stage = stage == 0, stage == self.stages - 1
+        self.num_micro_batches, self.total = num_micro_batches, num_micro_batches * self.chunks
+        self.inputs, self.outputs, self.output_grads = ([[] for _ in range(self.chunks)] for _ in range(3))
+        self.data, self.losses = _chunk_iterators(data_iterator, self.chunks), []
 
-    def forward(k):
+    def chunk_of(self, k, forward):
+        return model_chunk_id(k, self.stages, self.chunks, forward)
+
+    def run(self, forward_only):
+        stage = mpu.get_pipeline_model_parallel_rank()
+        all_warmup = forward_only or self.num_micro_batches == self.stages
+        warmup = self.total if forward_only else num_warmup_micro_batches(self.stages, stage,
+                                                                          self.num_micro_batches, self.chunks)
+        mpu.set_virtual_pipeline_model_parallel_rank(0)
+        self.inputs[0].append(p2p.recv_forward(self.spec))
+        for k in range(warmup):
+            self.warmup_forward(k, first_backward_next=k == warmup - 1 and not all_warmup)
+        for k in range(self.total - warmup):
+            self.steady_forward_backward(k, warmup)
+        if forward_only:
+            return self.losses
+        if all_warmup:   # the first output gradient did not come with the last warmup input
+            mpu.set_virtual_pipeline_model_parallel_rank(self.chunks - 1)
+            self.output_grads[self.chunks - 1].append(p2p.recv_backward(self.spec))
+        for k in range(self.total - warmup, self.total):
+            self.cooldown_backward(k)
+        return self.losses
+
+    def warmup_forward(self, k, first_backward_next):
+        output = self.forward(k)
+        next_chunk = self.chunk_of(k + 1, True)
+        recv_prev = not (self.first_stage and next_chunk == 0) and k != self.total - 1
+        if first_backward_next:   # the first output gradient comes with the last warmup input
+            input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
+                output, None, recv_prev, not self.last_stage, self.spec)
+            self.output_grads[self.chunks - 1].append(output_grad)
+        else:
+            input_tensor = p2p.send_forward_recv_forward(output, recv_prev, self.spec)
+        self.inputs[next_chunk].append(input_tensor)
+
+    def steady_forward_backward(self, k, warmup):
+        forward_k = k + warmup
+        output = self.forward(forward_k)
+        # The first stage runs P - 1 forwards ahead of the last (and the last P - 1 backwards ahead of the
+        # first): what they receive next belongs to the chunk after (before) the one P - 1 steps back.
+        recv_prev, recv_next = k != self.total - warmup - 1, True
+        if self.first_stage:
+            next_forward_chunk = self.chunk_of(forward_k - (self.stages - 1), True) + 1
+            recv_prev = recv_prev and next_forward_chunk != self.chunks
+        else:
+            next_forward_chunk = self.chunk_of(forward_k + 1, True)
+        if self.last_stage:
+            next_backward_chunk = self.chunk_of(k - (self.stages - 1), False) - 1
+            recv_next = next_backward_chunk != -1
+        else:
+            next_backward_chunk = self.chunk_of(k + 1, False)
+        input_tensor, output_grad = self.backward(k, lambda grad: p2p.send_forward_backward_recv_forward_backward(
+            output, grad, recv_prev, recv_next, self.spec))
+        if recv_prev:
+            self.inputs[next_forward_chunk].append(input_tensor)
+        if recv_next:
+            self.output_grads[next_backward_chunk].append(output_grad)
+
+    def cooldown_backward(self, k):
+        next_chunk = self.chunk_of(k + 1, False)
+        recv_next = not (self.last_stage and next_chunk == self.chunks - 1) and k != self.total - 1
+        self.output_grads[next_chunk].append(self.backward(k, lambda grad: p2p.send_backward_recv_backward(
+            grad, recv_next, self.spec)))
+
+    def forward(self, k):
         """The k-th chunk forward; returns what to send on (None after the model's last chunk)."""
-        chunk = chunk_of(k, True)
+        chunk = self.chunk_of(k, True)
         mpu.set_virtual_pipeline_model_parallel_rank(chunk)
-        if mpu.is_pipeline_first_stage() and len(inputs[chunk]) == len(outputs[chunk]):
-            inputs[chunk].append(None)                       # chunk 0 of stage 0 reads the data
-        unwrap_model(model).set_input_tensor(inputs[chunk][-1])
-        output, reduced = forward_step_func(data[chunk], model)
-        _record(trace, "F", micro_batch_id(k, stages, chunks), chunk)
-        outputs[chunk].append(output)
+        inputs, outputs = self.inputs[chunk], self.outputs[chunk]
+        if mpu.is_pipeline_first_stage() and len(inputs) == len(outputs):
+            inputs.append(None)                              # chunk 0 of stage 0 reads the data
+        unwrap_model(self.model).set_input_tensor(inputs[-1])
+        output, reduced = self.forward_step_func(self.data[chunk], self.model)
+        _record(self.trace, "F", micro_batch_id(k, self.stages, self.chunks), chunk)
+        outputs.append(output)
         if mpu.is_pipeline_last_stage():
-            losses.append(reduced)
+            self.losses.append(reduced)
             return None
         return output
 
-    def backward(k, communicate):
+    def backward(self, k, communicate):
         """The k-th chunk backward; `communicate(input grad or None)` runs as after_backward; returns what it
         received."""
-        chunk = chunk_of(k, False)
+        chunk = self.chunk_of(k, False)
         mpu.set_virtual_pipeline_model_parallel_rank(chunk)
-        if mpu.is_pipeline_last_stage() and not output_grads[chunk]:
-            output_grads[chunk].append(None)                 # the loss: no gradient from a next stage
-        input_tensor, output, output_grad = inputs[chunk].pop(0), outputs[chunk].pop(0), output_grads[chunk].pop(0)
-        received = []
+        if mpu.is_pipeline_last_stage() and not self.output_grads[chunk]:
+            self.output_grads[chunk].append(None)            # the loss: no gradient from a next stage
+        input_tensor, output = self.inputs[chunk].pop(0), self.outputs[chunk].pop(0)
+        output_grad, received = self.output_grads[chunk].pop(0), []
 
         def after_backward():
             send = None if mpu.is_pipeline_first_stage() or input_tensor is None else input_tensor.grad
             received.append(communicate(send))
-        backward_func(output, output_grad, micro_batch_id(k, stages, chunks), after_backward)
+        index = micro_batch_id(k, self.stages, self.chunks)
+        self.backward_func(output, output_grad, index, after_backward)
         assert len(received) == 1, "backward_func must call after_backward() once"
-        _record(trace, "B", micro_batch_id(k, stages, chunks), chunk)
+        _record(self.trace, "B", index, chunk)
         return received[0]
-
-    mpu.set_virtual_pipeline_model_parallel_rank(0)
-    inputs[0].append(p2p.recv_forward(spec))
-    for k in range(warmup):
-        output = forward(k)
-        next_chunk = chunk_of(k + 1, True)
-        recv_prev = not (first_stage and next_chunk == 0) and k != total - 1
-        if k == warmup - 1 and not all_warmup:   # the first output gradient comes with the last warmup input
-            input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
-                output, None, recv_prev, not last_stage, spec)
-            output_grads[chunks - 1].append(output_grad)
-        else:
-            input_tensor = p2p.send_forward_recv_forward(output, recv_prev, spec)
-        inputs[next_chunk].append(input_tensor)
-    for k in range(remaining):
-        forward_k = k + warmup
-        output = forward(forward_k)
-        # The first stage runs P - 1 forwards ahead of the last (and the last P - 1 backwards ahead of the
-        # first): what they receive next belongs to the chunk after (before) the one P - 1 steps back.
-        recv_prev, recv_next = k != remaining - 1, True
-        if first_stage:
-            next_forward_chunk = chunk_of(forward_k - (stages - 1), True) + 1
-            recv_prev = recv_prev and next_forward_chunk != chunks
-        else:
-            next_forward_chunk = chunk_of(forward_k + 1, True)
-        if last_stage:
-            next_backward_chunk = chunk_of(k - (stages - 1), False) - 1
-            recv_next = next_backward_chunk != -1
-        else:
-            next_backward_chunk = chunk_of(k + 1, False)
-        input_tensor, output_grad = backward(k, lambda grad: p2p.send_forward_backward_recv_forward_backward(
-            output, grad, recv_prev, recv_next, spec))
-        if recv_prev:
-            inputs[next_forward_chunk].append(input_tensor)
-        if recv_next:
-            output_grads[next_backward_chunk].append(output_grad)
-    if forward_only:
-        return losses
-    if all_warmup:
-        mpu.set_virtual_pipeline_model_parallel_rank(chunks - 1)
-        output_grads[chunks - 1].append(p2p.recv_backward(spec))
-    for k in range(remaining, total):
-        next_chunk = chunk_of(k + 1, False)
-        recv_next = not (last_stage and next_chunk == chunks - 1) and k != total - 1
-        output_grads[next_chunk].append(backward(k, lambda grad: p2p.send_backward_recv_backward(
-            grad, recv_next, spec)))
-    return losses
 
 
 def _chunk_iterators(source, chunks):
