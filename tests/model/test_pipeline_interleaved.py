@@ -2,7 +2,8 @@
 step (fp32, dropout off): pp4 x v2 (Megatron path) and pp2 x v2 (ZeRO-1) equal one process within 1e-6 (losses
 every step, validation losses, every final weight), the tied embedding copies bitwise equal after every step; each stage holds
 Megatron-LM's layers; the pp4 x v2 checkpoint loads at pp1 and at pp2 x v1 bitwise (weights as saved, the next
-loss identical), and the pp2 x v2 ZeRO-1 one at pp2 x v1 (same P, other layers per stage: resharded by name).
+loss identical), and the pp2 x v2 ZeRO-1 one at pp2 x v1 (same P, other layers per stage: resharded by name) and
+at pp2 x v2 (the engine's own loader).
 The schedule itself, as data and on two processes: test_pipeline_schedule.py; bad flags: test_pipeline.py."""
 import json
 import os
@@ -121,7 +122,9 @@ def test_pp2_v2_zero1_equals_single_process_and_loads_at_pp2_v1(reference, zero1
     _assert_equals_reference(results, reference)
     _check_tied_copies(results, forwards=3 * 8 * 2)
     set_tracker(save, 2)
-    loaded = run_distributed(_train_recording_loaded_weights, 2, args=(EIGHT_LAYERS + pipeline + zero1_config + [
-        "--load", save],))
-    assert [_layers_of(r) for r in loaded] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert loaded[0]["losses"] == results[0]["losses"][2:]
+    for chunks, layers in ((None, [[0, 1, 2, 3], [4, 5, 6, 7]]), ("2", [[0, 1, 4, 5], [2, 3, 6, 7]])):
+        extra = [] if chunks is None else INTERLEAVED + [chunks]    # v2 again: the engine's own loader
+        loaded = run_distributed(_train_recording_loaded_weights, 2, args=(EIGHT_LAYERS + pipeline + zero1_config + [
+            "--load", save] + extra,))
+        assert [_layers_of(r) for r in loaded] == layers
+        assert loaded[0]["losses"] == results[0]["losses"][2:]
