@@ -1,7 +1,8 @@
 """Forward/backward schedules over the micro-batches of one step (Megatron's schedules.py).
 
-`get_forward_backward_func()` is the plain loop at pipeline size 1 and the non-interleaved 1F1B schedule
-(PipeDream-Flush, Narayanan et al. 2021) otherwise. Both take the same callbacks:
+`get_forward_backward_func()` is the plain loop at pipeline size 1, the non-interleaved 1F1B schedule
+(PipeDream-Flush, Narayanan et al. 2021) otherwise, and the interleaved one with model chunks (below). All take the
+same callbacks:
 
     forward_step_func(data_iterator, model) -> (output, reduced losses dict)   # pretrain_gpt.forward_step
     backward_func(output, output_grad, micro_batch_index, after_backward)       # training.py's backward
@@ -31,7 +32,9 @@ chunk 0):
 
     F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0
 
-The bubble shrinks from (P - 1) / M to (P - 1) / (v M) of the step, for v times the point-to-point traffic.
+The bubble (idle time over busy time) shrinks from (P - 1) / M to (P - 1) / (v M), for v times the
+point-to-point traffic. Interleaved, backward_func runs once per micro-batch and chunk (backward_position tells
+the step's first and last).
 `interleaved_order()` is that sequence as pure data. The schedule sets mpu's virtual pipeline rank to the chunk
 of each forward and backward (the model runs that chunk; mpu.is_pipeline_last_stage() is then true on the last
 chunk of the last stage only), and hands chunk c an iterator that replays the micro-batches the data iterator
