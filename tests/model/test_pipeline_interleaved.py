@@ -1,10 +1,11 @@
 """Interleaved pipeline (--num-layers-per-virtual-pipeline-stage) on gloo processes, L = 8 layers, 8 micro-batches a
 step (fp32, dropout off): pp4 x v2 (Megatron path) and pp2 x v2 (ZeRO-1) equal one process within 1e-6 (losses
-every step, validation losses, every final weight), the tied embedding copies bitwise equal after every step; each stage holds
-Megatron-LM's layers; the pp4 x v2 checkpoint loads at pp1 and at pp2 x v1 bitwise (weights as saved, the next
-loss identical), and the pp2 x v2 ZeRO-1 one at pp2 x v1 (same P, other layers per stage: resharded by name) and
-at pp2 x v2 (the engine's own loader); pp2 x v2 x mp2 with sequence parallelism and torch DDP equals one process.
-The schedule itself, as data and on two processes: test_pipeline_schedule.py; bad flags: test_pipeline.py."""
+every step, validation losses, every final weight), the tied embedding copies bitwise equal after every step;
+each stage holds Megatron-LM's layers; the pp4 x v2 checkpoint loads at pp1 and at pp2 x v1 bitwise (weights as
+saved, the next loss identical), and the pp2 x v2 ZeRO-1 one at pp2 x v1 (same P, other layers per stage:
+resharded by name) and at pp2 x v2 (the engine's own loader); pp2 x v2 x mp2 with sequence parallelism and torch
+DDP equals one process. The schedule itself, as data and on two processes: test_pipeline_schedule.py; bad flags:
+test_pipeline.py."""
 import json
 import os
 
@@ -134,8 +135,8 @@ def test_pp2_v2_times_mp2_sequence_parallel_torch_ddp_equals_single_process(refe
     """Interleaving with tensor parallelism (sequence-parallel slices between chunks) and torch DDP (run under
     no_sync, reduced after the step's last backward): the losses within 1e-6 of one process."""
     results = run_distributed(_train_recording_embeddings, 4, args=(EIGHT_LAYERS + [
-        "--pipeline-model-parallel-size", "2"] + INTERLEAVED + ["2", "--model-parallel-size", "2", "--sequence-parallel",
-                                                              "--DDP-impl", "torch"],))
+        "--pipeline-model-parallel-size", "2"] + INTERLEAVED + ["2"] + [
+        "--model-parallel-size", "2", "--sequence-parallel", "--DDP-impl", "torch"],))
     assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
     assert _relative(results[0]["valid"], reference["valid"]) <= TOLERANCE
     _check_tied_copies(results, forwards=3 * 8 * 2)
