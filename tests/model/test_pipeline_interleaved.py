@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from megatron.checkpoint.reshard import SavedCheckpoint
 from megatron.spawn import run_distributed
 from tests.checkpoint.test_reshard import _with
 from tests.helpers import set_tracker
@@ -98,6 +99,7 @@ def test_pp4_v2_megatron_equals_single_process_and_loads_at_pp1_and_pp2(referenc
     assert [_layers_of(r) for r in results] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     _assert_equals_reference(results, reference)
     _check_tied_copies(results, stages=4, forwards=3 * 8 * 2)   # 3 steps x 8 micro-batches x 2 chunks on stage 0
+    assert SavedCheckpoint(save, "iter_0000002").describe() == "mp1 x pp4 x v2 (megatron)"
     saved = _saved_weights(os.path.join(save, "iter_0000002"))
     set_tracker(save, 2)
     for world_size, extra in ((1, []), (2, ["--pipeline-model-parallel-size", "2"])):
