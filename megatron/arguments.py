@@ -173,6 +173,10 @@ def _add_distributed_args(parser):
                        type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", "--pipe-parallel-size", dest="pipeline_model_parallel_size",
                        type=int, default=1, help="pipeline stages (layers split evenly; 1F1B schedule)")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="interleaved 1F1B (Megatron-LM's): each stage holds L / (P x this) model chunks of this "
+                            "many layers, chunk c of stage r layers [(c P + r) n, (c P + r + 1) n); the micro-batches "
+                            "per step must be a multiple of P; bubble (P - 1) / (v M) instead of (P - 1) / M")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Megatron-LM's sequence parallelism (needs --model-parallel-size > 1): LayerNorm, dropout "
                             "and residual activations split along the sequence across the tensor-parallel group, "
@@ -291,8 +295,8 @@ def _check_torch_compile_toolchain(args, parser):
 POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
                   "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
-                  "pipeline_model_parallel_size", "checkpoint_num_layers", "recompute_num_layers", "loss_scale_window",
-                  "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
+                  "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "checkpoint_num_layers",
+                  "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
 NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
                       "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
@@ -370,6 +374,7 @@ def validate_args(args, parser):
     # the Megatron flags; the two agree by construction (the JSON's batch sizes replaced the flags above).
     args.num_micro_batches = (args.zero_config.gradient_accumulation_steps if args.zero_config is not None
                               else args.global_batch_size // per_step)
+    _resolve_virtual_pipeline(args, parser)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
@@ -422,6 +427,31 @@ def _resolve_recompute_args(args, parser):
                          f"pipeline stage ({args.num_layers} / {args.pipeline_model_parallel_size} = {per_stage})")
     if args.recompute_granularity == "selective" and args.torch_compile:
         parser.error("--recompute-granularity selective recomputes the eager attention core: drop --torch-compile")
+
+
+def _resolve_virtual_pipeline(args, parser):
+    """--num-layers-per-virtual-pipeline-stage n with Megatron-LM's rules and words; sets
+    args.virtual_pipeline_model_parallel_size = L / P / n (None without the flag, or when it is 1: plain 1F1B)."""
+    args.virtual_pipeline_model_parallel_size = None
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        parser.error("when interleaved schedule is used, pipeline-model-parallel size should be greater than 1")
+    if (args.num_layers // pp) % per_chunk:
+        parser.error(f"number of layers is not divisible by number of layers per virtual pipeline stage: "
+                     f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = "
+                     f"{args.num_layers // pp} layers per stage, --num-layers-per-virtual-pipeline-stage {per_chunk}")
+    chunks = args.num_layers // pp // per_chunk
+    if chunks == 1:
+        return
+    from megatron.pipeline.schedules import interleaving_error
+    error = interleaving_error(args.num_micro_batches, pp)
+    if error:
+        parser.error(f"{error} (micro-batches per step: --global-batch-size / (--batch-size x data-parallel size), "
+                     f"or gradient_accumulation_steps under --deepspeed)")
+    args.virtual_pipeline_model_parallel_size = chunks
 
 
 def _check_pipeline_combinations(args, parser):

@@ -54,7 +54,8 @@ def _initialize_distributed(args):
     args.rank = dist.get_rank()
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,
-                                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
+                                      timeout=timedelta(minutes=args.distributed_timeout_minutes),
+                                      virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
 
 
 def restart_attempt_store(timeout):

@@ -155,11 +155,12 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
     word embedding across the first and last pipeline stage), update the fp32 master grads and clip. Returns the
     global gradient norm after the last micro-batch, else None. Pipelining (megatron.pipeline.schedules): before the last
     stage `loss` is the stage's output and `output_grad` the gradient the next stage sent (already scaled);
-    `after_backward()` sends this stage's input gradient back, before any reduction. `num_micro_batches`: the
-    step's (default --global-batch-size's, args.num_micro_batches)."""
+    `after_backward()` sends this stage's input gradient back, before any reduction. Interleaved, a micro-batch
+    has one backward per model chunk: the step's first and last are schedules.backward_position's.
+    `num_micro_batches`: the step's (default --global-batch-size's, args.num_micro_batches)."""
     args, timers = get_args(), get_timers()
     num_micro_batches = num_micro_batches or args.num_micro_batches
-    last = micro_batch_index == num_micro_batches - 1
+    first, last = schedules.backward_position(micro_batch_index, num_micro_batches)
 
     def before_reduce():
         if after_backward is not None:
@@ -170,7 +171,7 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
         model.backward(loss, output_grad, before_reduce)  # scales, accumulates, reduces (at the boundary)
         timers("allreduce").reset()
         return None
-    if micro_batch_index == 0:
+    if first:
         optimizer.zero_grad()
     if output_grad is not None:
         torch.autograd.backward(loss, output_grad)
@@ -258,7 +259,7 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
         norms.append(backward_step(optimizer, model, output, micro_batch_index, output_grad, after_backward,
                                    num_micro_batches))
         timers("backward").stop()
-        if engine_step is not None:
+        if engine_step is not None and schedules.finishes_micro_batch():   # one engine micro-step a micro-batch
             engine_step()
     # with sequence parallelism a stage passes on its rank's sequence slice (Megatron-LM's tensor_shape too)
     seq = args.seq_length // (args.model_parallel_size if args.sequence_parallel else 1)
@@ -332,7 +333,8 @@ def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, chec
 def _flops_per_iteration(args):
     return args.global_batch_size * args.seq_length * flops_per_token(
         args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size,
-        recompute=recompute_config_from_args(args), num_stages=args.pipeline_model_parallel_size,
+        recompute=recompute_config_from_args(args),   # block recomputation: the first layers of each model chunk
+        num_stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
         ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu)
 

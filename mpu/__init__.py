@@ -9,7 +9,9 @@ from .initialize import (destroy_model_parallel, get_data_parallel_group, get_da
                          model_parallel_is_initialized)
 from .initialize import (get_embedding_group, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
                          get_pipeline_model_parallel_ranks, get_pipeline_model_parallel_world_size,
-                         is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group)
+                         get_virtual_pipeline_model_parallel_rank, get_virtual_pipeline_model_parallel_world_size,
+                         is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group,
+                         set_virtual_pipeline_model_parallel_rank)
 from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear, VocabParallelEmbedding
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
@@ -22,6 +24,6 @@ from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual
 from .recompute import RecomputeConfig
 from .rotary import apply_rotary, rotary_tables
 from .transformer import (GPT2_ARCHITECTURE, Architecture, ParallelMLP, ParallelSelfAttention, ParallelTransformer,
-                          ParallelTransformerLayer, init_method_normal, scaled_init_method_normal)
+                          ParallelTransformerLayer, init_method_normal, pipeline_layer_ranges, scaled_init_method_normal)
 from .utils import (device_is_set, divide, full_numel, full_shape, get_backend, get_device, init_distributed, set_device,
                     split_tensor_along_last_dim, VocabUtility)

@@ -19,6 +19,11 @@ Example, 16 ranks at model-parallel size 2, pipeline size 4 (dp = 2):
     rank 9: model-parallel rank 1, data-parallel rank 0, pipeline rank (stage) 2
 
 `get_model_parallel_*` always means tensor parallel (the split of each layer); the pipeline has its own getters.
+
+Interleaved pipeline (Megatron-LM's virtual pipeline, `virtual_pipeline_model_parallel_size` v > 1): each stage
+holds v model chunks; the schedule sets the chunk running now with `set_virtual_pipeline_model_parallel_rank`, and
+`is_pipeline_first_stage()` / `is_pipeline_last_stage()` then mean the first chunk of stage 0 / the last chunk of
+stage P - 1 (`ignore_virtual=True`: the physical stage), as in Megatron-LM's parallel_state.
 """
 import torch.distributed as dist
 
@@ -28,17 +33,21 @@ _PIPELINE_GROUP = None
 _PIPELINE_RANKS = None       # global ranks of this rank's pipeline, stage order
 _EMBEDDING_GROUP = None
 _EMBEDDING_RANKS = None
+_VIRTUAL_PIPELINE_WORLD_SIZE = None   # model chunks per stage with the interleaved schedule; None: not interleaved
+_VIRTUAL_PIPELINE_RANK = None         # the model chunk running now (set by the schedule)
 
 
-def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=1, timeout=None):
+def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=1, timeout=None,
+                              virtual_pipeline_model_parallel_size=None):
     """Build the groups for `model_parallel_size` (tensor parallel) x `pipeline_model_parallel_size`;
     torch.distributed must already be initialized. `timeout` (a timedelta; None = torch's default for new
-    groups, 30 min on gloo) bounds each collective on these groups.
+    groups, 30 min on gloo) bounds each collective on these groups. `virtual_pipeline_model_parallel_size`:
+    model chunks per stage for the interleaved schedule (None or 1: one chunk, not interleaved).
 
     Every rank must call this (new_group is collective), in the same order.
     """
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
-    global _EMBEDDING_GROUP, _EMBEDDING_RANKS
+    global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     assert dist.is_initialized(), "torch.distributed must be initialized before mpu.initialize_model_parallel"
     assert _MODEL_PARALLEL_GROUP is None, "model parallel groups are already initialized"
     world_size = dist.get_world_size()
@@ -48,6 +57,10 @@ def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=
     if pp < 1 or world_size % (mp * pp) != 0:
         raise ValueError(f"world size ({world_size}) is not divisible by pipeline size ({pp}) x model-parallel "
                          f"size ({mp}) = {mp * pp}")
+    if virtual_pipeline_model_parallel_size not in (None, 1):
+        if pp == 1:
+            raise ValueError("when interleaved schedule is used, pipeline-model-parallel size should be greater than 1")
+        _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK = virtual_pipeline_model_parallel_size, 0
     rank = dist.get_rank()
     stage_size = world_size // pp          # ranks per pipeline stage: dp x mp
     for start in range(0, world_size, mp):
@@ -131,12 +144,35 @@ def get_pipeline_model_parallel_ranks():
     return list(_PIPELINE_RANKS)
 
 
-def is_pipeline_first_stage():
+def is_pipeline_first_stage(ignore_virtual=False):
+    """Stage 0 (interleaved, unless ignore_virtual: and its first model chunk is the one running)."""
+    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None and _VIRTUAL_PIPELINE_RANK != 0:
+        return False
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage():
+def is_pipeline_last_stage(ignore_virtual=False):
+    """Stage P - 1 (interleaved, unless ignore_virtual: and its last model chunk is the one running)."""
+    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None and \
+            _VIRTUAL_PIPELINE_RANK != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
+        return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_virtual_pipeline_model_parallel_world_size():
+    """Model chunks per stage with the interleaved schedule; None when not interleaved (Megatron-LM's)."""
+    return _VIRTUAL_PIPELINE_WORLD_SIZE
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    """The model chunk running now (0 between schedules); None when not interleaved."""
+    return _VIRTUAL_PIPELINE_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    """Set by the interleaved schedule before each forward and backward of model chunk `rank`."""
+    global _VIRTUAL_PIPELINE_RANK
+    _VIRTUAL_PIPELINE_RANK = rank
 
 
 def get_embedding_group():
@@ -153,8 +189,9 @@ def is_rank_in_embedding_group():
 def destroy_model_parallel():
     """Forget the groups (the process groups themselves die with torch.distributed)."""
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
-    global _EMBEDDING_GROUP, _EMBEDDING_RANKS
+    global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     _MODEL_PARALLEL_GROUP = None
     _DATA_PARALLEL_GROUP = None
     _PIPELINE_GROUP = _PIPELINE_RANKS = None
     _EMBEDDING_GROUP = _EMBEDDING_RANKS = None
+    _VIRTUAL_PIPELINE_WORLD_SIZE = _VIRTUAL_PIPELINE_RANK = None

@@ -405,14 +405,31 @@ def skip_init_draws(shapes, device):
         scratch[:math.prod(shape)].view(shape).normal_()
 
 
+def pipeline_layer_ranges(num_layers, num_stages, stage, num_chunks=1):
+    """[(start, end)] global layer numbers of each model chunk of pipeline stage `stage` (Megatron-LM's
+    get_num_layers and offset): chunk c of stage r holds the (c P + r)-th slice of L / (P v) layers, so the model
+    runs stage 0, 1, ..., P - 1 on chunk 0, then again on chunk 1, ... Example, L = 8, P = 2, v = 2:
+
+        stage 0: chunk 0 layers 0-1, chunk 1 layers 4-5
+        stage 1: chunk 0 layers 2-3, chunk 1 layers 6-7          (v = 1: stage 0 layers 0-3, stage 1 layers 4-7)
+    """
+    if num_layers % (num_stages * num_chunks):
+        raise ValueError(f"num_layers ({num_layers}) is not divisible by the pipeline size ({num_stages}) x model "
+                         f"chunks per stage ({num_chunks})")
+    per_chunk = num_layers // (num_stages * num_chunks)
+    return [((chunk * num_stages + stage) * per_chunk, (chunk * num_stages + stage + 1) * per_chunk)
+            for chunk in range(num_chunks)]
+
+
 class _StageLayers(nn.ModuleList):
     """A pipeline stage's layers, registered under their global numbers (`layers.6...` on the stage holding
-    layers 6-11), so that state-dict and parameter names are those of the whole model. Indexed locally."""
+    layers 6-11; `layers.{2,3,6,7}` on stage 1 of an interleaved pipeline), so that state-dict and parameter names
+    are those of the whole model. Indexed locally."""
 
-    def __init__(self, layers, first_layer):
+    def __init__(self, layers, numbers):
         super().__init__()
-        for index, layer in enumerate(layers):
-            self.add_module(str(first_layer + index), layer)
+        for number, layer in zip(numbers, layers, strict=True):
+            self.add_module(str(number), layer)
 
     def __getitem__(self, index):
         return list(self._modules.values())[index]
@@ -425,13 +442,15 @@ class ParallelTransformer(nn.Module):
     group keeps only its input. `checkpoint_activations` / `checkpoint_num_layers` are the older spelling of full
     uniform recomputation (pass one or the other); `model.checkpoint_activations = on` still switches it.
 
-    A pipeline stage passes `layer_range=(start, end)` (global layer numbers; None = all L) and
-    `final_layernorm=False` unless it is the last stage. Only the stage's layers are built; the other layers'
-    draws are made into a scratch buffer and dropped (skip_init_draws), so the default generator runs exactly as
-    for the whole model: each stage's weights equal the single-stage model's bitwise, and the generator ends
-    where the whole model leaves it (LoRA's masters and dropout come after). Memory: the stage's layers and one
-    layer-sized scratch; time: the whole model's draws. Recomputation groups are the stage's own (block: the first
-    num_layers layers of each stage, as Megatron-LM).
+    A pipeline stage passes `layer_ranges=[(start, end), ...]` (global layer numbers of each of its model chunks,
+    pipeline_layer_ranges; None = all L in one chunk) and `final_layernorm=False` unless it is the last stage.
+    Only the stage's layers are built; the other layers' draws are made into a scratch buffer and dropped
+    (skip_init_draws), so the default generator runs exactly as for the whole model: each stage's weights equal
+    the single-stage model's bitwise, and the generator ends where the whole model leaves it (LoRA's masters and
+    dropout come after). Memory: the stage's layers and one layer-sized scratch; time: the whole model's draws.
+    forward(..., chunk=c) runs model chunk c (the interleaved schedule's); the final LayerNorm follows the last
+    chunk only. Recomputation groups are each chunk's own (block: the first num_layers layers of each chunk, as
+    Megatron-LM).
 
     `fused=True`: every layer's forward runs mpu/fused.py's compiled pieces (--torch-compile); selective
     recomputation needs the eager attention (refused with fused).
@@ -443,7 +462,7 @@ class ParallelTransformer(nn.Module):
 
     def __init__(self, num_layers, hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
                  checkpoint_activations=False, checkpoint_num_layers=1, layernorm_epsilon=1e-5,
-                 init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_range=None,
+                 init_method_std=0.02, checkpoint_function=None, rng_tracker=None, layer_ranges=None,
                  final_layernorm=True, fused=False, recompute=None, architecture=GPT2_ARCHITECTURE,
                  sequence_parallel=False):
         super().__init__()
@@ -457,17 +476,27 @@ class ParallelTransformer(nn.Module):
         rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         init_method = init_method_normal(init_method_std)
         output_layer_init_method = scaled_init_method_normal(init_method_std, num_layers)
-        start, end = layer_range if layer_range is not None else (0, num_layers)
-        self.num_layers, self.first_layer = num_layers, start
+        layer_ranges = list(layer_ranges) if layer_ranges is not None else [(0, num_layers)]
+        self.num_layers = num_layers
+        self.numbers = [number for start, end in layer_ranges for number in range(start, end)]
+        local = [0]
+        for start, end in layer_ranges:
+            local.append(local[-1] + end - start)
+        self.chunk_bounds = list(zip(local[:-1], local[1:]))   # [(first, end)] local indices of each model chunk
         device = get_device()
         shapes = layer_init_shapes(hidden_size, num_attention_heads, architecture)
-        skip_init_draws(shapes * start, device)               # the layers before
-        kept = [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob, output_dropout_prob,
-                                         layernorm_epsilon, init_method, output_layer_init_method, rng_tracker, fused,
-                                         architecture, sequence_parallel)
-                for _ in range(start, end)]
-        skip_init_draws(shapes * (num_layers - end), device)  # the layers after
-        self.layers = nn.ModuleList(kept) if (start, end) == (0, num_layers) else _StageLayers(kept, start)
+        kept, drawn = [], 0
+        for start, end in layer_ranges:
+            skip_init_draws(shapes * (start - drawn), device)  # the layers before this chunk
+            kept += [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
+                                              output_dropout_prob, layernorm_epsilon, init_method,
+                                              output_layer_init_method, rng_tracker, fused, architecture,
+                                              sequence_parallel)
+                     for _ in range(start, end)]
+            drawn = end
+        skip_init_draws(shapes * (num_layers - drawn), device)  # the layers after
+        self.layers = nn.ModuleList(kept) if self.numbers == list(range(num_layers)) else \
+            _StageLayers(kept, self.numbers)
         self.final_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device) \
             if final_layernorm else None
         self.recompute = recompute if recompute is not None else \
@@ -498,7 +527,7 @@ class ParallelTransformer(nn.Module):
 
     def numbered_layers(self):
         """[(global layer number, layer)] of this stage's layers."""
-        return [(self.first_layer + index, layer) for index, layer in enumerate(self.layers)]
+        return list(zip(self.numbers, self.layers))
 
     def set_activation_checkpointing(self, checkpoint_function, rng_tracker):
         """Use another checkpoint function and dropout RNG tracker (a pair: recomputation must replay the
@@ -522,28 +551,30 @@ class ParallelTransformer(nn.Module):
         return InferenceCache(len(self.layers), capacity)
 
     def forward(self, hidden_states, attention_mask=None, inference_cache=None, rotary=None,
-                sequence_parallel=None):
+                sequence_parallel=None, chunk=0):
         """inference_cache: an InferenceCache (see new_inference_cache) to decode incrementally; never
         checkpointed. rotary: the (cos, sin) tables of the whole sequence's positions (mpu.rotary.rotary_tables),
         or None (attention runs on whole sequences, also with sequence parallelism). hidden_states and the result:
         [b, s, h], or this rank's sequence slice [b, s/p, h] with sequence_parallel (not while decoding).
         sequence_parallel: whether this call runs sequence-parallel (None: the stack's setting, except while
-        decoding; False: whole sequences, e.g. a length the model-parallel size does not divide)."""
+        decoding; False: whole sequences, e.g. a length the model-parallel size does not divide). chunk: the model
+        chunk to run (interleaved pipeline; 0 otherwise)."""
         if sequence_parallel is None:
             sequence_parallel = self.sequence_parallel and inference_cache is None
+        first, end = self.chunk_bounds[chunk]
         if inference_cache is not None:
             for layer, layer_past in zip(self.layers, inference_cache.layers, strict=True):
                 hidden_states = layer(hidden_states, attention_mask, layer_past, rotary,
                                       sequence_parallel=sequence_parallel)
         elif self._recompute.full and self.training:
             mask_args = () if attention_mask is None else (attention_mask,)
-            for start, end, checkpointed in self._recompute.layer_chunks(len(self.layers)):
-                run = self._chunk(start, end, rotary, sequence_parallel)
+            for start, stop, checkpointed in self._recompute.layer_chunks(end - first):
+                run = self._chunk(first + start, first + stop, rotary, sequence_parallel)
                 hidden_states = self.checkpoint_function(run, hidden_states, *mask_args) if checkpointed else \
                     run(hidden_states, *mask_args)
         else:
-            for layer in self.layers:
+            for layer in self.layers[first:end]:
                 hidden_states = layer(hidden_states, attention_mask, rotary=rotary, sequence_parallel=sequence_parallel)
-        if self.final_layernorm is None:
+        if self.final_layernorm is None or chunk != len(self.chunk_bounds) - 1:
             return hidden_states
         return self.final_layernorm(hidden_states, sequence_parallel=sequence_parallel)

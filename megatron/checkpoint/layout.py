@@ -86,6 +86,8 @@ CONSUMED_VALID_SAMPLES = "consumed_valid_samples"
 SKIPPED_ITERATIONS = "skipped_iterations"
 MODEL_SHAPE = "model_shape"           # MODEL_SHAPE_FIELDS, plus "vocab_size" (the real, unpadded vocabulary)
                                       # and "layernorm_epsilon"
+VIRTUAL_PIPELINE_SIZE = "virtual_pipeline_model_parallel_size"   # in MODEL_SHAPE: model chunks per stage (absent: 1);
+                                      # which layers each stage's file holds (mpu.pipeline_layer_ranges)
 PARAM_NAMES = "param_names"           # per optimizer param group, the parameter names in the group's order
 # Fields of MODEL_SHAPE, compared with the loading model's on load at the saving topology.
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "model_parallel_size")

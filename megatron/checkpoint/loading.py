@@ -19,7 +19,7 @@ from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import atomic_io, reshard, reshard_load
 from megatron.checkpoint import layout as ckpt
 from megatron.checkpoint.rng import set_rng_state
-from megatron.checkpoint.saving import is_zero_engine, iterations_saved, model_shape, rank_file
+from megatron.checkpoint.saving import is_zero_engine, iterations_saved, model_chunks, model_shape, rank_file
 from megatron.train_state import TrainState
 
 
@@ -118,7 +118,9 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, rel
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)
     same_padding = config is None or saved.padded_vocab_size() == config.vocab_size
-    same_pipeline = saved.pipeline_model_parallel_size == mpu.get_pipeline_model_parallel_world_size()
+    # the same stages holding the same layers (an interleaved stage holds other layers than a plain one)
+    same_pipeline = saved.pipeline_model_parallel_size == mpu.get_pipeline_model_parallel_world_size() and \
+        saved.model_shape.get(ckpt.VIRTUAL_PIPELINE_SIZE, 1) == model_chunks(model)
     if saved.path == ("zero" if zero else "megatron") and \
             saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding and same_pipeline:
         if zero:

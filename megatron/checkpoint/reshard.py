@@ -187,13 +187,14 @@ class SavedCheckpoint:
         raise ckpt.CheckpointError(f"{self.directory}: model-parallel rank {mp_rank} has no parameter {name}")
 
     def describe(self):
+        """'mp2 x pp4 x v2 (megatron)', 'mp1 x pp2 x dp1 (zero-1)': the saving topology (v: model chunks a stage)."""
+        stages = f" x pp{self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
+        chunks = self.model_shape.get(ckpt.VIRTUAL_PIPELINE_SIZE, 1)
+        stages += f" x v{chunks}" if chunks > 1 else ""
         if self.path == "zero":
-            stages = f" x pp{self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
             saved_dp = self.files[0].get(deepspeed_format.DP_WORLD_SIZE, self.data_parallel_size)
             return f"mp{self.model_parallel_size}{stages} x dp{saved_dp} (zero-{self.zero_stage})"
-        if self.pipeline_model_parallel_size > 1:
-            return f"mp{self.model_parallel_size} x pp{self.pipeline_model_parallel_size} (megatron)"
-        return f"mp{self.model_parallel_size} (megatron)"
+        return f"mp{self.model_parallel_size}{stages} (megatron)"
 
     def padded_vocab_size(self):
         weights = self.weights_of[0]

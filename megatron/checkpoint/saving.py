@@ -37,10 +37,17 @@ def model_shape(model):
     config = getattr(unwrap_model(model), "config", None)
     if config is None:
         return None
-    return ckpt.model_shape_record(config.num_layers, config.hidden_size, config.num_attention_heads,
-                                   config.vocab_size, mpu.get_model_parallel_world_size(), config.real_vocab_size,
-                                   config.layernorm_epsilon, getattr(config, "lora", None),
-                                   ckpt.architecture_record(config), config.max_sequence_length)
+    shape = ckpt.model_shape_record(config.num_layers, config.hidden_size, config.num_attention_heads,
+                                    config.vocab_size, mpu.get_model_parallel_world_size(), config.real_vocab_size,
+                                    config.layernorm_epsilon, getattr(config, "lora", None),
+                                    ckpt.architecture_record(config), config.max_sequence_length)
+    shape[ckpt.VIRTUAL_PIPELINE_SIZE] = model_chunks(model)
+    return shape
+
+
+def model_chunks(model):
+    """Model chunks per pipeline stage (interleaved pipeline; 1 otherwise)."""
+    return getattr(unwrap_model(model), "num_chunks", 1)
 
 
 def optimizer_param_names(module, optimizer):

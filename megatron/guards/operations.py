@@ -214,8 +214,10 @@ def model_state_estimate(counts, args, module=None):
 
 def activation_estimate(args):
     """memory.activation_bytes for this rank: its pipeline stage's layers, the micro-batches 1F1B keeps in flight
-    there (min(P - stage, micro-batches)), the run's recompute flags and its layout (device, precision, dropouts,
+    there (min(P - stage, micro-batches); interleaved: chunk forwards of one chunk's layers,
+    schedules.forwards_in_flight), the run's recompute flags and its layout (device, precision, dropouts,
     zero.checkpointing's partitioned checkpoints). Bytes, and a description of the setting."""
+    from megatron.pipeline.schedules import forwards_in_flight
     from megatron.zero import checkpointing
     recompute = mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
     stages, stage = args.pipeline_model_parallel_size, mpu.get_pipeline_model_parallel_rank()
@@ -224,12 +226,14 @@ def activation_estimate(args):
     layout = memory.ActivationLayout.for_run(mpu.get_device().type, 4 if args.params_dtype == "float32" else 2,
                                              args.attention_dropout, args.hidden_dropout, partition,
                                              args.sequence_parallel)
-    in_flight = min(stages - stage, args.num_micro_batches) if stages > 1 else 1
-    total = memory.activation_bytes(args.num_layers // stages, args.seq_length, args.batch_size, args.hidden_size,
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    layers = args.num_layers // stages // chunks           # a model chunk's (the stage's without interleaving)
+    in_flight = forwards_in_flight(stages, stage, args.num_micro_batches, chunks)
+    total = memory.activation_bytes(layers, args.seq_length, args.batch_size, args.hidden_size,
                                     args.num_attention_heads, args.model_parallel_size, recompute, layout, in_flight)
-    setting = (f"micro batch {args.batch_size} x {in_flight} in flight, {args.num_layers // stages} layers, "
-               f"recompute {recompute.describe()}")
-    return total, setting
+    held = f"{in_flight} in flight, {layers} layers" if chunks == 1 else \
+        f"{in_flight} chunk forwards in flight, {layers} layers a chunk"
+    return total, f"micro batch {args.batch_size} x {held}, recompute {recompute.describe()}"
 
 
 def measured_model_state(model, optimizer, args):

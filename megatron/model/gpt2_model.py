@@ -24,6 +24,14 @@ weights are bitwise the single-stage model's of the same seed. Names stay the si
     P = 2, L = 4:  stage 0: word_embeddings, position_embeddings, transformer.layers.{0,1}
                    stage 1: transformer.layers.{2,3}, transformer.final_layernorm, word_embeddings (LM head)
 
+Interleaved pipeline (v model chunks per stage, mpu's virtual pipeline size; Megatron-LM's
+--num-layers-per-virtual-pipeline-stage): one module per stage still, holding its v chunks' layers under their
+global numbers (mpu.pipeline_layer_ranges); forward runs the chunk mpu.get_virtual_pipeline_model_parallel_rank()
+names (the schedule sets it): the embeddings before chunk 0 of stage 0, the head after chunk v - 1 of stage P - 1.
+
+    P = 2, v = 2, L = 4:  stage 0: embeddings, transformer.layers.{0,2}
+                          stage 1: transformer.layers.{1,3}, final LayerNorm, LM-head copy
+
 Llama-family options (docs/models.md; Megatron-DeepSpeed's flags): rotary embeddings instead of (or besides) the
 learned position table, SwiGLU, RMSNorm, grouped-query attention, no biases, another MLP width, and an untied output
 layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embedding; on the last stage only).
@@ -212,6 +220,7 @@ class GPT2Model(nn.Module):
         stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
         if config.num_layers % stages:
             raise ValueError(f"num_layers ({config.num_layers}) is not divisible by the pipeline size ({stages})")
+        self.num_chunks = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
         self.pre_process, self.post_process = stage == 0, stage == stages - 1
         self.input_tensor = None
         # A stage builds only what it holds; what it does not hold it still draws, into a scratch buffer, in the
@@ -235,7 +244,6 @@ class GPT2Model(nn.Module):
         if self.word_embeddings is not None and stages > 1 and config.tied_head:
             self.word_embeddings.weight.pipeline_tied = True
             self.word_embeddings.weight.shared = not self.pre_process   # the LM-head copy: not counted twice
-        per_stage = config.num_layers // stages
         checkpoint_function, rng_tracker = activation_checkpointing_pair()
         self.transformer = mpu.ParallelTransformer(
             config.num_layers, config.hidden_size, config.num_attention_heads, config.attention_dropout,
@@ -243,7 +251,8 @@ class GPT2Model(nn.Module):
             checkpoint_num_layers=config.checkpoint_num_layers, recompute=config.recompute,
             layernorm_epsilon=config.layernorm_epsilon,
             init_method_std=config.init_method_std, checkpoint_function=checkpoint_function,
-            rng_tracker=rng_tracker, layer_range=(stage * per_stage, (stage + 1) * per_stage),
+            rng_tracker=rng_tracker,
+            layer_ranges=mpu.pipeline_layer_ranges(config.num_layers, stages, stage, self.num_chunks),
             final_layernorm=self.post_process, fused=config.fused_compute, architecture=config.architecture,
             sequence_parallel=config.sequence_parallel)
         self.output_layer = None
@@ -301,11 +310,14 @@ class GPT2Model(nn.Module):
         if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
             raise RuntimeError("logits and generation need the whole model on one stage: run with "
                                "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        chunk = mpu.get_virtual_pipeline_model_parallel_rank() or 0         # interleaved: the chunk to run
+        pre_process = self.pre_process and chunk == 0                      # this chunk embeds the tokens
+        post_process = self.post_process and chunk == self.num_chunks - 1  # this chunk ends in the head
         # sequence parallelism for this call: not while decoding, nor for a length the model-parallel size does not
         # divide (an evaluation window's tail: the same weights on whole sequences); a later stage gets slices
         sequence_parallel = self.config.sequence_parallel and inference_cache is None and (
-            not self.pre_process or input_ids.size(1) % mpu.get_model_parallel_world_size() == 0)
-        if position_ids is None and (self.pre_process or self.config.rotary):
+            not pre_process or input_ids.size(1) % mpu.get_model_parallel_world_size() == 0)
+        if position_ids is None and (pre_process or self.config.rotary):
             # the whole sequence's positions (attention, and so rotary, runs on whole sequences); a later stage's
             # input is [b, s/p, h] with sequence parallelism
             if input_ids is not None:
@@ -318,7 +330,7 @@ class GPT2Model(nn.Module):
             start = inference_cache.sequence_length if inference_cache is not None else 0
             position_ids = torch.arange(start, start + length, device=device)
             position_ids = position_ids.unsqueeze(0).expand(batch, length)
-        if self.pre_process:
+        if pre_process:
             hidden = self.word_embeddings(input_ids)                          # [b, s, h]
             if self.position_embeddings is not None:
                 hidden = hidden + self.position_embeddings(position_ids)      # [b, s, h]
@@ -335,8 +347,8 @@ class GPT2Model(nn.Module):
             rotary = mpu.rotary_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
                                        self.config.rotary_theta, hidden.dtype)
         hidden = self.transformer(hidden, attention_mask, inference_cache=inference_cache, rotary=rotary,
-                                  sequence_parallel=sequence_parallel)               # [b, s, h] or [b, s/p, h]
-        if not self.post_process:
+                                  sequence_parallel=sequence_parallel, chunk=chunk)  # [b, s, h] or [b, s/p, h]
+        if not post_process:
             return hidden
         if self.score is not None:
             if labels is not None or inference_cache is not None:

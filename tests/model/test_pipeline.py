@@ -233,11 +233,27 @@ def test_pp2_resume_is_exact_with_dropout(tmp_path):
     (["--pipeline-model-parallel-size", "2", "--deepspeed"], 2,
      "ZeRO stage 2 cannot be combined with --pipeline-model-parallel-size 2: pipeline parallelism allows ZeRO "
      "stages 0 and 1 only"),
+    # interleaving (--num-layers-per-virtual-pipeline-stage), Megatron-LM's words
+    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     "when interleaved schedule is used, pipeline-model-parallel size should be greater than 1"),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"], 2,
+     "number of layers is not divisible by number of layers per virtual pipeline stage: --num-layers (6) / "
+     "--pipeline-model-parallel-size (2) = 3 layers per stage, --num-layers-per-virtual-pipeline-stage 2"),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--batch-size", "2", "--global-batch-size", "12"], 4,
+     "number of microbatches (6) is not divisible by pipeline-model-parallel-size (4) when using interleaved "
+     "schedule"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--deepspeed"], 2,    # the JSON's gradient_accumulation_steps (3) is the micro-batch count
+     "number of microbatches (3) is not divisible by pipeline-model-parallel-size (2)"),
+    (["--num-layers-per-virtual-pipeline-stage", "0"], 1, "--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_bad_pipeline_flags_exit_2(tmp_path, monkeypatch, capsys, flags, world_size, message):
     from megatron.arguments import parse_args
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    stage = 1 if "--num-layers-per-virtual-pipeline-stage" in flags else 2
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                                  "zero_optimization": {"stage": stage}}))
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     if "--deepspeed" in flags:
         flags = flags + ["--deepspeed_config", str(config)]

@@ -17,8 +17,9 @@ SEED = 1234
 LAYER_NUMEL = 12 * HIDDEN ** 2 + 13 * HIDDEN    # 2 LayerNorms 4h, q/k/v 3h^2 + 3h, dense + h->4h + 4h->h 9h^2 + 6h
 
 
-def _build(config, stages=1, stage=0):
-    """(model, elements of every parameter registered while building, the default generator's state after)."""
+def _build(config, stages=1, stage=0, chunks=None):
+    """(model, elements of every parameter registered while building, the default generator's state after);
+    `chunks`: model chunks per stage (interleaved)."""
     import mpu
     from megatron.model import GPT2Model
     built = [0]
@@ -29,7 +30,8 @@ def _build(config, stages=1, stage=0):
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(count)
     try:
         with mock.patch.object(mpu, "get_pipeline_model_parallel_world_size", lambda: stages), \
-                mock.patch.object(mpu, "get_pipeline_model_parallel_rank", lambda: stage):
+                mock.patch.object(mpu, "get_pipeline_model_parallel_rank", lambda: stage), \
+                mock.patch.object(mpu, "get_virtual_pipeline_model_parallel_world_size", lambda: chunks):
             model = GPT2Model(config)
     finally:
         handle.remove()
@@ -93,6 +95,35 @@ def test_each_stage_holds_only_its_slice_of_the_whole_model_bitwise(world_size, 
             if world_size == 1 and not lora:   # hand count: the layers, [V, h] and [max_seq, h] embeddings, 2h
                 embeddings = 64 * HIDDEN * (stage in (0, stages - 1)) + 16 * HIDDEN * (stage == 0)
                 assert found["numel"] == per_stage * LAYER_NUMEL + embeddings + 2 * HIDDEN * (stage == stages - 1)
+
+
+def _interleaved_stages_against_whole():
+    """P = 2, v = 2: each stage's layer numbers, state-dict layers, keys differing from the whole model's, whether
+    the generator ends elsewhere, and built vs held elements."""
+    from megatron.model import GPT2ModelConfig
+    config = GPT2ModelConfig(**CONFIG)
+    whole, _, whole_rng = _build(config)
+    reference = whole.state_dict()
+    found = []
+    for stage in range(2):
+        model, built, rng = _build(config, 2, stage, chunks=2)
+        state = model.state_dict()
+        found.append({"layers": [number for number, _ in model.transformer.numbered_layers()],
+                      "keys": sorted({int(k.split(".")[2]) for k in state if k.startswith("transformer.layers.")}),
+                      "differ": [k for k, v in state.items() if not torch.equal(v, reference[k])],
+                      "rng_differs": not torch.equal(rng, whole_rng),
+                      "built_minus_held": built - sum(p.numel() for p in model.parameters())})
+    return found
+
+
+def test_interleaved_stage_holds_its_chunks_layers_of_the_whole_model_bitwise():
+    """P = 2, v = 2, L = 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3 (chunk c of stage r: layer
+    c P + r), each bitwise the whole model's (the draws of the layers between chunks skipped), the generator ending
+    where the whole model's does."""
+    found = run_distributed(_interleaved_stages_against_whole, 1, model_parallel_size=1)[0]
+    for stage, layers in ((0, [0, 2]), (1, [1, 3])):
+        assert found[stage] == {"layers": layers, "keys": layers, "differ": [], "rng_differs": False,
+                                "built_minus_held": 0}, stage
 
 
 def test_skip_init_draws_advances_the_generator_as_the_draws_would():

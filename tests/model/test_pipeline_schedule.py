@@ -1,10 +1,13 @@
 """The 1F1B schedule as data (no processes): per-stage order of forwards and backwards, the activation-memory
 bound, and that the stages' orders together run to completion with blocking sends and receives; then the executor
-itself on two gloo processes follows that order."""
+itself on two gloo processes follows that order. The same for the interleaved schedule (Megatron-LM's orders,
+warmup counts, chunk and micro-batch of each forward, layer-to-chunk assignment, bubble (P - 1) / (v M) in the
+simulation, and its executor on two processes)."""
 import pytest
 import torch
 
-from megatron.pipeline.schedules import num_warmup_micro_batches, pipeline_order
+from megatron.pipeline.schedules import (forwards_in_flight, interleaved_order, interleaving_error, micro_batch_id,
+                                       model_chunk_id, num_warmup_micro_batches, pipeline_order)
 
 
 def _expected(num_stages, stage, num_micro_batches):
@@ -135,3 +138,149 @@ def test_executor_runs_the_pure_order_on_two_processes():
     for stage, trace, num_losses in results:
         assert trace == pipeline_order(2, stage, 4)
         assert num_losses == (4 if stage == 1 else 0)
+
+
+# ---- interleaved 1F1B (v model chunks per stage) --------------------------------------------------------------
+
+def _chunked_text(order):
+    return [f"{kind}{index}.{chunk}" for kind, index, chunk in order]
+
+
+def test_interleaved_literal_orders_p2_v2():
+    """Megatron-LM's interleaved order written out (F1.0: forward of micro-batch 1 on chunk 0): groups of P
+    micro-batches per chunk, warmup 2 (P - s - 1) + (v - 1) P, all forwards first when M = P."""
+    assert _chunked_text(interleaved_order(2, 0, 4, 2)) == \
+        "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0".split()
+    assert _chunked_text(interleaved_order(2, 1, 4, 2)) == \
+        "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0".split()
+    for stage in (0, 1):
+        assert _chunked_text(interleaved_order(2, stage, 2, 2)) == "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0".split()
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches,warmups", [
+    (2, 4, [4, 2]), (2, 2, [4, 4]), (4, 8, [10, 8, 6, 4]), (4, 4, [8, 8, 8, 8]), (4, 16, [10, 8, 6, 4])])
+def test_interleaved_warmup_counts(num_stages, num_micro_batches, warmups):
+    assert [num_warmup_micro_batches(num_stages, s, num_micro_batches, 2) for s in range(num_stages)] == warmups
+
+
+@pytest.mark.parametrize("num_stages,num_chunks", [(2, 2), (4, 2), (2, 3)])
+def test_interleaved_micro_batch_and_chunk_of_each_forward(num_stages, num_chunks):
+    """Forward k: chunk (k mod Pv) div P, micro-batch (k div Pv) P + k mod P; backward k: the chunks reversed."""
+    group = num_stages * num_chunks
+    for k in range(3 * group):
+        assert micro_batch_id(k, num_stages, num_chunks) == k // group * num_stages + k % num_stages
+        assert model_chunk_id(k, num_stages, num_chunks, True) == k % group // num_stages
+        assert model_chunk_id(k, num_stages, num_chunks, False) == num_chunks - 1 - k % group // num_stages
+    assert [model_chunk_id(k, 4, 2, True) for k in range(10)] == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+    assert [micro_batch_id(k, 4, 2) for k in range(10)] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+
+
+def _simulate_interleaved(num_stages, num_micro_batches, num_chunks):
+    """_simulate on the ring: F(i, c) on stage 0 needs F(i, c - 1) on the last stage, B(i, c) on the last stage
+    needs B(i, c + 1) on stage 0. Returns the time steps taken (chunk forward = backward = 1 step)."""
+    orders = [interleaved_order(num_stages, s, num_micro_batches, num_chunks) for s in range(num_stages)]
+    done = [set() for _ in range(num_stages)]
+    position, steps, last = [0] * num_stages, 0, num_stages - 1
+    while any(position[s] < len(orders[s]) for s in range(num_stages)):
+        ready = []
+        for s in range(num_stages):
+            if position[s] == len(orders[s]):
+                continue
+            kind, i, c = orders[s][position[s]]
+            if kind == "F":
+                need = (s - 1, ("F", i, c)) if s > 0 else (last, ("F", i, c - 1)) if c > 0 else None
+            else:
+                need = (s + 1, ("B", i, c)) if s < last else (0, ("B", i, c + 1)) if c < num_chunks - 1 else None
+            if need is None or need[1] in done[need[0]]:
+                ready.append(s)
+        if not ready:
+            raise AssertionError(f"deadlock after {steps} steps at positions {position}")
+        for s in ready:
+            done[s].add(orders[s][position[s]])
+            position[s] += 1
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("num_stages,num_chunks,num_micro_batches", [
+    (2, 2, 2), (2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (2, 3, 4), (4, 3, 8)])
+def test_interleaved_orders_run_together_and_bubble(num_stages, num_chunks, num_micro_batches):
+    """Every chunk of every micro-batch forward once and backward once, backward after forward; the stages' orders
+    run together on the ring in 2 (v M + P - 1) chunk steps: bubble (P - 1) / (v M) of the 2 v M busy steps."""
+    P, v, M = num_stages, num_chunks, num_micro_batches
+    for stage in range(P):
+        order = interleaved_order(P, stage, M, v)
+        ops = [(i, c) for i in range(M) for c in range(v)]
+        assert sorted(order) == sorted([("F", i, c) for i, c in ops] + [("B", i, c) for i, c in ops])
+        assert all(order.index(("F", i, c)) < order.index(("B", i, c)) for i, c in ops)
+    assert _simulate_interleaved(P, M, v) == 2 * (v * M + P - 1)
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches", [(2, 4), (4, 8), (4, 16)])
+def test_interleaved_activation_memory_bound(num_stages, num_micro_batches):
+    """Stage s holds at most forwards_in_flight chunk forwards; on stage 0 that is Megatron-LM's
+    L (1 + (P - 1) / (P v)) layers' worth (chunks of L / (P v) layers), at v = 2."""
+    P, v, L = num_stages, 2, 8
+    for stage in range(P):
+        order = interleaved_order(P, stage, num_micro_batches, v)
+        assert _max_in_flight([op[:2] for op in order]) == forwards_in_flight(P, stage, num_micro_batches, v)
+    assert forwards_in_flight(P, 0, num_micro_batches, v) * L // (P * v) == L * (1 + (P - 1) / (P * v))
+
+
+def test_interleaving_error_is_megatron_lms():
+    assert interleaving_error(8, 4) is None
+    assert interleaving_error(6, 4) == ("number of microbatches (6) is not divisible by pipeline-model-parallel-size "
+                                        "(4) when using interleaved schedule")
+
+
+def test_layer_ranges_are_megatron_lms_assignment():
+    """Chunk c of stage r holds layers [(c P + r) n, (c P + r + 1) n), n = L / (P v)."""
+    from mpu import pipeline_layer_ranges
+    assert [pipeline_layer_ranges(8, 2, r, 2) for r in range(2)] == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    assert [pipeline_layer_ranges(8, 4, r, 2) for r in range(4)] == [[(0, 1), (4, 5)], [(1, 2), (5, 6)],
+                                                                     [(2, 3), (6, 7)], [(3, 4), (7, 8)]]
+    assert [pipeline_layer_ranges(12, 2, r, 3) for r in range(2)] == [[(0, 2), (4, 6), (8, 10)],
+                                                                      [(2, 4), (6, 8), (10, 12)]]
+    assert [pipeline_layer_ranges(8, 2, r) for r in range(2)] == [[(0, 4)], [(4, 8)]]     # v = 1: contiguous
+    with pytest.raises(ValueError, match=r"num_layers \(6\) is not divisible by the pipeline size \(2\) x model "
+                                         r"chunks per stage \(2\)"):
+        pipeline_layer_ranges(6, 2, 0, 2)
+
+
+def _executed_interleaved_orders(cases):
+    """The interleaved executor's own order on this stage of a 2-stage gloo pipeline with 2 chunks, for each M of
+    `cases`, and which micro-batch (by its data) each chunk's forward read."""
+    import mpu
+    from megatron.pipeline import p2p_communication, schedules
+    mpu.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    model, found = _Stage(), {}
+    for num_micro_batches in cases:
+        batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])
+        trace, read = [], []
+
+        def forward_step(iterator, module):
+            x = next(iterator)
+            read.append((mpu.get_virtual_pipeline_model_parallel_rank(), int(x[0, 0, 0])))
+            x = x if mpu.is_pipeline_first_stage() else module.input_tensor
+            out = module.linear(x)
+            return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
+
+        def backward(output, output_grad, index, after_backward):
+            torch.autograd.backward(output, output_grad)
+            after_backward()
+        spec = p2p_communication.TensorSpec((2, 3, 4), torch.float32, torch.device("cpu"))
+        losses = schedules.get_forward_backward_func()(forward_step, batches, model, backward, num_micro_batches,
+                                                       spec, trace=trace)
+        found[num_micro_batches] = (trace, read, len(losses))
+    return mpu.get_pipeline_model_parallel_rank(), found
+
+
+def test_interleaved_executor_runs_the_pure_order_on_two_processes():
+    """M = 4 (a steady state) and M = 2 (= P: all forwards first); every chunk's forward reads its own micro-batch
+    (the data drawn once, replayed to chunk 1)."""
+    from megatron.spawn import run_distributed
+    for stage, found in run_distributed(_executed_interleaved_orders, 2, args=((4, 2),)):
+        for num_micro_batches, (trace, read, num_losses) in found.items():
+            assert trace == interleaved_order(2, stage, num_micro_batches, 2)
+            assert read == [(chunk, index) for kind, index, chunk in trace if kind == "F"]
+            assert num_losses == (num_micro_batches if stage == 1 else 0)

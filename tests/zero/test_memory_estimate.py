@@ -281,6 +281,26 @@ def test_start_up_activation_estimate_counts_the_stage_and_the_micro_batches_in_
     assert setting == "micro batch 2 x 2 in flight, 2 layers, recompute full, block of the first 1 layer"
 
 
+def test_start_up_activation_estimate_counts_interleaved_chunk_forwards():
+    """Interleaved P = 4, v = 2, L = 8, M = 8: stage 0 holds 2 (P - 1) + (v - 1) P + 1 = 11 chunk forwards of one
+    layer, Megatron-LM's L (1 + (P - 1) / (P v)) = 11 layers; stage 3 (v - 1) P + 1 = 5."""
+    import argparse
+    from unittest import mock
+    import mpu
+    from megatron.guards import operations
+    args = argparse.Namespace(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                              pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                              num_micro_batches=8, params_dtype="float32", attention_dropout=0.0, hidden_dropout=0.0,
+                              num_layers=8, seq_length=16, batch_size=2, hidden_size=32, num_attention_heads=4,
+                              model_parallel_size=1, sequence_parallel=False)
+    for stage, in_flight in ((0, 11), (3, 5)):
+        with mock.patch.object(mpu, "get_pipeline_model_parallel_rank", lambda: stage):
+            total, setting = operations.activation_estimate(args)
+        layout = memory.ActivationLayout.for_run("cpu", 4, 0.0, 0.0, False, False)
+        assert total == memory.activation_bytes(1, 16, 2, 32, 4, 1, mpu.RecomputeConfig(), layout, in_flight)
+        assert setting == f"micro batch 2 x {in_flight} chunk forwards in flight, 1 layers a chunk, recompute none"
+
+
 def _training_path_estimates(paths_and_dtypes, dp):
     """operations.model_state_estimate as training calls it (the JSON file parsed by zero.load_config, TINY's real
     GPT2Model and its weight-decay groups), for each (config path, params dtype)."""

@@ -1,9 +1,16 @@
 """Pipeline parallelism: each stage's start-up (model build time and peak memory) at P = 1, 2, 4; measured 1F1B
-bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage.
+bubble vs the formula (P - 1) / (M + P - 1), and tokens/s vs one stage; the interleaved schedule's bubble at
+v = 1, 2 model chunks per stage and P = 2, 4 vs (P - 1) / (v M).
 
     python tools/bench/bench_pipeline.py                       # start-up table; P = 2, M = 2, 4, 8 table
     python tools/bench/bench_pipeline.py --micro-batches 4 8 16 --steps 6 --layers 8
     python tools/bench/bench_pipeline.py --startup-only --layers 8 --hidden 512
+    python tools/bench/bench_pipeline.py --interleaved --layers 8 --micro-batches 4 8   # P = 2, 4 x v = 1, 2
+
+Interleaved table: the same cells with mpu's virtual pipeline size v (v = 1: plain 1F1B). Its bubble is the idle
+time of a stage over its busy time, (step - compute) / compute, averaged over the stages: what the formula
+(P - 1) / (v M) counts (the idle share of the step is then (P - 1) / (v M + P - 1)). With more processes than cores
+(P = 4 on a 2-core machine) the stages also wait for a core, which the formula does not know.
 
 Start-up: the stages of a P-process pipeline build their GPT2Model one after another (no two build at once, so
 the times do not share the cores); build s is GPT2Model(config) alone, peak MB the rise of the process's peak
@@ -27,14 +34,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _cell(stages, micro_batches, steps, layers, hidden, seq, micro):
-    """On every rank of a P-stage pipeline: (median step s, median compute s) over `steps` timed steps."""
+def _cell(stages, micro_batches, steps, layers, hidden, seq, micro, chunks=1):
+    """On every rank of a P-stage pipeline of `chunks` model chunks a stage: (median step s, median compute s)
+    over `steps` timed steps."""
     import torch
     import mpu
     from megatron.pipeline import p2p_communication, schedules
     from megatron.model import GPT2Model, GPT2ModelConfig
     mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(1, stages)
+    mpu.initialize_model_parallel(1, stages, virtual_pipeline_model_parallel_size=chunks)
     mpu.model_parallel_cuda_manual_seed(1)
     config = GPT2ModelConfig(num_layers=layers, vocab_size=1024, hidden_size=hidden, num_attention_heads=4,
                              max_sequence_length=seq)
@@ -127,6 +135,25 @@ def startup_table(layers, hidden, seq, vocab, repeats=3, stage_counts=(1, 2, 4))
                   f"{peak_mb:.1f} | {held_mb:.1f} |", flush=True)
 
 
+def interleaved_table(stage_counts, chunk_counts, micro_batches, steps, layers, hidden, seq, micro):
+    """Print one markdown table: measured bubble (idle / busy) of each P x v x M against (P - 1) / (v M)."""
+    from megatron.spawn import run_distributed
+    print(f"# interleaved 1F1B: GPT-2 L{layers} h{hidden} s{seq}, micro batch {micro}, fp32, gloo, "
+          f"{os.cpu_count()} CPUs; median of {steps} steps")
+    print("| P | v | M | layers per chunk | bubble measured (idle / busy) | (P-1)/(v M) | step ms |")
+    print("|---|---|---|---|---|---|---|")
+    for stages in stage_counts:
+        for chunks in chunk_counts:
+            for m in micro_batches:
+                if layers % (stages * chunks) or (chunks > 1 and m % stages):
+                    continue
+                staged = run_distributed(_cell, stages, args=(stages, m, steps, layers, hidden, seq, micro, chunks))
+                bubble = statistics.mean((step - busy) / busy for step, busy in staged)
+                step = max(step for step, _ in staged)
+                print(f"| {stages} | {chunks} | {m} | {layers // (stages * chunks)} | {bubble:.2f} | "
+                      f"{(stages - 1) / (chunks * m):.2f} | {step * 1000:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
@@ -138,8 +165,14 @@ def main():
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary of the start-up table's model")
     parser.add_argument("--startup-only", action="store_true", help="print the start-up table only")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="print the interleaved table only (P = 2, 4 x v = 1, 2 at each --micro-batches)")
     args = parser.parse_args()
     from megatron.spawn import run_distributed
+    if args.interleaved:
+        interleaved_table((2, 4), (1, 2), args.micro_batches, args.steps, args.layers, args.hidden, args.seq,
+                          args.micro)
+        return
     startup_table(args.layers, args.hidden, args.seq, args.vocab)
     if args.startup_only:
         return
