@@ -1,7 +1,8 @@
 """Training the Llama options (one key/value head, replicated on both ranks at model-parallel size 2; SwiGLU,
 RMSNorm, rotary, untied head, no biases) at mp 2 x dp 2 against Hugging Face LlamaForCausalLM trained by plain torch
 AdamW + clip_grad_norm_ in this process: through the Megatron path's clipping (mpu.clip_grad_norm) and through the
-ZeRO engine at stages 2 and 3 (3 also with offload_param): in one launch of 4 processes.
+ZeRO engine at stages 0, 1 (with offload_optimizer), 2 and 3 (also with offload_param): in one launch of 4
+processes.
 
 Clipping is active at every step, so a replicated key/value head counted once per copy in the global norm shows in
 the weights, and so does a replicated head whose two copies' gradients are not summed (the hook under ZeRO-3's
@@ -16,6 +17,8 @@ from tests.model.test_llama import build_llama, hf_llama, _full_weights, _tokens
 
 STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 6, 4, 12, 3e-3, 0.1, 1.0
 RUNS = {"megatron": None,
+        "zero0": {"stage": 0},
+        "zero1_offload_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
         "zero2": {"stage": 2, "reduce_bucket_size": 500, "overlap_comm": True},
         "zero3": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero3_offload_param": {"stage": 3, "stage3_param_persistence_threshold": 0,
