@@ -238,6 +238,9 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
     from safetensors.torch import save_file
     weights = full.fp32_weights(progress)
     model_config, num_layers = full.model_config, full.model_config["num_layers"]
+    if REWARD_HEAD in weights:
+        raise ConversionError(f"{full.saved.directory} is a reward model ({REWARD_HEAD}) with the Llama options: its "
+                              "export (LlamaForSequenceClassification) is not written yet (issue 48)")
     try:
         layout = lora_layout(weights, num_layers)
         if layout is None and peft_adapter is not None:
