@@ -15,7 +15,7 @@ from megatron.spawn import run_distributed
 from tests.helpers import max_relative_difference
 from tests.model.test_llama import build_llama, hf_llama, _full_weights, _tokens
 
-STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 6, 4, 12, 3e-3, 0.1, 1.0
+STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 4, 4, 12, 3e-3, 0.1, 1.0
 RUNS = {"megatron": None,
         "zero0": {"stage": 0},
         "zero1_offload_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
@@ -134,7 +134,7 @@ def test_llama_trains_as_huggingface_at_mp2_dp2(trained, run):
         assert max_relative_difference(losses, ref_losses) <= 1e-6, (rank, losses, ref_losses)
         assert max_relative_difference(norms, ref_norms) <= 1e-6, (rank, norms, ref_norms)
         assert weights.keys() == ref_weights.keys()
-        for name, tensor in ref_weights.items():   # measured 7.7e-7 (the MLP weights); the mutations >= 1.2e-4
+        for name, tensor in ref_weights.items():   # measured 7.8e-7 (the MLP weights); the mutations >= 7.6e-5
             difference = max_relative_difference([weights[name]], [tensor])
             assert difference <= 2e-6, f"{run} rank {rank}: {name} differs from HF's by {difference:.2e} (relative)"
 
