@@ -6,7 +6,9 @@ processes.
 
 Clipping is active at every step, so a replicated key/value head counted once per copy in the global norm shows in
 the weights, and so does a replicated head whose two copies' gradients are not summed (the hook under ZeRO-3's
-partitioned parameters). Weight decay is on, so a norm weight in the decayed group shows too.
+partitioned parameters). Weight decay is on, so a norm weight in the decayed group shows too. Before training, the
+ZeRO-3 engines generate greedily (generate_from_training_model: the Hybrid Engine's gathered parameters) as HF's
+generate does.
 """
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tests.helpers import max_relative_difference
 from tests.model.test_llama import build_llama, hf_llama, _full_weights, _tokens
 
 STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 4, 4, 12, 3e-3, 0.1, 1.0
+PROMPTS, NEW_TOKENS = [(2, 4), (1, 6)], [3, 7]      # per data-parallel rank: (prompts, prompt length); new tokens
 RUNS = {"megatron": None,
         "zero0": {"stage": 0},
         "zero1_offload_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
@@ -49,14 +52,21 @@ def _megatron_path(model, batches):
     return losses, norms, model
 
 
-def _engine_path(model, batches, zero_config):
-    """The ZeRO engine with the client optimizer; (losses of this rank's half batch, norms, the module)."""
+def _engine_path(model, batches, zero_config, prompts):
+    """The ZeRO engine with the client optimizer; (losses of this rank's half batch, norms, the module, at stage 3
+    the greedy continuations of `prompts` generated through the engine before training (the Hybrid Engine's
+    gathered_for_inference; else None))."""
     import mpu
     from megatron import zero
+    from megatron.text_generation import generate_from_training_model
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // 2, "gradient_clipping": CLIP,
               "steps_per_print": 10 ** 6, "zero_optimization": zero_config}
     engine, _, _, _ = zero.initialize(model=model, optimizer=_optimizer(model), config=config, mpu=mpu,
                                       dist_init_required=False)
+    generated = None
+    if zero_config["stage"] == 3:
+        generated = generate_from_training_model(engine, prompts, NEW_TOKENS[mpu.get_data_parallel_rank()],
+                                                 greedy=True)
     losses, norms = [], []
     for tokens in batches:
         loss = engine(tokens[:, :-1], labels=tokens[:, 1:]).mean()
@@ -64,10 +74,10 @@ def _engine_path(model, batches, zero_config):
         engine.step()
         losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
-    return losses, norms, engine.module
+    return losses, norms, engine.module, generated
 
 
-def _worker(model_config, weights, batches):
+def _worker(model_config, weights, batches, prompts):
     """Every run of RUNS in turn from the same weights: {name: (global-batch losses, norms, full weights)}."""
     import torch.distributed as dist
     import mpu
@@ -78,15 +88,16 @@ def _worker(model_config, weights, batches):
     results = {}
     for name, zero_config in RUNS.items():
         model = build_llama(model_config, weights).train()
+        generated = None
         if zero_config is None:
             losses, norms, module = _megatron_path(model, mine)
         else:
-            losses, norms, module = _engine_path(model, mine, zero_config)
+            losses, norms, module, generated = _engine_path(model, mine, zero_config, prompts[dp_rank].tolist())
         losses = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(losses, group=mpu.get_data_parallel_group())
         with zero.GatheredParameters(list(module.parameters())):
             full = _full_weights(module, model_config)
-        results[name] = (losses / dp).tolist(), norms, full
+        results[name] = (losses / dp).tolist(), norms, full, generated
     return results
 
 
@@ -116,10 +127,15 @@ def trained():
     hf, hf_state = hf_llama(seed=1, num_key_value_heads=1)
     weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
     batches = [_tokens(model_config["vocab_size"], BATCH, LENGTH, seed=10 + step) for step in range(STEPS)]
-    results = run_distributed(_worker, 4, args=(model_config, weights, batches), model_parallel_size=2)
+    prompts = [_tokens(model_config["vocab_size"], count, length, seed=20 + rank)
+               for rank, (count, length) in enumerate(PROMPTS)]
+    with torch.no_grad():     # before training: what the engine generates from
+        generated = [hf.generate(prompts[rank], max_new_tokens=NEW_TOKENS[rank], do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[:, PROMPTS[rank][1]:].tolist() for rank in range(2)]
+    results = run_distributed(_worker, 4, args=(model_config, weights, batches, prompts), model_parallel_size=2)
     losses, norms = _hf_reference(hf, batches)
     reference, _ = from_hf_llama_state_dict({k: v.detach() for k, v in hf.state_dict().items()}, hf.config)
-    return (losses, norms, reference), results
+    return (losses, norms, reference, generated), results
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -127,16 +143,26 @@ def test_llama_trains_as_huggingface_at_mp2_dp2(trained, run):
     """Losses and global gradient norms at every step equal HF's (1e-6 relative), and so do the weights after STEPS
     steps (2e-6 relative), with clipping active at every step and the one key/value head replicated on both
     model-parallel ranks."""
-    (ref_losses, ref_norms, ref_weights), results = trained
+    (ref_losses, ref_norms, ref_weights, _), results = trained
     assert min(ref_norms) > CLIP, f"clipping must be active at every step: norms {ref_norms}"
     for rank, result in enumerate(results):
-        losses, norms, weights = result[run]
+        losses, norms, weights, _ = result[run]
         assert max_relative_difference(losses, ref_losses) <= 1e-6, (rank, losses, ref_losses)
         assert max_relative_difference(norms, ref_norms) <= 1e-6, (rank, norms, ref_norms)
         assert weights.keys() == ref_weights.keys()
         for name, tensor in ref_weights.items():   # measured 7.8e-7 (the MLP weights); the mutations >= 7.6e-5
             difference = max_relative_difference([weights[name]], [tensor])
             assert difference <= 2e-6, f"{run} rank {rank}: {name} differs from HF's by {difference:.2e} (relative)"
+
+
+@pytest.mark.parametrize("run", [run for run, config in RUNS.items() if config and config["stage"] == 3])
+def test_llama_zero3_engine_generates_as_huggingface(trained, run):
+    """Greedy generation through the engine at ZeRO-3 (the Hybrid Engine's gathered parameters, GQA caches with the
+    replicated key/value head at mp 2): HF generate's tokens, other prompts and lengths on each data-parallel rank;
+    the training after it still equals HF's (above)."""
+    (_, _, _, hf_generated), results = trained
+    for rank, result in enumerate(results):
+        assert result[run][3] == hf_generated[rank // 2], f"{run} rank {rank}"   # ranks 0, 1: dp rank 0
 
 
 def test_normalization_weights_and_biases_are_not_decayed():
