@@ -9,11 +9,6 @@ from .layers import GroupedQKVStride
 from .utils import full_numel, full_shape, get_device
 
 
-def is_model_parallel_duplicate(param):
-    """True for a parameter replicated on every model-parallel rank, counted only by rank 0."""
-    return not getattr(param, "model_parallel", False) and get_model_parallel_rank() != 0
-
-
 def duplicate_ranges(param, rank, world_size):
     """[(lo, hi)] ranges of `param`'s flattened elements (this rank's piece) that another model-parallel rank holds
     and counts too, so this rank leaves them out of the global gradient norm: all of a replicated parameter on
@@ -49,7 +44,8 @@ def _counted_pieces(param, rank, world_size):
 
 def clip_grad_norm(parameters, max_norm, norm_type=2.0):
     """Like torch.nn.utils.clip_grad_norm_ on the whole (gathered) model: split parameters count once per
-    shard, replicated ones (and replicated key/value heads: duplicate_ranges) once in total. Scales the gradients in place; returns the total norm (float)."""
+    shard, replicated ones (and replicated key/value heads: duplicate_ranges) once in total. Scales the gradients
+    in place; returns the total norm (float)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = [p for p in parameters if p.grad is not None]

@@ -18,7 +18,9 @@ A LoRA checkpoint (trained with --lora-rank): --output gets the merged model (W 
 
 A reward-model checkpoint (train_reward_model.py: it holds score.weight) becomes a GPT2ForSequenceClassification
 (num_labels 1, pad_token_id = <|endoftext|>, so HF scores each row's last token that is not end-of-text, as
-training did): GPT2ForSequenceClassification.from_pretrained("hf/reward")(input_ids=ids).logits[:, 0].
+training did): GPT2ForSequenceClassification.from_pretrained("hf/reward")(input_ids=ids).logits[:, 0]. With the
+Llama options it becomes a LlamaForSequenceClassification by the same rule (pass the training run's --vocab-file and
+--merge-file: the end-of-text id is its pad_token_id).
 
 Writes config.json (GPT2Config: the real, unpadded vocabulary, activation_function "gelu_new" = our tanh GELU,
 tied LM head, bos/eos = our <|endoftext|> id), generation_config.json, model.safetensors (fp32: the fp32 master
@@ -204,7 +206,7 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     require_hf_packages()
     full = read_checkpoint(load_dir)
     if full.model_config is not None and is_llama_config(full.model_config):
-        return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha)
+        return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha, (vocab_file, merge_file))
     try:
         full.require_gpt2("a Hugging Face GPT2LMHeadModel")
     except CheckpointError as error:
@@ -231,16 +233,22 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
 
 
-def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha=None):
+def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha=None, tokenizer_files=None):
     """A checkpoint with the Llama options -> a LlamaForCausalLM directory (no tokenizer); convert's return. LoRA
     as for GPT-2: merged into output_dir's weights, and with `peft_adapter` also in PEFT's format (one adapter per
-    HF projection: hf_interchange.to_peft_llama_state_dict) with the unmerged base model in peft_adapter/base."""
+    HF projection: hf_interchange.to_peft_llama_state_dict) with the unmerged base model in peft_adapter/base. A
+    reward model (score.weight) becomes a LlamaForSequenceClassification scoring the last token that is not
+    pad_token_id = the end-of-text id of `tokenizer_files` (vocab, merges: the training run's), as for GPT-2; its
+    unused untied output layer is left out."""
     from safetensors.torch import save_file
     weights = full.fp32_weights(progress)
     model_config, num_layers = full.model_config, full.model_config["num_layers"]
     if REWARD_HEAD in weights:
-        raise ConversionError(f"{full.saved.directory} is a reward model ({REWARD_HEAD}) with the Llama options: its "
-                              "export (LlamaForSequenceClassification) is not written yet (issue 48)")
+        eod = load_tokenizer(*tokenizer_files, model_config["vocab_size"]).eod
+        state = {k: v for k, v in to_hf_llama_state_dict(weights, model_config).items() if k != "lm_head.weight"}
+        state[REWARD_HEAD] = weights[REWARD_HEAD].contiguous().clone()
+        write_llama_model(output_dir, state, model_config, reward_pad_id=eod)
+        return model_config, len(state), sum(t.numel() for t in state.values()), None
     try:
         layout = lora_layout(weights, num_layers)
         if layout is None and peft_adapter is not None:
@@ -270,14 +278,19 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
     return model_config, len(state), sum(t.numel() for t in state.values()), lora
 
 
-def write_llama_model(output_dir, state, model_config):
-    """config.json (LlamaConfig), generation_config.json and model.safetensors of HF's `state`."""
+def write_llama_model(output_dir, state, model_config, reward_pad_id=None):
+    """config.json (LlamaConfig), generation_config.json and model.safetensors of HF's `state`; `reward_pad_id`: a
+    LlamaForSequenceClassification's (one label, that pad_token_id), no generation_config.json."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig
     os.makedirs(output_dir, exist_ok=True)
-    config = LlamaConfig(**to_hf_llama_config_dict(model_config))
+    config = to_hf_llama_config_dict(model_config)
+    if reward_pad_id is not None:
+        config.update(num_labels=1, pad_token_id=reward_pad_id, architectures=["LlamaForSequenceClassification"])
+    config = LlamaConfig(**config)
     config.save_pretrained(output_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    if reward_pad_id is None:
+        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -313,7 +326,7 @@ def main(argv=None):
     print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
           f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged})"
-          + (" (copy the tokenizer files from the original directory)" if architecture == "LlamaForCausalLM"
+          + (" (copy the tokenizer files from the original directory)" if architecture.startswith("Llama")
              else " and its tokenizer"), flush=True)
     if args.peft_adapter is not None:
         print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "

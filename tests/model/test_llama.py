@@ -300,17 +300,6 @@ def test_llama_tools_round_trip(tmp_path, capsys):
     tokens = _tokens(HF_CONFIG["vocab_size"], 2, 12, seed=3)
     with torch.no_grad():
         assert torch.equal(LlamaForCausalLM.from_pretrained(out).eval()(tokens).logits, hf(tokens).logits)
-    # A reward model with these options (score.weight) is refused in one line, not exported without its head.
-    from megatron.checkpoint.full_checkpoint import write_full_checkpoint
-    from megatron.model.hf_interchange import from_hf_llama_state_dict
-    weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
-    write_full_checkpoint(str(tmp_path / "reward"), dict(weights, **{"score.weight": torch.ones(1, 32)}),
-                          model_config, 1)
-    capsys.readouterr()
-    assert convert_to_hf.main(["--load", str(tmp_path / "reward"), "--output", str(tmp_path / "reward_hf")]) == 1
-    error = capsys.readouterr().err.strip()
-    assert error.endswith("is a reward model (score.weight) with the Llama options: its export "
-                          "(LlamaForSequenceClassification) is not written yet (issue 48)") and "\n" not in error
 
 
 def test_grouped_qkv_layout_splits_and_joins():
