@@ -1,6 +1,7 @@
 """Training the Llama options (one key/value head, replicated on both ranks at model-parallel size 2; SwiGLU,
 RMSNorm, rotary, untied head, no biases) at mp 2 x dp 2 against Hugging Face LlamaForCausalLM trained by plain torch
-AdamW + clip_grad_norm_ in this process: through the Megatron path's clipping (mpu.clip_grad_norm) and through the
+AdamW + clip_grad_norm_ in this process: through the Megatron path's clipping (mpu.clip_grad_norm; also over
+FP16_Optimizer's fp32 masters) and through the
 ZeRO engine at stages 0, 1 (with offload_optimizer), 2 and 3 (also with offload_param): in one launch of 4
 processes.
 
@@ -20,6 +21,7 @@ from tests.model.test_llama import build_llama, hf_llama, _full_weights, _tokens
 STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 4, 4, 12, 3e-3, 0.1, 1.0
 PROMPTS, NEW_TOKENS = [(2, 4), (1, 6)], [3, 7]      # per data-parallel rank: (prompts, prompt length); new tokens
 RUNS = {"megatron": None,
+        "megatron_master_weights": "master_weights",     # FP16_Optimizer's fp32 masters (no scaler: bf16's wrapper)
         "zero0": {"stage": 0},
         "zero1_offload_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
         "zero2": {"stage": 2, "reduce_bucket_size": 500, "overlap_comm": True},
@@ -33,19 +35,24 @@ def _optimizer(model):
     return torch.optim.AdamW(param_groups_for_weight_decay(model), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def _megatron_path(model, batches):
+def _megatron_path(model, batches, master_weights=False):
     """Megatron's path without ZeRO: local DDP's all-reduce, then megatron.pipeline.schedules.clip_grad_norm (at
-    pp 1: mpu.clip_grad_norm), torch AdamW. (losses of this rank's half batch, norms)."""
+    pp 1: mpu.clip_grad_norm), torch AdamW; `master_weights`: inside FP16_Optimizer without a loss scaler (the
+    bf16 wrapper; here on fp32 params), so the norm is taken over its fp32 master copies. (losses of this rank's
+    half batch, norms, the module)."""
+    from megatron.fp16 import FP16_Optimizer
     from megatron.model.distributed import DistributedDataParallel as LocalDDP
     from megatron.pipeline import schedules
     ddp = LocalDDP(model)
-    optimizer = _optimizer(model)
+    optimizer = FP16_Optimizer(_optimizer(model), scaler=None) if master_weights else _optimizer(model)
     losses, norms = [], []
     for tokens in batches:
         optimizer.zero_grad()
         loss = ddp(tokens[:, :-1], labels=tokens[:, 1:]).mean()
         loss.backward()
         ddp.allreduce_params(reduce_after=False)
+        if master_weights:
+            optimizer.update_master_grads()
         norms.append(schedules.clip_grad_norm(optimizer, model, CLIP))
         optimizer.step()
         losses.append(loss.item())
@@ -89,8 +96,8 @@ def _worker(model_config, weights, batches, prompts):
     for name, zero_config in RUNS.items():
         model = build_llama(model_config, weights).train()
         generated = None
-        if zero_config is None:
-            losses, norms, module = _megatron_path(model, mine)
+        if not isinstance(zero_config, dict):
+            losses, norms, module = _megatron_path(model, mine, master_weights=zero_config == "master_weights")
         else:
             losses, norms, module, generated = _engine_path(model, mine, zero_config, prompts[dp_rank].tolist())
         losses = torch.tensor(losses, dtype=torch.float64)
@@ -155,7 +162,8 @@ def test_llama_trains_as_huggingface_at_mp2_dp2(trained, run):
             assert difference <= 2e-6, f"{run} rank {rank}: {name} differs from HF's by {difference:.2e} (relative)"
 
 
-@pytest.mark.parametrize("run", [run for run, config in RUNS.items() if config and config["stage"] == 3])
+@pytest.mark.parametrize("run", [run for run, config in RUNS.items() if isinstance(config, dict) and
+                                 config["stage"] == 3])
 def test_llama_zero3_engine_generates_as_huggingface(trained, run):
     """Greedy generation through the engine at ZeRO-3 (the Hybrid Engine's gathered parameters, GQA caches with the
     replicated key/value head at mp 2): HF generate's tokens, other prompts and lengths on each data-parallel rank;
