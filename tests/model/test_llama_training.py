@@ -1,9 +1,8 @@
 """Training the Llama options (one key/value head, replicated on both ranks at model-parallel size 2; SwiGLU,
 RMSNorm, rotary, untied head, no biases) at mp 2 x dp 2 against Hugging Face LlamaForCausalLM trained by plain torch
 AdamW + clip_grad_norm_ in this process: through the Megatron path's clipping (mpu.clip_grad_norm; also over
-FP16_Optimizer's fp32 masters) and through the
-ZeRO engine at stages 0, 1 (with offload_optimizer), 2 and 3 (also with offload_param): in one launch of 4
-processes.
+FP16_Optimizer's fp32 masters) and through the ZeRO engine at stages 0, 1 (with offload_optimizer), 2 and 3 (also
+with offload_param): in one launch of 4 processes.
 
 Clipping is active at every step, so a replicated key/value head counted once per copy in the global norm shows in
 the weights, and so does a replicated head whose two copies' gradients are not summed (the hook under ZeRO-3's
