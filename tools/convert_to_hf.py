@@ -238,14 +238,15 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
     as for GPT-2: merged into output_dir's weights, and with `peft_adapter` also in PEFT's format (one adapter per
     HF projection: hf_interchange.to_peft_llama_state_dict) with the unmerged base model in peft_adapter/base. A
     reward model (score.weight) becomes a LlamaForSequenceClassification scoring the last token that is not
-    pad_token_id = the end-of-text id of `tokenizer_files` (vocab, merges: the training run's), as for GPT-2; its
-    unused untied output layer is left out."""
+    pad_token_id = the end-of-text id of `tokenizer_files` (vocab, merges: the training run's), as for GPT-2 (a
+    reward model has no LM head: an older checkpoint's untied output layer is left out)."""
     from safetensors.torch import save_file
     weights = full.fp32_weights(progress)
     model_config, num_layers = full.model_config, full.model_config["num_layers"]
     if REWARD_HEAD in weights:
         eod = load_tokenizer(*tokenizer_files, model_config["vocab_size"]).eod
-        state = {k: v for k, v in to_hf_llama_state_dict(weights, model_config).items() if k != "lm_head.weight"}
+        trunk = dict(model_config, untie_embeddings_and_output_weights=False)   # the HF names without lm_head
+        state = to_hf_llama_state_dict(weights, trunk)
         state[REWARD_HEAD] = weights[REWARD_HEAD].contiguous().clone()
         write_llama_model(output_dir, state, model_config, reward_pad_id=eod)
         return model_config, len(state), sum(t.numel() for t in state.values()), None

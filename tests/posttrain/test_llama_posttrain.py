@@ -85,14 +85,15 @@ def reward_hf(hf, directory):
 
 
 def _write_reward_start(hf, directory):
-    """Our release checkpoint of reward_hf's model: `hf`'s weights (its lm_head as our unused untied output layer)
-    and the same head as score.weight."""
+    """Our release checkpoint at mp 2 (the run's size: the Megatron path's own load_state_dict) of reward_hf's
+    model: `hf`'s weights, its lm_head as an LM checkpoint's untied output layer (which the reward model does not
+    build: left out on load), and the same head as score.weight."""
     from megatron.checkpoint.full_checkpoint import write_full_checkpoint
     from megatron.model.hf_interchange import from_hf_llama_state_dict
     weights, model_config = from_hf_llama_state_dict({k: v.detach() for k, v in hf.state_dict().items()}, hf.config)
     weights["score.weight"] = torch.randn(1, model_config["hidden_size"],
                                           generator=torch.Generator().manual_seed(4))
-    write_full_checkpoint(directory, weights, model_config, 1)
+    write_full_checkpoint(directory, weights, model_config, 2)
     return directory
 
 
@@ -129,7 +130,8 @@ def test_llama_reward_model_steps_equal_hf_and_exports(setup, tmp_path):
     """train_reward_model.py: two AdamW steps (clipping active) give the loss, accuracy, scores and gradient norm
     of a plain-PyTorch reward model on LlamaForSequenceClassification (1e-5; test_reward.py's), and
     tools/convert_to_hf.py writes a LlamaForSequenceClassification holding the trained weights (their change within
-    2e-4 of HF's, test_reward.py's bound) whose scores of the validation pairs are the run's final validation."""
+    2e-4 of HF's, test_reward.py's bound) whose scores of the validation pairs are the run's final validation. The
+    reward model builds no untied output layer (loading the LM checkpoint's leaves it out)."""
     import json
     from safetensors.torch import load_file
     from transformers import LlamaForSequenceClassification
@@ -141,6 +143,9 @@ def test_llama_reward_model_steps_equal_hf_and_exports(setup, tmp_path):
     for ours, theirs in zip(logged, steps, strict=True):
         for key in test_reward.METRICS + ("grad_norm",):
             test_reward._close(ours[key], theirs[key], key)
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
+    trained = read_full_checkpoint(str(reward["root"] / "reward")).fp32_weights()
+    assert "score.weight" in trained and "output_layer.weight" not in trained   # no unused LM head (V x h)
     out = str(tmp_path / "hf")
     assert test_reward.convert_to_hf.main(["--load", str(reward["root"] / "reward"), "--output", out,
                                            "--vocab-file", os.path.join(reward["webtext"], "vocab.json"),
