@@ -72,15 +72,19 @@ def get_model(model_provider):
     return LocalDDP(model)
 
 
+NORMALIZATIONS = (torch.nn.LayerNorm, torch.nn.RMSNorm)   # mpu's LayerNorm and RMSNorm subclass these
+
+
 def param_groups_for_weight_decay(module):
-    """Biases and LayerNorm parameters get no weight decay (Megatron's grouping). Frozen parameters (LoRA's base
-    weights) are in no group: no optimizer state; an empty group is left out."""
+    """Biases and the parameters of every normalization (LayerNorm, RMSNorm) get no weight decay (Megatron-LM's
+    grouping). Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
+    out."""
     decay, no_decay = [], []
     for submodule in module.modules():
         for name, param in submodule.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
-            if isinstance(submodule, torch.nn.LayerNorm) or name == "bias":
+            if isinstance(submodule, NORMALIZATIONS) or name == "bias":
                 no_decay.append(param)
             else:
                 decay.append(param)

@@ -2,7 +2,7 @@
 checkpoint function and RNG tracker (see transformer.py)."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
-from .grads import clip_grad_norm, is_model_parallel_duplicate
+from .grads import clip_grad_norm, duplicate_ranges
 from .initialize import (destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
                          get_data_parallel_world_size, get_model_parallel_group, get_model_parallel_rank,
                          get_model_parallel_src_rank, get_model_parallel_world_size, initialize_model_parallel,

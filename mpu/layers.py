@@ -55,6 +55,19 @@ class GroupedQKVStride:
         kv_piece = self.kv_rows // world_size if self.replicas(world_size) == 1 else self.head_dim
         return self.query_rows // world_size + 2 * kv_piece
 
+    def kv_block(self, world_size):
+        """[start, end) of the k and v rows in a rank's piece (the two blocks are adjacent: [q_r; k_r; v_r])."""
+        start = self.query_rows // world_size
+        return start, self.rows_per_rank(world_size)
+
+    def duplicate_rows(self, world_size, rank):
+        """[start, end) of the rows of `rank`'s piece that a lower rank holds too (its replicated k and v heads, on
+        every holder but the first), or None. The global gradient norm counts them on the first holder only:
+        q heads 4, kv heads 1, d = 1, p = 2: rank 0 [q0 q1 k0 v0] None, rank 1 [q2 q3 k0 v0] (2, 4)."""
+        if self.replicas(world_size) == 1 or rank % self.replicas(world_size) == 0:
+            return None
+        return self.kv_block(world_size)
+
     def split(self, full, dim, world_size, rank):
         """Rank `rank`'s rows (along `dim`) of the full tensor."""
         q, k, v = full.split([self.query_rows, self.kv_rows, self.kv_rows], dim)
@@ -92,7 +105,8 @@ class _ReplicatedKVGrad:
             param.register_hook(cls(stride, world_size))
 
     def __call__(self, grad):
-        q_piece, d = self.stride.query_rows // self.world_size, self.stride.head_dim
+        q_piece, end = self.stride.kv_block(self.world_size)
+        d = (end - q_piece) // 2
         kv = grad.narrow(0, q_piece, 2 * d).contiguous()                          # [2d, ...]: this rank's k, v
         gathered = [torch.empty_like(kv) for _ in range(self.world_size)]
         dist.all_gather(gathered, kv, group=get_model_parallel_group())

@@ -18,7 +18,9 @@ A LoRA checkpoint (trained with --lora-rank): --output gets the merged model (W 
 
 A reward-model checkpoint (train_reward_model.py: it holds score.weight) becomes a GPT2ForSequenceClassification
 (num_labels 1, pad_token_id = <|endoftext|>, so HF scores each row's last token that is not end-of-text, as
-training did): GPT2ForSequenceClassification.from_pretrained("hf/reward")(input_ids=ids).logits[:, 0].
+training did): GPT2ForSequenceClassification.from_pretrained("hf/reward")(input_ids=ids).logits[:, 0]. With the
+Llama options it becomes a LlamaForSequenceClassification by the same rule (pass the training run's --vocab-file and
+--merge-file: the end-of-text id is its pad_token_id).
 
 Writes config.json (GPT2Config: the real, unpadded vocabulary, activation_function "gelu_new" = our tanh GELU,
 tied LM head, bos/eos = our <|endoftext|> id), generation_config.json, model.safetensors (fp32: the fp32 master
@@ -29,7 +31,9 @@ Needs transformers and safetensors (pip install -r requirements-test.txt). Bad i
 A checkpoint of our model with the Llama options (docs/models.md; e.g. one tools/convert_from_hf.py imported from
 a LlamaForCausalLM) becomes a LlamaForCausalLM directory: config.json, generation_config.json and model.safetensors
 (q/k/v and gate/up cut back into their projections; fp32). Its tokenizer is not ours to write: copy the original
-directory's tokenizer files next to them.
+directory's tokenizer files next to them. LoRA on it is merged too, and --peft-adapter writes one PEFT adapter per
+HF projection (q_proj, k_proj, v_proj share our fused adapter's A and take their rows of its B; gate_proj, up_proj
+likewise): PeftModel over LlamaForCausalLM computes exactly the model we trained.
 
 Note: transformers' tokenizer treats a literal "<|endoftext|>" in the text as the special token (its id), while
 megatron.tokenizer encodes it as ordinary text (callers append the eod id); every other text gets the same ids.
@@ -45,7 +49,8 @@ sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import (REWARD_HEAD, InterchangeError, lora_layout, merge_lora,  # noqa: E402
                                            peft_adapter_config, to_hf_config_dict, to_hf_state_dict, to_peft_state_dict,
-                                           is_llama_config, to_hf_llama_config_dict, to_hf_llama_state_dict)
+                                           is_llama_config, to_hf_llama_config_dict, to_hf_llama_state_dict,
+                                           to_peft_llama_state_dict)
 from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
@@ -201,7 +206,7 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     require_hf_packages()
     full = read_checkpoint(load_dir)
     if full.model_config is not None and is_llama_config(full.model_config):
-        return convert_llama(full, output_dir, progress)
+        return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha, (vocab_file, merge_file))
     try:
         full.require_gpt2("a Hugging Face GPT2LMHeadModel")
     except CheckpointError as error:
@@ -228,23 +233,66 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
 
 
-def convert_llama(full, output_dir, progress=None):
-    """A checkpoint with the Llama options -> a LlamaForCausalLM directory (no tokenizer); convert's return."""
+def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha=None, tokenizer_files=None):
+    """A checkpoint with the Llama options -> a LlamaForCausalLM directory (no tokenizer); convert's return. LoRA
+    as for GPT-2: merged into output_dir's weights, and with `peft_adapter` also in PEFT's format (one adapter per
+    HF projection: hf_interchange.to_peft_llama_state_dict) with the unmerged base model in peft_adapter/base. A
+    reward model (score.weight) becomes a LlamaForSequenceClassification scoring the last token that is not
+    pad_token_id = the end-of-text id of `tokenizer_files` (vocab, merges: the training run's), as for GPT-2 (a
+    reward model has no LM head: an older checkpoint's untied output layer is left out)."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig
     weights = full.fp32_weights(progress)
-    if lora_layout(weights, full.model_config["num_layers"]) is not None:
-        raise ConversionError("LoRA on a Llama checkpoint is not converted yet (issue 48)")
+    model_config, num_layers = full.model_config, full.model_config["num_layers"]
+    if REWARD_HEAD in weights:
+        eod = load_tokenizer(*tokenizer_files, model_config["vocab_size"]).eod
+        trunk = dict(model_config, untie_embeddings_and_output_weights=False)   # the HF names without lm_head
+        state = to_hf_llama_state_dict(weights, trunk)
+        state[REWARD_HEAD] = weights[REWARD_HEAD].contiguous().clone()
+        write_llama_model(output_dir, state, model_config, reward_pad_id=eod)
+        return model_config, len(state), sum(t.numel() for t in state.values()), None
     try:
-        state = to_hf_llama_state_dict(weights, full.model_config)
+        layout = lora_layout(weights, num_layers)
+        if layout is None and peft_adapter is not None:
+            raise ConversionError(f"{full.saved.directory} has no LoRA adapters: --peft-adapter needs a checkpoint "
+                                  "trained with --lora-rank")
+        lora = None
+        if layout is not None:
+            rank, targets = layout
+            lora = (rank, lora_alpha_of(full, rank, lora_alpha), targets)
+            if peft_adapter is not None:
+                base = {name: tensor for name, tensor in weights.items() if not is_lora_parameter(name)}
+                write_llama_model(os.path.join(peft_adapter, "base"), to_hf_llama_state_dict(base, model_config),
+                                  model_config)
+                save_file(to_peft_llama_state_dict(weights, model_config),
+                          os.path.join(peft_adapter, "adapter_model.safetensors"), metadata={"format": "pt"})
+                adapter_config = peft_adapter_config(rank, lora[1], targets, llama=True,
+                                                     base_model_name_or_path=os.path.abspath(
+                                                         os.path.join(peft_adapter, "base")))
+                with open(os.path.join(peft_adapter, "adapter_config.json"), "w", encoding="utf-8") as handle:
+                    json.dump(adapter_config, handle, indent=2)
+                    handle.write("\n")
+            weights = merge_lora(weights, num_layers, lora[1] / rank)
+        state = to_hf_llama_state_dict(weights, model_config)
     except InterchangeError as error:
         raise ConversionError(f"{full.saved.directory}: {error}") from None
+    write_llama_model(output_dir, state, model_config)
+    return model_config, len(state), sum(t.numel() for t in state.values()), lora
+
+
+def write_llama_model(output_dir, state, model_config, reward_pad_id=None):
+    """config.json (LlamaConfig), generation_config.json and model.safetensors of HF's `state`; `reward_pad_id`: a
+    LlamaForSequenceClassification's (one label, that pad_token_id), no generation_config.json."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig
     os.makedirs(output_dir, exist_ok=True)
-    config = LlamaConfig(**to_hf_llama_config_dict(full.model_config))
+    config = to_hf_llama_config_dict(model_config)
+    if reward_pad_id is not None:
+        config.update(num_labels=1, pad_token_id=reward_pad_id, architectures=["LlamaForSequenceClassification"])
+    config = LlamaConfig(**config)
     config.save_pretrained(output_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    if reward_pad_id is None:
+        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    return full.model_config, len(state), sum(t.numel() for t in state.values()), None
 
 
 def parse_args(argv=None):
@@ -279,7 +327,7 @@ def main(argv=None):
     print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
           f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged})"
-          + (" (copy the tokenizer files from the original directory)" if architecture == "LlamaForCausalLM"
+          + (" (copy the tokenizer files from the original directory)" if architecture.startswith("Llama")
              else " and its tokenizer"), flush=True)
     if args.peft_adapter is not None:
         print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "

@@ -34,7 +34,8 @@ names (the schedule sets it): the embeddings before chunk 0 of stage 0, the head
 
 Llama-family options (docs/models.md; Megatron-DeepSpeed's flags): rotary embeddings instead of (or besides) the
 learned position table, SwiGLU, RMSNorm, grouped-query attention, no biases, another MLP width, and an untied output
-layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embedding; on the last stage only).
+layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embedding; on the last stage only; not in a
+reward model, which scores with `score`).
 
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).
@@ -199,7 +200,10 @@ def fresh_parameters(param_names, saved_names):
 
 def _keep_fresh_adapters(module, state_dict, prefix, *args):
     """load_state_dict of a checkpoint without LoRA adapters (a base model's) keeps the model's fresh adapters,
-    and of one without a reward head (an LM's) the fresh head."""
+    and of one without a reward head (an LM's) the fresh head; an LM's untied output layer, which a reward model
+    does not build, is left out."""
+    if getattr(module, "score", None) is not None:
+        state_dict.pop(prefix + "output_layer.weight", None)
     names = [name for name, _ in module.named_parameters()]
     saved = [key[len(prefix):] for key in state_dict if key.startswith(prefix)]
     params = dict(module.named_parameters())
@@ -257,10 +261,10 @@ class GPT2Model(nn.Module):
             sequence_parallel=config.sequence_parallel)
         self.output_layer = None
         if not config.tied_head:   # drawn after the layers, before LoRA and the reward head
-            if self.post_process:
+            if self.post_process and not config.reward_head:
                 self.output_layer = mpu.VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                                init_method=init_method)   # [V/p, h], rows split
-            else:
+            else:   # another stage's, or a reward model's (it scores with `score`, never with an LM head)
                 skip_init_draws([(config.vocab_size, config.hidden_size)], mpu.get_device())
 
         self.lm_head = TiedLMHead() if self.post_process and not config.reward_head else None

@@ -245,12 +245,15 @@ def from_peft_state_dict(peft_state, num_layers):
     return weights
 
 
-def peft_adapter_config(rank, alpha, targets, dropout=0.0, base_model_name_or_path=None):
+def peft_adapter_config(rank, alpha, targets, dropout=0.0, base_model_name_or_path=None, llama=False):
     """adapter_config.json of our adapters for peft.PeftModel.from_pretrained(GPT2LMHeadModel, DIR): LoRA on the
-    Conv1D targets (fan_in_fan_out), no bias, scaling alpha / r."""
+    Conv1D targets (fan_in_fan_out), no bias, scaling alpha / r. `llama`: for LlamaForCausalLM, LoRA on its
+    nn.Linear projections (LLAMA_PEFT_TARGET_MODULES: q/k/v and gate/up one module each)."""
+    modules = [m for t in targets for m in LLAMA_PEFT_TARGET_MODULES[t]] if llama else \
+        [PEFT_TARGET_MODULES[t] for t in targets]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
             "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-            "target_modules": [PEFT_TARGET_MODULES[t] for t in targets], "fan_in_fan_out": True, "bias": "none",
+            "target_modules": modules, "fan_in_fan_out": not llama, "bias": "none",
             "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "inference_mode": True}
 
@@ -363,6 +366,36 @@ def from_hf_llama_state_dict(hf_state, hf_config):
         raise InterchangeError(f"model.embed_tokens.weight is {list(rows)} but config.json has vocab_size "
                                f"{model_config['vocab_size']} and hidden_size {model_config['hidden_size']}")
     return weights, model_config
+
+
+# Our LoRA targets -> the LlamaForCausalLM projections PEFT adapts (target_modules, matched as name suffixes).
+LLAMA_PEFT_TARGET_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",),
+                             "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)}
+
+
+def to_peft_llama_state_dict(weights, model_config):
+    """The adapters of our full Llama weights under PEFT's names for LlamaForCausalLM, contiguous copies. A fused
+    linear's adapter (query_key_value: one A [r, h] and B [(n + 2 n_kv) d, r]; dense_h_to_4h: A and B [2f, r])
+    becomes one adapter per HF projection, each with that same A and its row block of B: the updates
+    [B_q; B_k; B_v] A = B A are exactly ours (the same r and alpha, so the same scale). The converse holds only for
+    projections that share A, so an adapter trained in PEFT does not map back in general."""
+    num_layers = model_config["num_layers"]
+    rank_targets = lora_layout(weights, num_layers)
+    if rank_targets is None:
+        raise InterchangeError("the checkpoint has no LoRA adapters (train with --lora-rank)")
+    hf_names = dict(llama_name_pairs(model_config))
+    state = {}
+    for i in range(num_layers):
+        for target in rank_targets[1]:
+            ours = f"transformer.layers.{i}.{_LORA_LINEARS[target]}."
+            theirs = hf_names[ours + "weight"]
+            lora_a, lora_b = weights[ours + "lora_A"], weights[ours + "lora_B"]
+            blocks = lora_b.split(_row_blocks(model_config, ours + "weight")) if len(theirs) > 1 else [lora_b]
+            for name, block in zip(theirs, blocks, strict=True):
+                module = PEFT_PREFIX + name[:-len(".weight")]
+                state[f"{module}.lora_A.weight"] = lora_a.contiguous().clone()
+                state[f"{module}.lora_B.weight"] = block.contiguous().clone()
+    return state
 
 
 def to_hf_llama_state_dict(weights, model_config):

@@ -72,7 +72,8 @@ class ZeroOptimizer:
                                          gradient_device=self.host)
         else:
             self.reducer = BoundaryReducer(self.groups, ctx, self.stage, zero_config)
-        self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank) for g in self.groups]
+        self.norm_ranges = [g.counted_own_ranges(ctx.model_parallel_rank, ctx.model_parallel_size)
+                            for g in self.groups]
         self.param_gather = ParameterGather(self.groups if self.stage in (1, 2) else [], ctx.data_parallel_group,
                                             zero_config.allgather_bucket_size, param_order)
         # a client's request to skip the next step (DeepSpeed-Chat's --align_overflow: when the actor overflows the

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpu.grads import duplicate_ranges
 from mpu.utils import full_numel
 
 
@@ -116,23 +117,37 @@ class FlatLayout:
         return [(r, max(start, r * self.partition_size), min(end, (r + 1) * self.partition_size))
                 for r in range(first, last + 1)]
 
-    def counted_own_ranges(self, model_parallel_rank):
+    def counted_own_ranges(self, model_parallel_rank, model_parallel_size):
         """Own-partition ranges (relative to the partition) whose squares count toward the global norm.
 
-        Parameters split across model-parallel ranks (attribute `model_parallel=True`) count on every rank;
-        duplicated ones only on model-parallel rank 0; a pipeline's second copy of a tied weight (`shared`) never.
+        Parameters split across model-parallel ranks (attribute `model_parallel=True`) count on every rank,
+        except the rows another rank holds too (replicated key/value heads: mpu.duplicate_ranges); duplicated
+        ones only on model-parallel rank 0; a pipeline's second copy of a tied weight (`shared`) never.
         Returns (counted, not_counted) lists of (lo, hi).
         """
         start, end = self.own_range
         counted, other = [], []
-        for index, lo, hi in self.segments(start, end):
-            split = getattr(self.params[index], "model_parallel", False)
-            shared = getattr(self.params[index], "shared", False)
-            target = counted if (split or model_parallel_rank == 0) and not shared else other
+
+        def add(target, lo, hi):
             if target and target[-1][1] == lo - start:
                 target[-1] = (target[-1][0], hi - start)
             else:
                 target.append((lo - start, hi - start))
+        for index, lo, hi in self.segments(start, end):
+            param, offset = self.params[index], self.offsets[index][0]
+            if getattr(param, "shared", False):
+                add(other, lo, hi)
+                continue
+            cursor = lo
+            for a, b in duplicate_ranges(param, model_parallel_rank, model_parallel_size):
+                a, b = max(offset + a, lo), min(offset + b, hi)
+                if a < b:
+                    if cursor < a:
+                        add(counted, cursor, a)
+                    add(other, a, b)
+                    cursor = b
+            if cursor < hi:
+                add(counted, cursor, hi)
         return counted, other
 
 

@@ -141,6 +141,49 @@ def test_resume_is_exact_mp2_dp1_real_data(tmp_path, webtext_data):
     _straight_and_resumed(tmp_path, 2, real, mp_ranks=(0, 1))
 
 
+LLAMA = ["--swiglu", "--ffn-hidden-size", "48", "--num-key-value-heads", "1", "--use-rotary-position-embeddings",
+         "--no-position-embedding", "--normalization", "rmsnorm", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+
+
+def _train_then_load_as_gpt2(args_list, gpt2_args_list):
+    """Train (resumed), then set up a GPT-2-shaped model loading the same checkpoint: (history, the error)."""
+    import mpu
+    import pretrain_gpt
+    from megatron.checkpoint.layout import CheckpointError
+    from megatron.initialize import initialize_megatron
+    from megatron.training import setup_model_and_optimizer
+    history = _train(args_list)
+    mpu.destroy_model_parallel()
+    initialize_megatron(args_list=gpt2_args_list)
+    try:
+        setup_model_and_optimizer(pretrain_gpt.model_provider)
+    except CheckpointError as error:
+        return history, str(error)
+    return history, None
+
+
+def test_resume_is_exact_llama_mp2_and_refused_as_gpt2(tmp_path):
+    """The Llama options (one key/value head, replicated on both model-parallel ranks; dropout on, clipping active)
+    at mp 2: N steps + save + fresh processes + load + N steps == 2N straight steps, bitwise; the same processes
+    then refuse to load the checkpoint into a GPT-2-shaped model, in one line naming every differing option."""
+    straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    llama = MODEL + MOCK + LLAMA + ["--model-parallel-size", "2", "--clip-grad", "0.05"]
+    straight = _run(2, llama + ["--save", straight_dir, "--save-interval", str(N)])
+    set_tracker(straight_dir, N)
+    gpt2 = MODEL + MOCK + ["--model-parallel-size", "2", "--load", straight_dir]
+    results = run_distributed(_train_then_load_as_gpt2, 2, args=(llama + ["--load", straight_dir, "--save",
+                                                                          resumed_dir], gpt2))
+    _assert_continues(straight, [history for history, _ in results], N + 1)
+    for mp_rank in (0, 1):
+        _assert_same(_load(straight_dir, 2 * N, mp_rank), _load(resumed_dir, 2 * N, mp_rank))
+    for _, message in results:
+        assert message is not None and "\n" not in message, message
+        assert "was saved by another model shape: num_key_value_heads 1 (checkpoint) != None (this run); " \
+            "ffn_hidden_size 48 (checkpoint) != None (this run); swiglu True (checkpoint) != False" in message, message
+        assert message.endswith("untie_embeddings_and_output_weights True (checkpoint) != False (this run)"), message
+
+
 def test_resume_is_exact_fp16_with_skips(tmp_path):
     straight, _ = _straight_and_resumed(tmp_path, 2, MOCK + FP16)
     skipped, scales = straight[0]["skipped"], straight[0]["loss scale"]

@@ -157,12 +157,13 @@ def runs(setup):
 
 
 def _hf_dpo(setup):
-    """Two AdamW steps of plain-PyTorch DPO on HF GPT-2: ([per step {loss, rewards/*}], weights before, after)."""
-    from transformers import GPT2LMHeadModel
+    """Two AdamW steps of plain-PyTorch DPO on HF GPT-2 (or the LlamaForCausalLM of setup["hf_dir"]): ([per step
+    {loss, rewards/*}], weights before, after)."""
+    from transformers import AutoModelForCausalLM
     from megatron.posttrain import build_preference_datasets
     train = build_preference_datasets(setup["prefix"], SPLIT, [8, 0, 0], SEQ, 5, 0)[0]
-    policy = GPT2LMHeadModel.from_pretrained(setup["hf_dir"]).float()
-    reference = GPT2LMHeadModel.from_pretrained(setup["hf_dir"]).float().eval()
+    policy = AutoModelForCausalLM.from_pretrained(setup["hf_dir"]).float()
+    reference = AutoModelForCausalLM.from_pretrained(setup["hf_dir"]).float().eval()
     before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1, eps=1.0, weight_decay=0.0)
 

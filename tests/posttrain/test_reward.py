@@ -184,9 +184,10 @@ def _hf_metrics(model, pairs, loss_kind):
 
 def _hf_reward_training(setup, loss_kind):
     """Two AdamW steps (clipping at CLIP) of the plain-PyTorch reward model: ([per step metrics + grad_norm], weights
-    before, after)."""
-    from transformers import GPT2ForSequenceClassification
-    model = GPT2ForSequenceClassification.from_pretrained(setup["hf_dir"]).float()
+    before, after). The model of setup["hf_dir"]: GPT2ForSequenceClassification, or LlamaForSequenceClassification
+    (test_llama_posttrain.py)."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(setup["hf_dir"]).float()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, eps=1.0, weight_decay=0.0)
     train = _pairs(setup, "train")

@@ -270,9 +270,10 @@ def _hf_batch(examples, train_on_prompt):
 
 
 def _hf_step(setup, examples, train_on_prompt):
-    """(HF loss with labels -100, HF weights before, after one torch AdamW step with lr 1000, eps 1)."""
-    from transformers import GPT2LMHeadModel
-    hf = GPT2LMHeadModel.from_pretrained(setup["hf_dir"]).float()
+    """(HF loss with labels -100, HF weights before, after one torch AdamW step with lr 1000, eps 1). The model of
+    setup["hf_dir"]: GPT2LMHeadModel, or LlamaForCausalLM (test_llama_posttrain.py)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(setup["hf_dir"]).float()
     before = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     input_ids, attention, labels = _hf_batch(examples, train_on_prompt)
     loss = hf(input_ids=input_ids, attention_mask=attention, labels=labels).loss
@@ -284,9 +285,10 @@ def _hf_step(setup, examples, train_on_prompt):
 
 def _saved_weights_as_hf(save_dir):
     from megatron.checkpoint.full_checkpoint import read_full_checkpoint
-    from megatron.model.hf_interchange import to_hf_state_dict
+    from megatron.model.hf_interchange import is_llama_config, to_hf_llama_state_dict, to_hf_state_dict
     checkpoint = read_full_checkpoint(save_dir)
-    return to_hf_state_dict(checkpoint.fp32_weights(), checkpoint.model_config)
+    convert = to_hf_llama_state_dict if is_llama_config(checkpoint.model_config) else to_hf_state_dict
+    return convert(checkpoint.fp32_weights(), checkpoint.model_config)
 
 
 # ---------------------------------------------------------------------------------------------------- data tests

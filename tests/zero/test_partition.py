@@ -112,10 +112,28 @@ def test_counted_own_ranges_split_duplicated_and_shared_parameters():
     a, b, c = params(40, 30, 10)
     a.model_parallel, c.shared = True, True
     layout = FlatLayout([a, b, c], 1, 0)
-    assert layout.counted_own_ranges(0) == ([(0, 70)], [(70, 80)])
-    assert layout.counted_own_ranges(1) == ([(0, 40)], [(40, 80)])
+    assert layout.counted_own_ranges(0, 2) == ([(0, 70)], [(70, 80)])
+    assert layout.counted_own_ranges(1, 2) == ([(0, 40)], [(40, 80)])
     rank1 = FlatLayout([a, b, c], 2, 1)                  # padded 128: rank 1 owns [64, 128) -> b[24:30], c
-    assert rank1.counted_own_ranges(0) == ([(0, 6)], [(6, 16)])
+    assert rank1.counted_own_ranges(0, 2) == ([(0, 6)], [(6, 16)])
+
+
+def test_counted_own_ranges_leave_replicated_kv_heads_to_their_first_holder():
+    """A fused q/k/v [q 4 rows; k 1 row; v 1 row] x 3 columns at model-parallel size 4 (mpu.GroupedQKVStride: one
+    key/value head of d = 1, replicated on all 4 ranks): each rank's piece is [q_r; k; v], 3 rows = 9 elements
+    [0, 9), its k and v rows [3, 9). Rank 0 counts them, ranks 1-3 leave them out; a 5-element b (split) follows;
+    at dp 2 (padded to 64, partitions of 32) the cut holds inside the first data-parallel partition."""
+    import mpu
+    qkv, b = torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(5))
+    for p, stride in ((qkv, mpu.GroupedQKVStride(query_rows=4, kv_rows=1, head_dim=1)), (b, 1)):
+        p.model_parallel, p.partition_dim, p.partition_stride = True, 0, stride
+    layout = FlatLayout([qkv, b], 1, 0)
+    assert layout.counted_own_ranges(0, 4) == ([(0, 14)], [])
+    for rank in (1, 2, 3):
+        assert layout.counted_own_ranges(rank, 4) == ([(0, 3), (9, 14)], [(3, 9)]), rank
+    assert layout.counted_own_ranges(1, 1) == ([(0, 14)], [])     # at mp 1 nothing is replicated
+    assert FlatLayout([qkv, b], 2, 0).counted_own_ranges(3, 4) == ([(0, 3), (9, 14)], [(3, 9)])
+    assert FlatLayout([qkv, b], 2, 1).counted_own_ranges(3, 4) == ([], [])
 
 
 def test_full_numel_and_shape_of_whole_and_released_parameters():
