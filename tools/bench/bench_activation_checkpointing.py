@@ -16,6 +16,8 @@ forward+backward steps. Modes:
     partitioned           + partition_activations (each mp rank keeps 1/mp of every chunk input)
     partitioned+cpu       + checkpoint_in_cpu (identical to partitioned on a CPU-only machine)
     partitioned+contiguous + contiguous_checkpointing with num_checkpoints = num_layers
+    off+sp, selective+sp, on+sp   the mode with --sequence-parallel (mp > 1 only): each rank's layers take its
+                          1/mp of the sequence, the replicated activations are divided by mp
 
 tokens/s counts the tokens of one micro-batch per step (the model-parallel ranks share them). The
 one-extra-forward bound is step / (step + no-grad forward) of the "off" run: the speed ratio a checkpointed step
@@ -38,6 +40,15 @@ from bench_common import peak_rss_mb  # noqa: E402
 MODES = {"off": None, "selective": None, "on": {}, "partitioned": dict(partition_activations=True),
          "partitioned+cpu": dict(partition_activations=True, checkpoint_in_cpu=True),
          "partitioned+contiguous": dict(partition_activations=True, contiguous_checkpointing=True)}
+MODES.update({f"{mode}+sp": MODES[mode] for mode in ("off", "selective", "on")})   # --sequence-parallel
+
+
+def sequence_parallel(mode):
+    return mode.endswith("+sp")
+
+
+def base_mode(mode):
+    return mode[:-len("+sp")] if sequence_parallel(mode) else mode
 
 
 def parse_args():
@@ -49,8 +60,9 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up and counted steps")
     parser.add_argument("--mp", type=int, nargs="+", default=[1, 2], help="model-parallel sizes")
-    parser.add_argument("--modes", nargs="+", default=["off", "selective", "on", "partitioned", "partitioned+cpu"],
-                        choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["off", "selective", "on", "partitioned", "partitioned+cpu",
+                                                       "off+sp", "selective+sp"],
+                        choices=list(MODES), help="the +sp modes run at mp > 1 only")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every configuration this many times, in alternating order; tokens/s is the best")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / mp)")
@@ -92,9 +104,11 @@ def _worker(rank, mp_size, mode, args, port, queue):
     recompute = recompute_config(mode)
     model = mpu.ParallelTransformer(args.num_layers, args.hidden_size, args.num_attention_heads, 0.1, 0.1,
                                     checkpoint_function=checkpoint_function, rng_tracker=rng_tracker,
-                                    final_layernorm=False, recompute=recompute)   # the layers the formula counts
+                                    final_layernorm=False, recompute=recompute,   # the layers the formula counts
+                                    sequence_parallel=sequence_parallel(mode))
     generator = torch.Generator().manual_seed(7)
-    shape = (args.micro_batch, args.seq_length, args.hidden_size)  # [b, s, h]
+    seq = args.seq_length // (mp_size if sequence_parallel(mode) else 1)   # a rank's slice under --sequence-parallel
+    shape = (args.micro_batch, seq, args.hidden_size)  # [b, s, h]
     x = torch.randn(*shape, generator=generator).to(device).requires_grad_()
     target = torch.randn(*shape, generator=generator).to(device)
     built_rss = _rss_bytes()
@@ -133,7 +147,8 @@ def _worker(rank, mp_size, mode, args, port, queue):
     forward_seconds = (time.perf_counter() - start) / args.steps
     peak_rss = peak_rss_mb() * 1024 * 1024
     layout = memory.ActivationLayout.for_run(device.type, 4, 0.1, 0.1,
-                                             bool(MODES[mode] and MODES[mode].get("partition_activations")))
+                                             bool(MODES[mode] and MODES[mode].get("partition_activations")),
+                                             sequence_parallel=sequence_parallel(mode))
     formula = memory.activation_bytes_saved(args.num_layers, args.seq_length, args.micro_batch, args.hidden_size,
                                             args.num_attention_heads, mp_size, recompute, layout)
     result = {"saved_bytes": sum(storage.nbytes() for storage in seen.values()), "formula_bytes": formula,
@@ -149,7 +164,7 @@ def _worker(rank, mp_size, mode, args, port, queue):
 def recompute_config(mode):
     """The mpu.RecomputeConfig of a mode: selective, full uniform 1 for the zero.checkpointing modes, or none."""
     import mpu
-    if mode == "selective":
+    if base_mode(mode) == "selective":
         return mpu.RecomputeConfig("selective")
     return mpu.RecomputeConfig.from_checkpoint_activations(MODES[mode] is not None)
 
@@ -177,7 +192,8 @@ def main():
     tokens = args.micro_batch * args.seq_length
     runs = {}  # (mp, mode) -> results of each repeat
     for repeat in range(args.repeats):
-        order = [(mp_size, mode) for mp_size in args.mp for mode in args.modes]
+        order = [(mp_size, mode) for mp_size in args.mp for mode in args.modes
+                 if mp_size > 1 or not sequence_parallel(mode)]
         for key in (order if repeat % 2 == 0 else order[::-1]):  # alternate, so load drift hits every mode
             runs.setdefault(key, []).append(run_configuration(*key, args))
             print(f"done: mp={key[0]} {key[1]} ({repeat + 1}/{args.repeats})", file=sys.stderr, flush=True)
@@ -195,6 +211,8 @@ def main():
             step, forward = min(r["seconds_per_step"] for r in off), min(r["forward_seconds"] for r in off)
             bound = f"{step / (step + forward):.2f}x"
         for mode in args.modes:
+            if (mp_size, mode) not in runs:
+                continue
             results = runs[(mp_size, mode)]
             first = results[0]
             speed = tokens / min(r["seconds_per_step"] for r in results)
@@ -203,7 +221,7 @@ def main():
             device = f" (device peak {device_peak / 2**20:.0f} MiB)" if device_peak is not None else ""
             print(f"| {mp_size} | {mode} | {first['saved_bytes'] / 2**20:.1f} | {first['formula_bytes'] / 2**20:.1f} | "
                   f"{first['peak_rss'] / 2**20:.0f} | {first['peak_over_built'] / 2**20:.0f}{device} | {speed:.0f} | "
-                  f"{ratio} | {'-' if mode in ('off', 'selective') else bound} |")
+                  f"{ratio} | {'-' if base_mode(mode) in ('off', 'selective') else bound} |")
 
 
 if __name__ == "__main__":
