@@ -17,7 +17,7 @@ from megatron.spawn import run_distributed
 from tests.helpers import max_relative_difference
 from tests.model.test_llama import build_llama, hf_llama, _full_weights, _tokens
 
-STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 4, 4, 12, 3e-3, 0.1, 1.0
+STEPS, BATCH, LENGTH, LR, WEIGHT_DECAY, CLIP = 10, 4, 12, 3e-3, 0.1, 1.0
 PROMPTS, NEW_TOKENS = [(2, 4), (1, 6)], [3, 7]      # per data-parallel rank: (prompts, prompt length); new tokens
 RUNS = {"megatron": None,
         "megatron_master_weights": "master_weights",     # FP16_Optimizer's fp32 masters (no scaler: bf16's wrapper)
@@ -156,7 +156,7 @@ def test_llama_trains_as_huggingface_at_mp2_dp2(trained, run):
         assert max_relative_difference(losses, ref_losses) <= 1e-6, (rank, losses, ref_losses)
         assert max_relative_difference(norms, ref_norms) <= 1e-6, (rank, norms, ref_norms)
         assert weights.keys() == ref_weights.keys()
-        for name, tensor in ref_weights.items():   # measured 7.8e-7 (the MLP weights); the mutations >= 7.6e-5
+        for name, tensor in ref_weights.items():   # measured 7.9e-7 at 10 steps (the MLP weights); mutations >= 7.6e-5
             difference = max_relative_difference([weights[name]], [tensor])
             assert difference <= 2e-6, f"{run} rank {rank}: {name} differs from HF's by {difference:.2e} (relative)"
 
