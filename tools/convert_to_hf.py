@@ -215,14 +215,9 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     num_layers = full.model_config["num_layers"]
     try:
         weights = full.fp32_weights(progress)
-        layout = lora_layout(weights, num_layers)
-        if layout is None and peft_adapter is not None:
-            raise ConversionError(f"{load_dir} has no LoRA adapters: --peft-adapter needs a checkpoint trained with "
-                                  "--lora-rank")
-        lora = None
-        if layout is not None:
-            rank, targets = layout
-            lora = (rank, lora_alpha_of(full, rank, lora_alpha), targets)
+        lora = _lora_to_export(full, weights, load_dir, peft_adapter, lora_alpha)
+        if lora is not None:
+            rank, _, targets = lora
             if peft_adapter is not None:
                 write_peft_adapter(peft_adapter, weights, full.model_config, tokenizer, *lora)
             weights = merge_lora(weights, num_layers, lora[1] / rank)
@@ -231,6 +226,19 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
         raise ConversionError(f"{load_dir}: {error}") from None
     write_tokenizer(output_dir, tokenizer, full.model_config["max_sequence_length"])
     return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
+
+
+def _lora_to_export(full, weights, directory, peft_adapter, lora_alpha):
+    """(rank, alpha, targets) of the checkpoint's LoRA adapters, or None without any (refused with
+    --peft-adapter)."""
+    layout = lora_layout(weights, full.model_config["num_layers"])
+    if layout is None:
+        if peft_adapter is not None:
+            raise ConversionError(f"{directory} has no LoRA adapters: --peft-adapter needs a checkpoint trained with "
+                                  "--lora-rank")
+        return None
+    rank, targets = layout
+    return rank, lora_alpha_of(full, rank, lora_alpha), targets
 
 
 def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha=None, tokenizer_files=None):
@@ -251,14 +259,9 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
         write_llama_model(output_dir, state, model_config, reward_pad_id=eod)
         return model_config, len(state), sum(t.numel() for t in state.values()), None
     try:
-        layout = lora_layout(weights, num_layers)
-        if layout is None and peft_adapter is not None:
-            raise ConversionError(f"{full.saved.directory} has no LoRA adapters: --peft-adapter needs a checkpoint "
-                                  "trained with --lora-rank")
-        lora = None
-        if layout is not None:
-            rank, targets = layout
-            lora = (rank, lora_alpha_of(full, rank, lora_alpha), targets)
+        lora = _lora_to_export(full, weights, full.saved.directory, peft_adapter, lora_alpha)
+        if lora is not None:
+            rank, _, targets = lora
             if peft_adapter is not None:
                 base = {name: tensor for name, tensor in weights.items() if not is_lora_parameter(name)}
                 write_llama_model(os.path.join(peft_adapter, "base"), to_hf_llama_state_dict(base, model_config),
