@@ -293,3 +293,22 @@ def logged_losses(stdout):
 
 def validation_losses(stdout):
     return [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", stdout)]
+
+
+def gathered_model_parallel(module, grads=False):
+    """Every parameter of `module` (or its gradient), full size: all-gathered over the model-parallel group along
+    param.partition_dim in partition_stride blocks (query_key_value: rank r holds [q_r, k_r, v_r])."""
+    import torch.distributed as dist
+    import mpu
+    world = mpu.get_model_parallel_world_size()
+    full = {}
+    for name, param in module.named_parameters():
+        tensor = (param.grad if grads else param).detach().contiguous()
+        if world > 1 and getattr(param, "model_parallel", False):
+            pieces = [torch.empty_like(tensor) for _ in range(world)]
+            dist.all_gather(pieces, tensor, group=mpu.get_model_parallel_group())
+            dim, stride = param.partition_dim, param.partition_stride
+            blocks = [piece.chunk(stride, dim=dim) for piece in pieces]
+            tensor = torch.cat([blocks[r][j] for j in range(stride) for r in range(world)], dim=dim)
+        full[name] = tensor.clone()
+    return full

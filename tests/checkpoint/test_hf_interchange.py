@@ -22,7 +22,7 @@ import torch
 
 from megatron.spawn import run_distributed
 
-from tests.helpers import REPO, TINY_SHAPE
+from tests.helpers import gathered_model_parallel, REPO, TINY_SHAPE
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import convert_from_hf  # noqa: E402
@@ -53,23 +53,6 @@ def _ds_config(directory, name="ds_config.json", **extra):
 
 # ---------------------------------------------------------------------------------------------------- workers
 
-def _gathered_weights(module):
-    """Every parameter, full: all-gathered over the model-parallel group along param.partition_dim, in
-    partition_stride blocks (query_key_value: rank r holds [q_r, k_r, v_r])."""
-    import torch.distributed as dist
-    import mpu
-    world = mpu.get_model_parallel_world_size()
-    full = {}
-    for name, param in module.named_parameters():
-        tensor = param.detach().contiguous()
-        if world > 1 and getattr(param, "model_parallel", False):
-            pieces = [torch.empty_like(tensor) for _ in range(world)]
-            dist.all_gather(pieces, tensor, group=mpu.get_model_parallel_group())
-            dim, stride = param.partition_dim, param.partition_stride
-            blocks = [piece.chunk(stride, dim=dim) for piece in pieces]
-            tensor = torch.cat([blocks[r][j] for j in range(stride) for r in range(world)], dim=dim)
-        full[name] = tensor.clone()
-    return full
 
 
 def _logits(module, tokens, vocab):
@@ -111,7 +94,8 @@ def _worker(imports, trainings, hf_tokens, trained_tokens):
         pretrain(pretrain_gpt.train_valid_test_datasets_provider, _capturing_model_provider,
                  pretrain_gpt.forward_step, args_list=train_args)
         module = _BUILT[-1]
-        trained[name] = {"weights": _gathered_weights(module), "logits": _logits(module, trained_tokens, TRAINED_VOCAB)}
+        trained[name] = {"weights": gathered_model_parallel(module),
+                         "logits": _logits(module, trained_tokens, TRAINED_VOCAB)}
     return {"imported": imported, "trained": trained}
 
 

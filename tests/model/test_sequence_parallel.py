@@ -31,7 +31,8 @@ import torch.distributed as dist
 import mpu
 from megatron.spawn import run_distributed
 from megatron.guards import memory
-from tests.helpers import NO_DROPOUT, TINY, max_relative_difference, parser_error, train_each
+from tests.helpers import (gathered_model_parallel, max_relative_difference, NO_DROPOUT, parser_error, TINY,
+                           train_each)
 from tests.model.test_recompute import _saved_activation_bytes
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB, STEPS, LR = 2, 32, 4, 16, 2, 64, 10, 0.5
@@ -67,21 +68,6 @@ def _mappings_case():
 
 # ---- GPT-2 runs ------------------------------------------------------------------------------------------------
 
-def _gathered(module, grads=False):
-    """Every parameter (or its gradient), full size: all-gathered over the model-parallel group along
-    partition_dim in partition_stride blocks (query_key_value: rank r holds [q_r, k_r, v_r])."""
-    world = mpu.get_model_parallel_world_size()
-    full = {}
-    for name, param in module.named_parameters():
-        tensor = (param.grad if grads else param).detach().contiguous()
-        if world > 1 and getattr(param, "model_parallel", False):
-            pieces = [torch.empty_like(tensor) for _ in range(world)]
-            dist.all_gather(pieces, tensor, group=mpu.get_model_parallel_group())
-            dim, stride = param.partition_dim, param.partition_stride
-            blocks = [piece.chunk(stride, dim=dim) for piece in pieces]
-            tensor = torch.cat([blocks[r][j] for j in range(stride) for r in range(world)], dim=dim)
-        full[name] = tensor.clone()
-    return full
 
 
 def _config(sequence_parallel, dropout=0.0, recompute=None, lora=None):
@@ -121,14 +107,14 @@ def _sgd_run(config):
         loss.backward()
         losses.append(float(loss))
         if step == 0:
-            first_grads = _gathered(_Trainable(model), grads=True)
+            first_grads = gathered_model_parallel(_Trainable(model), grads=True)
             local = {n: p.grad.clone() for n, p in model.named_parameters() if any(k in n for k in REPLICATED_SP)
                      and p.grad is not None}
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)
-    return {"losses": losses, "grads": first_grads, "weights": _gathered(model), "local": local}
+    return {"losses": losses, "grads": first_grads, "weights": gathered_model_parallel(model), "local": local}
 
 
 class _Trainable(torch.nn.Module):
@@ -162,7 +148,7 @@ def _zero_run(config, stage):
         engine.step()
         losses.append(float(loss))
     with zero.GatheredParameters(list(model.parameters())):
-        weights = _gathered(model)
+        weights = gathered_model_parallel(model)
     return {"losses": losses, "weights": weights}
 
 
@@ -238,7 +224,7 @@ def _reward_gradients(sequence_parallel):
     model = _build(dataclasses.replace(_config(sequence_parallel), reward_head=True))
     rewards = model(_tokens(0)[0])
     (rewards * torch.linspace(0.5, 1.5, SEQ)).sum().backward()     # not summing to 0 (the final LN bias)
-    return {"rewards": rewards.detach(), "grads": _gathered(model, grads=True)}
+    return {"rewards": rewards.detach(), "grads": gathered_model_parallel(model, grads=True)}
 
 
 def _llama_config(sequence_parallel, recompute=None):
