@@ -45,7 +45,7 @@ rlhf: data   # runs make finetune (and make pretrain) first when their checkpoin
 # both cores busy meanwhile (9:27 vs 13:20 of pytest in one measurement); --dist loadfile keeps each file's shared
 # fixtures on one worker.
 test: install-test
-	$(VPY) -m pytest -q -n 3 --dist loadfile --durations=20 tests
+	$(VPY) -m pytest -q -n 4 --dist loadfile --durations=20 tests
 
 clean-data:
 	rm -rf data/webtext data/sft

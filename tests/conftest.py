@@ -28,6 +28,12 @@ def pytest_configure(config):
     os.environ[DEVICE_ENV] = device
     # every collective of the suite (spawned workers, launched scripts) checks NCCL's rules, on gloo too
     os.environ.setdefault("MEGATRON_NCCL_RULES", "1")
+    # One intra-op thread per process (spawned workers set it themselves): make test runs several pytest workers
+    # and their launches on 2 cores, where more threads only oversubscribe (OpenMP's spinning threads burn the
+    # cores another process needs). Read by torch at start-up, inherited by every process the tests launch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""     # read when CUDA first initializes, in this process and workers
         return
@@ -100,13 +106,15 @@ def ds_pretrained(tmp_path_factory, webtext_data):
 
 
 # The files that take longest (measured in a full run, their tests together), started first: with `--dist loadfile`
-# a worker that picks one of them up at the end of the run keeps the run going alone for minutes. The ones on mock
-# data come before those that wait for the default data to be built once.
-LONGEST_FIRST = ["tests/training/test_restarts.py", "tests/model/test_fused_compute.py",
-                 "tests/posttrain/test_finetune_default.py", "tests/posttrain/test_reward.py",
-                 "tests/zero/test_deepspeed_path.py", "tests/training/test_scripts.py",
-                 "tests/training/test_hang_diagnostics.py", "tests/zero/test_zero3.py",
-                 "tests/zero/test_zero_engine.py", "tests/posttrain/test_sft.py"]
+# a worker that picks one of them up at the end of the run keeps the run going alone for minutes. test_bad_input.py is
+# among the first: its first test builds the default data, which the later files wait for.
+LONGEST_FIRST = ["tests/model/test_fused_compute.py", "tests/training/test_restarts.py",
+                 "tests/training/test_bad_input.py", "tests/training/test_hang_diagnostics.py",
+                 "tests/posttrain/test_reward.py", "tests/zero/test_deepspeed_path.py",
+                 "tests/posttrain/test_finetune_default.py", "tests/zero/test_deepspeed_checkpoints.py",
+                 "tests/zero/test_zero_engine.py", "tests/training/test_scripts.py", "tests/zero/test_zero3.py",
+                 "tests/posttrain/test_rlhf.py", "tests/checkpoint/test_hf_interchange.py",
+                 "tests/zero/test_ds_chat_client.py", "tests/model/test_vocab_padding.py"]
 
 
 def pytest_collection_modifyitems(config, items):
