@@ -41,9 +41,9 @@ rlhf: data   # runs make finetune (and make pretrain) first when their checkpoin
 	@test -f checkpoints/gpt2_lora/latest_checkpointed_iteration.txt || $(MAKE) finetune
 	PYTHON=$(VPY) bash scripts/rlhf.sh
 
-# 3 workers on 2 cores: many tests wait (process start-up, timeouts of the hang tests), and a third worker keeps
-# both cores busy meanwhile (9:27 vs 13:20 of pytest in one measurement); --dist loadfile keeps each file's shared
-# fixtures on one worker.
+# 4 workers on 2 cores: many tests wait (process start-up, timeouts of the hang tests, rendezvous), and the extra
+# workers keep both cores busy meanwhile; --dist loadfile keeps each file's shared fixtures on one worker, and
+# tests/conftest.py hands the longest files out first.
 test: install-test
 	$(VPY) -m pytest -q -n 4 --dist loadfile --durations=20 tests
 

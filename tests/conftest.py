@@ -105,16 +105,43 @@ def ds_pretrained(tmp_path_factory, webtext_data):
     return checkpoint, stdout_file.read_text()
 
 
-# The files that take longest (measured in a full run, their tests together), started first: with `--dist loadfile`
-# a worker that picks one of them up at the end of the run keeps the run going alone for minutes. test_bad_input.py is
-# among the first: its first test builds the default data, which the later files wait for.
+# The files that take longest (measured in a full run, their tests together), started first (in this order, by the
+# scheduler below): with `--dist loadfile` a worker that picks one of them up at the end of the run keeps the run
+# going alone for minutes. test_bad_input.py is among the first: it builds the default data the later files read.
 LONGEST_FIRST = ["tests/model/test_fused_compute.py", "tests/training/test_restarts.py",
-                 "tests/training/test_bad_input.py", "tests/training/test_hang_diagnostics.py",
-                 "tests/posttrain/test_reward.py", "tests/zero/test_deepspeed_path.py",
-                 "tests/posttrain/test_finetune_default.py", "tests/zero/test_deepspeed_checkpoints.py",
-                 "tests/zero/test_zero_engine.py", "tests/training/test_scripts.py", "tests/zero/test_zero3.py",
-                 "tests/posttrain/test_rlhf.py", "tests/checkpoint/test_hf_interchange.py",
-                 "tests/zero/test_ds_chat_client.py", "tests/model/test_vocab_padding.py"]
+                 "tests/training/test_bad_input.py", "tests/posttrain/test_reward.py",
+                 "tests/zero/test_deepspeed_path.py", "tests/training/test_hang_diagnostics.py",
+                 "tests/zero/test_deepspeed_checkpoints.py", "tests/zero/test_zero3.py",
+                 "tests/training/test_scripts.py", "tests/posttrain/test_finetune_default.py",
+                 "tests/inference/test_generation.py",
+                 "tests/zero/test_zero_engine.py", "tests/model/test_vocab_padding.py", "tests/posttrain/test_sft.py",
+                 "tests/checkpoint/test_hf_interchange.py", "tests/data/test_preprocess.py", "tests/test_gpu_check.py",
+                 "tests/zero/test_ds_chat_client.py", "tests/zero/test_memory_estimate.py"]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile handing the files out in collection order (LONGEST_FIRST first): pytest-xdist 3 orders them
+    by their number of tests, which started the longest files last and ran them alone at the end."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class CollectionOrderScheduling(LoadFileScheduling):
+        def schedule(self):
+            if self.collection is not None or not self._check_nodes_have_same_collection():
+                return super().schedule()
+            self.collection = list(next(iter(self.registered_collections.values())))
+            for nodeid in self.collection:
+                self.workqueue.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            for node in self.nodes[len(self.workqueue):]:      # more workers than files: the extra ones stop
+                self.assigned_work.pop(node)
+                node.shutdown()
+            for node in self.nodes:
+                self._assign_work_unit(node)
+            for node in self.nodes:                           # a second file each, as xdist does
+                self._reschedule(node)
+
+    return CollectionOrderScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
