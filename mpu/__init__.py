@@ -12,7 +12,8 @@ from .initialize import (get_embedding_group, get_pipeline_model_parallel_group,
                          get_virtual_pipeline_model_parallel_rank, get_virtual_pipeline_model_parallel_world_size,
                          is_pipeline_first_stage, is_pipeline_last_stage, is_rank_in_embedding_group,
                          set_virtual_pipeline_model_parallel_rank)
-from .layers import ColumnParallelLinear, GroupedQKVStride, RowParallelLinear, VocabParallelEmbedding
+from .layers import (ColumnParallelLinear, GroupedQKVStride, replicated_mask_dropout, RowParallelLinear,
+                     VocabParallelEmbedding)
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)

@@ -153,11 +153,13 @@ def _split_master(master, partition_dim, per_partition, stride=1):
     return torch.cat(pieces[get_model_parallel_rank()::world_size], dim=partition_dim)
 
 
-def _lora_dropout(input_, p, training, column_slice=False, sequence_slice=False):
-    """Dropout on a LoRA adapter's input with one mask over the full input width, drawn from the default generator
-    (the same on every model-parallel rank): `column_slice` (a row-parallel input, this rank's columns of that
-    width) takes this rank's columns of the mask, `sequence_slice` (a sequence-parallel input [b, s/p, in]) this
-    rank's positions, so the masks are those of model-parallel size 1."""
+def replicated_mask_dropout(input_, p, training, column_slice=False, sequence_slice=False):
+    """Dropout with one mask over the full (model-parallel size 1) shape, drawn from the default generator (the same
+    on every model-parallel rank), of which this rank keeps its part: `column_slice` (a row-parallel input, this
+    rank's columns of the full width) its columns, `sequence_slice` (a sequence-parallel tensor [b, s/p, ...]) its
+    positions. The masks are those of model-parallel size 1 and of the run without sequence parallelism, and the
+    arithmetic is F.dropout's on the CPU (mask / (1 - p), then input * mask): bitwise its output there. Used by the
+    LoRA adapters' dropout and, with sequence parallelism, by the embedding and hidden dropouts."""
     if not training or p == 0.0:
         return input_
     world_size = get_model_parallel_world_size()
@@ -165,13 +167,15 @@ def _lora_dropout(input_, p, training, column_slice=False, sequence_slice=False)
     positions = world_size if sequence_slice else 1
     shape = list(input_.shape)
     shape[-1] *= columns
-    shape[1] *= positions                                                   # [b, s, in]
+    shape[1] *= positions                                                   # [b, s, ...]
     keep = torch.empty(shape, dtype=input_.dtype, device=input_.device).bernoulli_(1.0 - p)
     if columns > 1:
         keep = keep.chunk(columns, dim=-1)[get_model_parallel_rank()]
     if positions > 1:
         keep = keep.chunk(positions, dim=1)[get_model_parallel_rank()]
-    return input_ * keep / (1.0 - p)
+    if columns > 1 or positions > 1:
+        keep = keep.clone()          # backward keeps only this rank's part, not a view of the full mask
+    return input_ * keep.div_(1.0 - p)
 
 
 def sequence_parallel_replicated(param):
@@ -317,7 +321,7 @@ class ColumnParallelLinear(nn.Module):
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
             # Sequence parallel: u = A x' of this rank's positions, gathered (backward: dL/du summed over the ranks
             # and cut to my positions), so A's gradient is my positions' share: summed over the group.
-            lora_input = _lora_dropout(input_, self.lora_dropout, self.training, sequence_slice=sequence_parallel)
+            lora_input = replicated_mask_dropout(input_, self.lora_dropout, self.training, sequence_slice=sequence_parallel)
             if sequence_parallel:
                 u = gather_from_sequence_parallel_region(
                     F.linear(lora_input, sequence_parallel_replicated(self.lora_A)))          # [b, s, r]
@@ -374,7 +378,7 @@ class RowParallelLinear(nn.Module):
         if self.lora_A is not None and not self.lora_disabled:
             # u = sum_i A_i x'_i (an all-reduce of [..., r]); B u is then whole on every rank, as is B's gradient
             # (sequence parallel: u of my positions, B's gradient their share, summed over the group).
-            lora_input = _lora_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
+            lora_input = replicated_mask_dropout(input_parallel, self.lora_dropout, self.training, column_slice=True)
             u = reduce(F.linear(lora_input, self.lora_A))                                     # [..., r]
             output = output + self.lora_scale * F.linear(u, replicated(self.lora_B))          # [..., out]
         if self.bias is not None:

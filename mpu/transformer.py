@@ -7,8 +7,9 @@ Sequence parallelism (`ParallelTransformer(..., sequence_parallel=True)`, Megatr
 stack's input and output and everything between the blocks (LayerNorms, hidden dropout, residual adds) are this
 rank's slice of the sequence, [b, s/p, h]; each block all-gathers the sequence before its column-parallel linear
 and reduce-scatters after its row-parallel one (the all-reduce's two halves), and the LayerNorms' and row-parallel
-biases' gradients are summed over the group (mpu.layers.sequence_parallel_replicated). The hidden dropouts draw
-from the model-parallel RNG stream (each rank masks a different slice); incremental decoding runs without it.
+biases' gradients are summed over the group (mpu.layers.sequence_parallel_replicated). The hidden dropouts keep
+each rank's slice of the whole sequence's mask (mpu.layers.replicated_mask_dropout), so the run equals the one
+without; incremental decoding runs without it.
 
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
@@ -35,7 +36,8 @@ from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import ColumnParallelLinear, GroupedQKVStride, LayerNorm, RMSNorm, RowParallelLinear
+from .layers import (ColumnParallelLinear, GroupedQKVStride, LayerNorm, replicated_mask_dropout, RMSNorm,
+                     RowParallelLinear)
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
@@ -268,7 +270,7 @@ class ParallelSelfAttention(nn.Module):
         else:
             context = self.core_attention(q, k, v, attention_mask, past=past)      # [b, s, h/p]
         output = self.dense(context, sequence_parallel=sequence_parallel)         # [b, s, h] or [b, s/p, h]
-        return hidden_dropout(self.output_dropout, output, sequence_parallel, self.rng_tracker)
+        return hidden_dropout(self.output_dropout, output, sequence_parallel)
 
     def core_attention(self, q, k, v, attention_mask=None, past=0):
         """softmax(q k^T / sqrt(d) + mask) with attention dropout, times v (Megatron's "core attention": what
@@ -291,24 +293,22 @@ class ParallelSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
 
 
-def hidden_dropout(dropout, hidden_states, sequence_parallel, rng_tracker):
-    """`dropout` on a block's output: from the default generator (the same mask on every model-parallel rank:
-    the tensor is replicated), or with sequence parallelism, where each rank holds a different slice, from the
-    model-parallel stream (as Megatron-LM)."""
-    if not sequence_parallel or not dropout.training or dropout.p == 0.0:
+def hidden_dropout(dropout, hidden_states, sequence_parallel):
+    """`dropout` on a block's output: from the default generator, the same mask on every model-parallel rank (the
+    tensor is replicated); with sequence parallelism each rank keeps its slice of the whole sequence's mask, so the
+    run equals the one without (Megatron-LM draws each slice from the per-rank stream instead)."""
+    if not sequence_parallel:
         return dropout(hidden_states)
-    with rng_tracker.fork():
-        return dropout(hidden_states)
+    return replicated_mask_dropout(hidden_states, dropout.p, dropout.training, sequence_slice=True)
 
 
 class ParallelMLP(nn.Module):
     """GELU (tanh) MLP h -> f -> h (f = ffn_hidden_size, 4h by default), or with `swiglu` down(silu(gate) * up):
     dense_h_to_4h is then the fused [gate; up] master [2f, h] at stride 2 (rank r: [gate_r; up_r])."""
 
-    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker=None,
+    def __init__(self, hidden_size, output_dropout_prob, init_method, output_layer_init_method,
                  architecture=GPT2_ARCHITECTURE):
         super().__init__()
-        self.rng_tracker = rng_tracker if rng_tracker is not None else get_cuda_rng_tracker()
         ffn = architecture.ffn_size(hidden_size)
         self.swiglu = architecture.swiglu
         self.dense_h_to_4h = ColumnParallelLinear(hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
@@ -331,7 +331,7 @@ class ParallelMLP(nn.Module):
         else:
             intermediate = F.gelu(projected, approximate="tanh")                           # [b, s, f/p]
         output = self.dense_4h_to_h(intermediate, sequence_parallel=sequence_parallel)   # [b, s, h] or [b, s/p, h]
-        return hidden_dropout(self.dropout, output, sequence_parallel, self.rng_tracker)
+        return hidden_dropout(self.dropout, output, sequence_parallel)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -353,7 +353,7 @@ class ParallelTransformerLayer(nn.Module):
                                                output_dropout_prob, init_method, output_layer_init_method,
                                                rng_tracker, architecture)
         self.post_attention_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
-        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method, rng_tracker,
+        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method,
                                architecture)
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=None):
@@ -534,8 +534,7 @@ class ParallelTransformer(nn.Module):
         tracker the checkpoint function captures)."""
         self.checkpoint_function = checkpoint_function
         for layer in self.layers:
-            layer.attention.rng_tracker = rng_tracker
-            layer.mlp.rng_tracker = rng_tracker
+            layer.attention.rng_tracker = rng_tracker       # the one user of the per-rank stream
 
     def _chunk(self, start, end, rotary=None, sequence_parallel=False):
         def run(hidden_states, *mask):

@@ -47,7 +47,6 @@ final LayerNorm, and the slices are all-gathered before the LM head (backward: r
 (backward: this rank's slice). Generation (an inference_cache) and a sequence length the model-parallel size does
 not divide run without it: the same weights, whole sequences.
 """
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -340,8 +339,8 @@ class GPT2Model(nn.Module):
                 hidden = hidden + self.position_embeddings(position_ids)      # [b, s, h]
             if sequence_parallel:
                 hidden = mpu.scatter_to_sequence_parallel_region(hidden)     # [b, s/p, h]
-                with mpu.get_cuda_rng_tracker().fork() if self.embedding_dropout.training else nullcontext():
-                    hidden = self.embedding_dropout(hidden)
+                hidden = mpu.replicated_mask_dropout(hidden, self.embedding_dropout.p,      # its slice of the
+                                                     self.embedding_dropout.training, sequence_slice=True)  # mask
             else:
                 hidden = self.embedding_dropout(hidden)
         else:

@@ -3,23 +3,23 @@ mpu/transformer.py, GPT2Model).
 
 What is asserted, in one launch of 2 processes (every variant in sequence):
 - the three sequence mappings' forward and backward against tensors computed by hand;
-- without dropout, 10 SGD steps of GPT-2 at mp 2 with sequence parallelism == mp 1 == mp 2 without (losses and
-  every weight, gathered to full size, within 1e-6 relative, fp32);
+- with embedding and hidden dropout (0.2), 10 SGD steps of GPT-2 at mp 2 with sequence parallelism == mp 1 == mp 2
+  without (losses, first gradients and every weight, gathered to full size, within 1e-6 relative, fp32): each rank
+  keeps its slice of the whole sequence's mask, drawn from the default generator (mpu.replicated_mask_dropout);
+- with attention dropout too, mp 2 with sequence parallelism == mp 2 without (attention dropout draws from the
+  per-rank stream for the rank's heads, as in Megatron-LM, so neither equals mp 1 then);
 - the LayerNorms' (and the row-parallel biases') gradients are identical on the two tensor-parallel ranks, and
   equal the mp 1 gradients (each rank sums its sequence slice's partial gradient over the group);
-- with dropout, sequence parallelism is NOT compared with the run without: as in Megatron-LM, the hidden and
-  embedding dropouts then act on each rank's sequence slice and draw from the per-rank model-parallel stream (the
-  run without draws one mask for the whole replicated tensor from the default stream), so the masks differ by
-  design. Asserted instead: full and selective recomputation with sequence parallelism and dropout are bitwise the
-  plain sequence-parallel run (the slices' masks are replayed), and the two ranks' dropout masks differ.
-- ZeRO stage 2 and 3 at mp 2 with sequence parallelism == the Megatron-path run (the LayerNorm sums happen inside
-  autograd, before ZeRO's gradient hooks).
+- full and selective recomputation with sequence parallelism and dropout are bitwise the plain sequence-parallel
+  run (the masks are replayed), and each rank's embedding-dropout mask is its slice of the whole sequence's;
+- ZeRO stage 2 and 3 at mp 2 with sequence parallelism and dropout == the Megatron-path run without sequence
+  parallelism (the LayerNorm sums happen inside autograd, before ZeRO's gradient hooks).
 - the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
   equal memory.activation_bytes_saved with the sequence-parallel layout at mp 2, for no recomputation, selective
   and full: the replicated part is divided by 2.
 - pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes), on the Megatron path and on ZeRO-1: with sequence
   parallelism (the stages pass their sequence slices) the losses of 10 steps equal the run without (1e-6 relative,
-  no dropout).
+  dropout 0.1 everywhere).
 - a tiny Llama shape (SwiGLU, RMSNorm, rotary, GQA 2 of 4 heads, no biases, untied head) at mp 2: with sequence
   parallelism (and with it and full recomputation) its 10 SGD losses and RMSNorm gradients equal the run without;
 - the command line: --sequence-parallel at mp 1 is one line.
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import mpu
 from megatron.spawn import run_distributed
 from megatron.guards import memory
-from tests.helpers import (gathered_model_parallel, max_relative_difference, NO_DROPOUT, parser_error, TINY,
+from tests.helpers import (gathered_model_parallel, max_relative_difference, parser_error, TINY,
                            train_each)
 from tests.model.test_recompute import _saved_activation_bytes
 
@@ -70,10 +70,12 @@ def _mappings_case():
 
 
 
-def _config(sequence_parallel, dropout=0.0, recompute=None, lora=None):
+def _config(sequence_parallel, dropout=0.0, recompute=None, lora=None, attention_dropout=None):
+    """attention_dropout: `dropout` unless given."""
     from megatron.model.gpt2_model import GPT2ModelConfig
+    attention_dropout = dropout if attention_dropout is None else attention_dropout
     return GPT2ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                           max_sequence_length=SEQ, embedding_dropout=dropout, attention_dropout=dropout,
+                           max_sequence_length=SEQ, embedding_dropout=dropout, attention_dropout=attention_dropout,
                            hidden_dropout=dropout, sequence_parallel=sequence_parallel, recompute=recompute,
                            lora=lora)
 
@@ -81,6 +83,11 @@ def _config(sequence_parallel, dropout=0.0, recompute=None, lora=None):
 # LoRA on all four linears with adapter dropout: its masks are drawn over the whole sequence from the default
 # generator and cut to each rank's positions, so LoRA runs are equal with and without sequence parallelism.
 LORA = mpu.LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=("qkv", "dense", "fc1", "fc2"))
+
+
+def _hidden_dropout_config(sequence_parallel):
+    """Embedding and hidden dropout 0.2, no attention dropout: the masks are then the same at mp 1 and mp 2."""
+    return _config(sequence_parallel, dropout=0.2, attention_dropout=0.0)
 
 
 def _tokens(step):
@@ -171,14 +178,14 @@ def _dropout_run(config):
     return {"losses": losses, "grads": grads}
 
 
-def _embedding_dropout_mask():
-    """This rank's embedding-dropout output on ones: where its slice's mask drops (sequence parallel)."""
-    model = _build(_config(True, dropout=0.5))
+def _embedding_dropout_mask(sequence_parallel):
+    """This rank's embedding-dropout output on ones: where its mask drops (its slice with sequence parallelism)."""
+    model = _build(_config(sequence_parallel, dropout=0.5))
     mpu.model_parallel_cuda_manual_seed(99)
     words = []
     model.word_embeddings.register_forward_hook(lambda module, inputs, output: torch.ones_like(output))
     model.position_embeddings.register_forward_hook(lambda module, inputs, output: torch.zeros_like(output))
-    model.embedding_dropout.register_forward_hook(lambda module, inputs, output: words.append(output.detach()))
+    model.transformer.layers[0].register_forward_pre_hook(lambda module, inputs: words.append(inputs[0].detach()))
     model(*_tokens(0)[:1], labels=_tokens(0)[1])
     return words[0]
 
@@ -258,7 +265,10 @@ def _llama_run(config):
 
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
-    results = {"mappings": _mappings_case(), "mp2": _sgd_run(_config(False)), "mp2 sp": _sgd_run(_config(True))}
+    results = {"mappings": _mappings_case(), "mp2": _sgd_run(_hidden_dropout_config(False)),
+               "mp2 sp": _sgd_run(_hidden_dropout_config(True))}
+    results["dropout mp2"] = _sgd_run(_config(False, dropout=0.2))
+    results["dropout mp2 sp"] = _sgd_run(_config(True, dropout=0.2))
     results["lora mp2"] = _sgd_run(_config(False, lora=LORA))
     results["lora mp2 sp"] = _sgd_run(_config(True, lora=LORA))
     results["llama mp2"] = _llama_run(_llama_config(False))
@@ -268,19 +278,20 @@ def _worker(zero_stages):
     for mode, config in (("full", mpu.RecomputeConfig("full", "uniform", 1)),
                          ("selective", mpu.RecomputeConfig("selective"))):
         results[f"dropout sp, {mode} recompute"] = _dropout_run(_config(True, dropout=0.2, recompute=config))
-    results["dropout mask"] = _embedding_dropout_mask()
+    results["dropout mask"] = _embedding_dropout_mask(True)
+    results["dropout mask, whole sequence"] = _embedding_dropout_mask(False)
     results["saved bytes"] = _measured_activation_bytes()
     results["eval"] = _eval_and_decode(False)
     results["eval sp"] = _eval_and_decode(True)
     results["reward"] = _reward_gradients(False)
     results["reward sp"] = _reward_gradients(True)
     for stage in zero_stages:
-        results[f"zero {stage} sp"] = _zero_run(_config(True), stage)
-    results["zero reference"] = _zero_run(_config(False), 0) if zero_stages else None
+        results[f"zero {stage} sp"] = _zero_run(_config(True, dropout=0.2), stage)
+    results["zero reference"] = _zero_run(_config(False, dropout=0.2), 0) if zero_stages else None
     # mp 1 on the same processes (data parallel 2: each rank computes the same whole model)
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1)
-    results["mp1"] = _sgd_run(_config(False))
+    results["mp1"] = _sgd_run(_hidden_dropout_config(False))
     return results
 
 
@@ -334,6 +345,15 @@ def test_mp2_with_and_without_sequence_parallel_equal_mp1(ranks, run):
 def test_sequence_parallel_equals_plain_mp2(ranks):
     for result in ranks:
         assert max_relative_difference(result["mp2 sp"]["weights"], result["mp2"]["weights"]) < TOLERANCE
+
+
+def test_with_attention_dropout_sequence_parallel_equals_plain_mp2(ranks):
+    for rank, result in enumerate(ranks):
+        got, reference = result["dropout mp2 sp"], result["dropout mp2"]
+        for key in ("losses", "grads", "weights"):
+            assert max_relative_difference(got[key], reference[key]) < TOLERANCE, (rank, key)
+        # attention dropout really acts: the run differs from the one without it
+        assert max_relative_difference(reference["losses"], result["mp2"]["losses"]) > 100 * TOLERANCE, rank
 
 
 def test_lora_with_sequence_parallel_equals_lora_without(ranks):
@@ -402,11 +422,15 @@ def test_dropout_recompute_is_bitwise_the_plain_sequence_parallel_run(ranks, mod
             assert all(torch.equal(g[key], ref[key]) for key in ref), rank
 
 
-def test_dropout_masks_differ_between_the_sequence_slices(ranks):
+def test_each_ranks_dropout_mask_is_its_slice_of_the_whole_sequences(ranks):
     masks = [result["dropout mask"] for result in ranks]
-    assert masks[0].shape == (BATCH, SEQ // 2, HIDDEN)
-    assert not torch.equal(masks[0] == 0, masks[1] == 0)               # each slice its own stream
-    assert 0.3 < float((masks[0] == 0).float().mean()) < 0.7
+    whole = ranks[0]["dropout mask, whole sequence"]
+    assert masks[0].shape == (BATCH, SEQ // 2, HIDDEN) and whole.shape == (BATCH, SEQ, HIDDEN)
+    for rank, mask in enumerate(masks):
+        assert torch.equal(mask, whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2]), rank
+        assert torch.equal(ranks[rank]["dropout mask, whole sequence"], whole)
+    assert not torch.equal(masks[0] == 0, masks[1] == 0)
+    assert 0.3 < float((whole == 0).float().mean()) < 0.7
 
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)
@@ -430,7 +454,7 @@ def test_saved_activation_bytes_match_the_sequence_parallel_formula(ranks):
     assert ranks[0]["saved bytes"]["full uniform 1"] == MEASURE_LAYERS * sbh // 2      # each input a slice
 
 
-PIPELINE = TINY + NO_DROPOUT + ["--model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+PIPELINE = TINY + ["--model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                 "--batch-size", "2", "--global-batch-size", "4"]
 
 
