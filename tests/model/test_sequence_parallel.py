@@ -12,7 +12,7 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
   equal the mp 1 gradients (each rank sums its sequence slice's partial gradient over the group);
 - full and selective recomputation with sequence parallelism and dropout are bitwise the plain sequence-parallel
   run (the masks are replayed), and each rank's embedding-dropout mask is its slice of the whole sequence's;
-- ZeRO stage 2 and 3 at mp 2 with sequence parallelism and dropout == the Megatron-path run without sequence
+- ZeRO stages 0, 2 and 3 at mp 2 with sequence parallelism and dropout == the ZeRO-0 run without sequence
   parallelism (the LayerNorm sums happen inside autograd, before ZeRO's gradient hooks).
 - the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
   equal memory.activation_bytes_saved with the sequence-parallel layout at mp 2, for no recomputation, selective
@@ -295,7 +295,7 @@ def _worker(zero_stages):
     return results
 
 
-ZERO_STAGES = (2, 3)
+ZERO_STAGES = (0, 2, 3)
 
 
 @pytest.fixture(scope="module")
