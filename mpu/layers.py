@@ -321,7 +321,8 @@ class ColumnParallelLinear(nn.Module):
             # gradient); this copy's backward sums dL/du over the ranks, so A's gradient is whole on every rank.
             # Sequence parallel: u = A x' of this rank's positions, gathered (backward: dL/du summed over the ranks
             # and cut to my positions), so A's gradient is my positions' share: summed over the group.
-            lora_input = replicated_mask_dropout(input_, self.lora_dropout, self.training, sequence_slice=sequence_parallel)
+            lora_input = replicated_mask_dropout(input_, self.lora_dropout, self.training,
+                                                 sequence_slice=sequence_parallel)
             if sequence_parallel:
                 u = gather_from_sequence_parallel_region(
                     F.linear(lora_input, sequence_parallel_replicated(self.lora_A)))          # [b, s, r]

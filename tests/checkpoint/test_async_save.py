@@ -119,7 +119,7 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_path, zero):
     save_dir = str(tmp_path / "save")
     flags = ARGS + _flags(tmp_path, zero)
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
     result = subprocess.run([sys.executable, "-c", KILL_RUNNER] + flags + ["--save", save_dir, "--async-save"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == -9, result.stderr[-3000:]

@@ -211,7 +211,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
 def test_bad_checkpoint_exits_nonzero_with_message(tmp_path):
     os.makedirs(tmp_path / "save")
     (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("7")
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
     result = subprocess.run([sys.executable, "pretrain_gpt.py"] + TINY + ["--train-iters", "1", "--load",
                                                                            str(tmp_path / "save")],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -296,7 +296,7 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, zero):
     save_dir = str(tmp_path / "save")
     flags = _zero_flags(str(tmp_path)) if zero else []
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
     result = subprocess.run([sys.executable, "-c", ENOSPC_RUNNER] + ARGS + flags + ["--save", save_dir], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]

@@ -200,13 +200,12 @@ def _pretrain(save_dir, webtext, extra=()):
 def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_data):
     save = str(tmp_path / "save")
     run_distributed(_pretrain, 1, args=(save, webtext_data))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     tokenizer = ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
                  "--merge-file", os.path.join(webtext_data, "merges.txt")]
     command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                "--master_port", str(free_port()), "tasks/main.py", *MODEL, *tokenizer, "--model-parallel-size", "2",
                "--load", save, "--task", "WIKITEXT103", "--valid-data", WIKI, "--overlapping-eval", "8"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"validation results on WIKITEXT103 \| avg loss: (\S+) \| ppl: (\S+) \| adjusted ppl: (\S+)",
                      result.stdout)
@@ -216,7 +215,8 @@ def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_da
     # Bad input: a missing file is one line on stderr and exit status 1.
     missing = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *tokenizer, "--load", save, "--task",
                               "LAMBADA", "--valid-data", str(tmp_path / "none.jsonl")], cwd=REPO,
-                             env=dict(env, MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=120)
+                             env=dict(os.environ, MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                             timeout=120)
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"error: --valid-data {tmp_path / 'none.jsonl'} does not exist"
 
@@ -259,7 +259,7 @@ def test_lambada_cli_on_a_zero_checkpoint_matches_huggingface(tmp_path, zero_che
     flags = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
              os.path.join(webtext_data, "merges.txt"), "--load", save, "--task", "LAMBADA", "--valid-data", str(data)]
     result = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *flags, "--strict-lambada"], cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())),
+                            env=dict(os.environ, MASTER_PORT=str(free_port())),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"validation results on LAMBADA \| number correct: (\d+) \| total examples: (\d+) \| "

@@ -59,7 +59,7 @@ def _start(library, root):
     processes = []
     for rank in range(2):
         env = script_env({"PYTHONPATH": REPO, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                          "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+                          "RANK": str(rank), "LOCAL_RANK": str(rank),
                           "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"})
         log = os.path.join(root, f"{library}.rank{rank}.log")
         with open(log, "w") as handle:
