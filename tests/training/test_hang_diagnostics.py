@@ -148,9 +148,9 @@ def test_slow_step_prints_breadcrumb_and_stacks_once():
     watchdog = breadcrumbs.SlowStepWatchdog(factor=5, min_seconds=0.0, min_history=3, poll_seconds=0.01,
                                             stream=stream)
     try:
-        for iteration in range(1, 4):            # the median: ~20 ms
+        for iteration, seconds in enumerate((0.01, 0.02, 0.06), 1):   # the median ~20 ms (mean 30, max 60)
             with watchdog.step(iteration):
-                time.sleep(0.02)
+                time.sleep(seconds)
         assert stream.getvalue() == ""
         breadcrumbs.record("test all-reduce", torch.zeros(4, 2))
         with watchdog.step(4):                   # 20x the median: reported while it runs, once
