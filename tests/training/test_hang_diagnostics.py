@@ -43,6 +43,10 @@ waiting_for_the_test(os.environ["DONE_FILE"])
 """
 
 
+def _ready_ranks(pid_dir):
+    return sorted(name for name in os.listdir(pid_dir) if name.isdigit())
+
+
 def test_sigusr1_dumps_every_ranks_stack(tmp_path):
     done = tmp_path / "done"
     pid_dir = tmp_path / "done.pids"
@@ -54,10 +58,10 @@ def test_sigusr1_dumps_every_ranks_stack(tmp_path):
         del os.environ["DONE_FILE"]
     try:
         deadline = time.monotonic() + 60
-        while len(os.listdir(pid_dir)) < 2 and time.monotonic() < deadline:
+        while len(_ready_ranks(pid_dir)) < 2 and time.monotonic() < deadline:   # not a rank's "<rank>.tmp"
             assert job.poll() is None, "the job ended before both ranks were ready"
             time.sleep(0.05)
-        pids = [int((pid_dir / name).read_text()) for name in sorted(os.listdir(pid_dir)) if name.isdigit()]
+        pids = [int((pid_dir / name).read_text()) for name in _ready_ranks(pid_dir)]
         assert len(pids) == 2, f"ranks ready: {pids}"
         for pid in pids:   # one at a time: both ranks write to the same stderr
             os.kill(pid, signal.SIGUSR1)
