@@ -1,16 +1,18 @@
-"""The fused compute path (--torch-compile, mpu/fused.py): the same training as eager, on both paths, under model
-and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager loss and
-its gradient."""
+"""The fused compute path (--torch-compile, mpu/fused.py): the same training as eager with dropout on, on both paths,
+under model and data parallelism (ZeRO-3 included), with activation checkpointing; the fused loss equals the eager
+loss and its gradient."""
 import json
 
 import pytest
 import torch
 
 from megatron.spawn import run_distributed
-from tests.helpers import NO_DROPOUT, TINY, train_each
+from tests.helpers import TINY, train_each
 
 ITERS_20 = ["--train-iters", "20"]
+MICRO_2 = ["--batch-size", "2", "--global-batch-size", "4"]     # one process: 2 micro-batches of 2 per step
 MP2 = ["--batch-size", "4", "--model-parallel-size", "2"]
+CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16)
 ZERO3 = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -25,17 +27,29 @@ def _launch(world_size, runs):
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
+    """Three sets of compiled pieces (dropout 0.1 throughout): mp1 at micro-batch 2 (the single process, then the
+    ZeRO-3 ranks: the same graphs, from inductor's cache), mp2 at micro-batch 4 with gradients, and mp2 without
+    (checkpointing's first forward)."""
     config = tmp_path_factory.mktemp("zero3") / "ds_config.json"
     config.write_text(json.dumps(ZERO3))
-    single = _launch(1, {"eager": NO_DROPOUT + ["--batch-size", "4"],     # the reference of the parallel runs
-                         "eager_20": ITERS_20 + ["--batch-size", "4"],
-                         "fused_20": ITERS_20 + ["--batch-size", "4", "--torch-compile"]})
-    parallel = _launch(2, {"mp2_dropout_eager": MP2, "mp2_dropout_fused": MP2 + ["--torch-compile"],
-                           "mp2_dropout_fused_checkpointed": MP2 + ["--torch-compile", "--checkpoint-activations"],
-                           "mp2_fused": NO_DROPOUT + MP2 + ["--torch-compile"],
-                           "dp2_zero3_fused": NO_DROPOUT + ["--batch-size", "2", "--deepspeed", "--deepspeed_config",
-                                                            str(config), "--torch-compile"]})
-    return {**single, **parallel}
+    single = _launch(1, {"eager_20": ITERS_20 + MICRO_2, "fused_20": ITERS_20 + MICRO_2 + ["--torch-compile"]})
+    zero3 = ["--batch-size", "2", "--deepspeed", "--deepspeed_config", str(config)]
+    runs = {"mp2_dropout_eager": MP2, "mp2_dropout_fused": MP2 + ["--torch-compile"],
+            "mp2_dropout_fused_checkpointed": MP2 + ["--torch-compile", "--checkpoint-activations"],
+            "dp2_zero3_eager": zero3, "dp2_zero3_fused": zero3 + ["--torch-compile"]}
+    histories, cross_entropy = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()],
+                                                                        CROSS_ENTROPY_DTYPES))[0]
+    parallel = {name: history["lm loss"] for name, history in zip(runs, histories)}
+    return {**single, **parallel, "cross_entropy": cross_entropy}
+
+
+def _parallel_runs(argv_lists, dtypes):
+    """The 2-process runs and the loss check in one launch (its processes have compiled the pieces before)."""
+    import mpu
+    histories = train_each(argv_lists)
+    cross_entropy = _fused_and_eager_losses(dtypes)
+    mpu.destroy_model_parallel()
+    return histories, cross_entropy
 
 
 def _max_abs_difference(a, b):
@@ -44,25 +58,22 @@ def _max_abs_difference(a, b):
 
 
 def test_fused_equals_eager_over_20_steps_with_dropout(losses):
-    """Dropout on (0.1): the compiled pieces draw aten's masks from the same generator states as eager."""
+    """Dropout on (0.1), 2 micro-batches a step: the compiled pieces draw aten's masks from the same generator states
+    as eager."""
     eager, fused = losses["eager_20"], losses["fused_20"]
     assert len(fused) == 20 and fused[-1] < fused[0]
     assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
 
 
-def test_fused_model_parallel_equals_eager_model_parallel_with_dropout(losses):
-    """mp2 with dropout on: the attention dropout stays under the model-parallel RNG fork and each row-parallel
-    bias is added once, after the all-reduce."""
-    eager, fused = losses["mp2_dropout_eager"], losses["mp2_dropout_fused"]
+@pytest.mark.parametrize("path", ["mp2_dropout", "dp2_zero3"], ids=["mp2-megatron", "dp2-zero3"])
+def test_fused_parallel_equals_eager_parallel_with_dropout(losses, path):
+    """The Megatron path at mp2: the attention dropout stays under the model-parallel RNG fork and each row-parallel
+    bias is added once, after the all-reduce. The ZeRO path at stage 3: every layer's weights gathered around its
+    compiled pieces and released after (no persistent parameters). Eager parallel equals the eager single process
+    in tests/training/test_training.py and tests/zero/."""
+    eager, fused = losses[f"{path}_eager"], losses[f"{path}_fused"]
+    assert eager[0] != eager[-1]
     assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
-
-
-@pytest.mark.parametrize("name", ["mp2_fused", "dp2_zero3_fused"], ids=["mp2-megatron", "dp2-zero3"])
-def test_fused_parallel_equals_eager_single_process(losses, name):
-    """The Megatron path at mp2, and the ZeRO path at stage 3 (every layer's weights gathered around its compiled
-    pieces and released after; no persistent parameters)."""
-    fused = losses[name]
-    assert _max_abs_difference(fused, losses["eager"]) <= 1e-5, (fused, losses["eager"])
 
 
 def test_activation_checkpointing_stays_bitwise_with_the_fused_path(losses):
@@ -101,12 +112,11 @@ def _fused_and_eager_losses(dtypes):
     return out
 
 
-def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch():
+def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch(losses):
     """At mp2 (targets on both ranks' vocabulary slices), fp32 and bf16: loss and gradient equal the eager
     function's and torch.nn.functional.cross_entropy's."""
-    dtypes = (torch.float32, torch.bfloat16)
-    by_dtype = run_distributed(_fused_and_eager_losses, 2, args=(dtypes,))[0]
-    for dtype in dtypes:
+    by_dtype = losses["cross_entropy"]
+    for dtype in CROSS_ENTROPY_DTYPES:
         results, expected, expected_grad = by_dtype[dtype]
         (eager_loss, eager_grad), (fused_loss, fused_grad) = results[False], results[True]
         assert fused_grad.dtype == dtype
