@@ -37,19 +37,21 @@ def losses(tmp_path_factory):
     runs = {"mp2_dropout_eager": MP2, "mp2_dropout_fused": MP2 + ["--torch-compile"],
             "mp2_dropout_fused_checkpointed": MP2 + ["--torch-compile", "--checkpoint-activations"],
             "dp2_zero3_eager": zero3, "dp2_zero3_fused": zero3 + ["--torch-compile"]}
-    histories, cross_entropy = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()],
-                                                                        CROSS_ENTROPY_DTYPES))[0]
+    ranks = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()], CROSS_ENTROPY_DTYPES))
+    histories, cross_entropy, _ = ranks[0]
     parallel = {name: history["lm loss"] for name, history in zip(runs, histories)}
-    return {**single, **parallel, "cross_entropy": cross_entropy}
+    return {**single, **parallel, "cross_entropy": cross_entropy, "padded": [rank[2] for rank in ranks]}
 
 
 def _parallel_runs(argv_lists, dtypes):
-    """The 2-process runs and the loss check in one launch (its processes have compiled the pieces before)."""
+    """The 2-process runs and the loss checks in one launch (one start of the compiler per process)."""
     import mpu
+    from tests.model.test_vocab_padding import REAL_VOCABS, _padded_losses
     histories = train_each(argv_lists)
     cross_entropy = _fused_and_eager_losses(dtypes)
+    padded = _padded_losses(REAL_VOCABS, fused=True)
     mpu.destroy_model_parallel()
-    return histories, cross_entropy
+    return histories, cross_entropy, padded
 
 
 def _max_abs_difference(a, b):
@@ -125,3 +127,11 @@ def test_fused_vocab_parallel_cross_entropy_equals_eager_and_torch(losses):
         tolerance = 1e-5 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(fused_loss, expected, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(fused_grad.float(), expected_grad, rtol=tolerance, atol=tolerance)
+
+
+def test_fused_loss_leaves_the_padded_vocabulary_out(losses):
+    """tests/model/test_vocab_padding.py's cases on the fused loss at mp2: V = 37 and V = 20 padded to 48, padded
+    logits random or +50: torch's loss and gradient over the first V logits, exactly 0 on the padding."""
+    from tests.model.test_vocab_padding import assert_padded_losses
+    assert len(losses["padded"]) == 2
+    assert_padded_losses(losses["padded"])
