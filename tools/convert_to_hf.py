@@ -133,12 +133,19 @@ def write_model(output_dir, weights, model_config, eod_id):
     return config, state
 
 
-def lora_alpha_of(full, rank, lora_alpha):
-    """The adapters' alpha: the checkpoint's (model_shape "lora_alpha") or --lora-alpha (which must agree)."""
+def refuse_disagreeing_alpha(full, lora_alpha):
+    """ConversionError when --lora-alpha contradicts the alpha the checkpoint records: checked before any tensor is
+    read, so the error is the only line printed."""
     saved = full.saved.model_shape.get("lora_alpha")
     if saved is not None and lora_alpha is not None and float(saved) != float(lora_alpha):
         raise ConversionError(f"--lora-alpha {lora_alpha} disagrees with the checkpoint's LoRA alpha {saved}: drop "
                               "--lora-alpha")
+
+
+def lora_alpha_of(full, rank, lora_alpha):
+    """The adapters' alpha: the checkpoint's (model_shape "lora_alpha") or --lora-alpha (which must agree)."""
+    refuse_disagreeing_alpha(full, lora_alpha)
+    saved = full.saved.model_shape.get("lora_alpha")
     alpha = saved if saved is not None else lora_alpha
     if alpha is None:
         raise ConversionError(f"the checkpoint has LoRA adapters (rank {rank}) but does not record their alpha: "
@@ -205,6 +212,7 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
             raise ConversionError(f"{kind} file {path} does not exist (pass --{kind}-file)")
     require_hf_packages()
     full = read_checkpoint(load_dir)
+    refuse_disagreeing_alpha(full, lora_alpha)
     if full.model_config is not None and is_llama_config(full.model_config):
         return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha, (vocab_file, merge_file))
     try:

@@ -413,7 +413,12 @@ def test_peft_loads_the_exported_adapter(exported):
     assert config["target_modules"] == TARGET_MODULES
 
 
-def test_export_with_a_disagreeing_alpha_is_one_line(exported, capsys):
+def test_export_with_a_disagreeing_alpha_is_one_line(exported, capsys, monkeypatch):
+    """Refused before any tensor is read: the progress line (here printed at every tensor, as a slow read prints
+    it once a second) never comes."""
+    import functools
+    from megatron import cli
+    monkeypatch.setattr(convert_to_hf.cli, "ProgressLine", functools.partial(cli.ProgressLine, interval=0))
     out = str(exported["root"] / "again")
     argv = ["--load", str(exported["root"] / "lora"), "--output", out, "--lora-alpha", str(ALPHA + 1)]
     assert convert_to_hf.main(argv) == 1
