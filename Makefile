@@ -5,7 +5,7 @@
 #                   the validation perplexity and three held-out answers before and after
 #   make rlhf       GRPO (train_rlhf.py) of make finetune's checkpoint with a verifiable reward (the answer's length):
 #                   the mean reward of sampled validation answers before and after, plotted
-#   make test       create .venv, install with test extras, run the test suite
+#   make test       create .venv, install with test extras (building the default data meanwhile), run the test suite
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -41,10 +41,15 @@ rlhf: data   # runs make finetune (and make pretrain) first when their checkpoin
 	@test -f checkpoints/gpt2_lora/latest_checkpointed_iteration.txt || $(MAKE) finetune
 	PYTHON=$(VPY) bash scripts/rlhf.sh
 
-# 4 workers on 2 cores: many tests wait (process start-up, timeouts of the hang tests, rendezvous), and the extra
-# workers keep both cores busy meanwhile; --dist loadfile keeps each file's shared fixtures on one worker, and
+# The test extras install (pip: one core) while the default data (which the tests read) is built on the other:
+# the data reads only the runtime packages, which the extras leave as they are. Then the suite, on 4 workers on 2
+# cores: many tests wait (process start-up, timeouts of the hang tests, rendezvous), and the extra workers keep
+# both cores busy meanwhile; --dist loadfile keeps each file's shared fixtures on one worker, and
 # tests/conftest.py hands the longest files out first.
-test: install-test
+test: install
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-compile -r requirements-test.txt & extras=$$!; \
+	$(VPY) tools/prepare_default_data.py || { kill $$extras; exit 1; }; \
+	wait $$extras
 	$(VPY) -m pytest -q -n 4 --dist loadfile --durations=20 tests
 
 clean-data:
