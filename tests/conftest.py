@@ -107,7 +107,8 @@ def ds_pretrained(tmp_path_factory, webtext_data):
 
 # The files that take longest (measured in a full run, their tests together), started first (in this order, by the
 # scheduler below): with `--dist loadfile` a worker that picks one of them up at the end of the run keeps the run
-# going alone for minutes. test_bad_input.py is among the first: it builds the default data the later files read.
+# going alone for minutes. test_bad_input.py is among the first: it builds the default data the later files read
+# when pytest runs without `make test`, which builds the data before the suite.
 LONGEST_FIRST = ["tests/model/test_fused_compute.py", "tests/training/test_restarts.py",
                  "tests/training/test_bad_input.py", "tests/posttrain/test_reward.py",
                  "tests/zero/test_deepspeed_path.py", "tests/training/test_hang_diagnostics.py",

@@ -143,8 +143,8 @@ def refuse_disagreeing_alpha(full, lora_alpha):
 
 
 def lora_alpha_of(full, rank, lora_alpha):
-    """The adapters' alpha: the checkpoint's (model_shape "lora_alpha") or --lora-alpha (which must agree)."""
-    refuse_disagreeing_alpha(full, lora_alpha)
+    """The adapters' alpha: the checkpoint's (model_shape "lora_alpha") or --lora-alpha (convert() has refused one
+    that disagrees)."""
     saved = full.saved.model_shape.get("lora_alpha")
     alpha = saved if saved is not None else lora_alpha
     if alpha is None:

@@ -477,7 +477,8 @@ def _held_elements(stage, param_shapes, rank, world=2):
 
 def _stage3_real_and_padding(flat, shapes, rank, world):
     """DeepSpeed's stage-3 flat group on one rank: each parameter's ceil(numel / world) slice in order, the part past
-    the parameter's end padding."""
+    the parameter's end padding (as DeepSpeed's zero_to_fp32 reads it; written out here rather than taken from
+    deepspeed_format.stage3_pieces, the layout under test)."""
     real, padding, offset = [], [], 0
     for shape in shapes.values():
         per_rank = -(-shape.numel() // world)
