@@ -263,6 +263,14 @@ SCRIPT_TEST_SHAPE = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "128", "NUM_HEADS": "4", 
 SHORT_PRETRAIN = dict(SCRIPT_TEST_SHAPE, TRAIN_ITERS="20", LOG_INTERVAL="5", EVAL_INTERVAL="10", EVAL_ITERS="2")
 
 
+def spread_seeds(default):
+    """The seeds a learned-effect test runs at: its own, then those of the SPREAD_SEEDS variable (comma-separated),
+    which is how the spread its docstring states was measured: SPREAD_SEEDS=1,2,3,4 pytest -s -k NAME. Each run
+    prints `spread: NAME seed=S VALUES`."""
+    extra = [int(seed) for seed in os.environ.get("SPREAD_SEEDS", "").split(",") if seed.strip()]
+    return [default] + [seed for seed in extra if seed != default]
+
+
 def script_env(env_overrides):
     """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}

@@ -27,7 +27,8 @@ README_MAX_LINES = 160
 SUBCOMMAND_HELP = {"megatron.text_generation.lm_eval_model": [["run"]]}
 # Flags of programs that are not ours, as the docs use them (torchrun's, pytest's --device from tests/conftest.py).
 EXTERNAL_FLAGS = {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--standalone",
-                  "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--device", "--help"}
+                  "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--device", "--help",
+                  "--no-deps", "--only-binary", "--python-version", "--system-site-packages"}   # pip's, venv's
 
 _HELP_RUNNER = r"""
 import contextlib, io, json, os, runpy, sys

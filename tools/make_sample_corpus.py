@@ -1,18 +1,21 @@
-"""Write a webtext-style loose JSON corpus from the docstrings of the Python standard library and the runtime packages.
+"""Write a webtext-style loose JSON corpus from the docstrings of the locked runtime packages' sources.
 
-    python tools/make_sample_corpus.py --output data/webtext/webtext.json            # ~19 MB, ~30 s on 2 cores
+    python tools/make_sample_corpus.py --output data/webtext/webtext.json            # ~19 MB, ~20 s on 2 cores
     python tools/make_sample_corpus.py --output /tmp/small.json --max-mb 0.3 --stdlib-only
 
 One JSON object per line, `{"text": ..., "url": "python://<package>/<file>"}` (the shape of OpenWebText's loose
 JSON). Sources are read as text and parsed with `ast`: nothing is imported or executed. A document is the
 docstrings of one module (module, classes, functions in source order, separated by blank lines), cut into
-documents of at most --max-doc-chars at docstring boundaries. Files are listed in sorted order (standard library,
-then SOURCE_PACKAGES by name) and visited in a random.Random(--seed) shuffle of that list, so the output is
-deterministic for a given Python and set of runtime package versions, whatever else is installed, and every part of
-it (Megatron's --split takes contiguous document ranges) mixes all packages, as a shuffled web crawl does; it stops
-once --max-mb of text has been written.
+documents of at most --max-doc-chars at docstring boundaries. Files are listed in sorted order (SOURCE_PACKAGES by
+name) and visited in a random.Random(--seed) shuffle of that list, so every part of it (Megatron's --split takes
+contiguous document ranges) mixes all packages, as a shuffled web crawl does; it stops once --max-mb of text has
+been written. The default corpus reads only packages whose versions requirements.lock fixes (not the standard
+library, which follows the Python version, nor torch, which a GPU user brings): the same bytes on every machine that
+installed the lock, whatever its Python or torch (tools/prepare_default_data.py checks the digest). --stdlib-only
+(small corpora for tests) follows the Python version.
 """
 import ast
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -28,21 +31,29 @@ from megatron.checkpoint.atomic_io import atomic_path  # noqa: E402
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-# The packages after the standard library: the runtime requirements (requirements.txt) and what they pull in, a
-# fixed list, so installing the test extras (DeepSpeed, transformers, ...) does not change the default corpus, its
-# tokenizer or the numbers printed from them. Those not installed are skipped.
-SOURCE_PACKAGES = ("filelock", "fsspec", "jinja2", "markupsafe", "mpmath", "networkx", "nltk", "numpy", "regex",
-                   "sympy", "tiktoken", "tokenizers", "torch", "yaml")
+# The import names of runtime packages pinned in requirements.lock (the requirements and what they pull in), a fixed
+# list, so installing the test extras (DeepSpeed, transformers, ...) does not change the default corpus, its
+# tokenizer or the numbers printed from them. torch's dependencies are here (the lock pins them); torch is not.
+SOURCE_PACKAGES = ("PIL", "click", "contourpy", "cycler", "dateutil", "filelock", "fontTools", "fsspec", "jinja2",
+                   "joblib", "kiwisolver", "markupsafe", "matplotlib", "mpmath", "networkx", "nltk", "numpy",
+                   "packaging", "pyparsing", "regex", "sympy", "tiktoken", "tokenizers", "tqdm", "yaml")
+
+
+def package_dir(name):
+    """The directory of an installed package, found without importing it (in a venv that sees the system's
+    site-packages a locked package may live in either); None when it is not installed."""
+    spec = importlib.util.find_spec(name)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return locations[0] if locations else None
 
 
 def python_files(stdlib_only=False):
-    """Sorted .py files: the standard library (without its tests), then each of SOURCE_PACKAGES in site-packages."""
-    paths = sysconfig.get_paths()
-    roots = [("stdlib", paths["stdlib"])]
-    if not stdlib_only:
-        purelib = paths["purelib"]
-        roots += [(name, os.path.join(purelib, name)) for name in SOURCE_PACKAGES
-                  if os.path.isdir(os.path.join(purelib, name))]
+    """Sorted .py files (tests aside): the standard library with stdlib_only, else each of SOURCE_PACKAGES found
+    where this Python installs packages (a package that is missing is skipped: the digest check names it)."""
+    if stdlib_only:
+        roots = [("stdlib", sysconfig.get_paths()["stdlib"])]
+    else:
+        roots = [(name, package_dir(name)) for name in SOURCE_PACKAGES if package_dir(name)]
     for label, root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames

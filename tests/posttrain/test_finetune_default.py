@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_script, SCRIPT_TEST_SHAPE
+from tests.helpers import REPO, run_script, SCRIPT_TEST_SHAPE, spread_seeds
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import prepare_sft_data  # noqa: E402
@@ -113,7 +113,8 @@ def test_missing_corpus_is_one_line(tmp_path):
                                      "chatterbot-corpus==1.3.3 PyYAML (make install does)")
 
 
-def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained):
+@pytest.mark.parametrize("seed", spread_seeds(1234))
+def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained, seed):
     """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained), then 20 LoRA steps: the validation perplexity
     drops by at least 3% (LoRA cannot sharpen the frozen, barely trained embeddings much further), both sets of
     answers print."""
@@ -121,9 +122,11 @@ def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained):
     stdout = run_script("finetune_gpt.sh", {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
                                             "EVAL_ITERS": "4",   # 4 validation batches, not the whole split
                                             "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base),
-                                            "CHECKPOINT_PATH": str(tmp_path / "lora")})
+                                            "CHECKPOINT_PATH": str(tmp_path / "lora"),
+                                            "EXTRA_ARGS": f"--seed {seed}"})
     before = float(re.search(r"^validation perplexity before fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
     after = float(re.search(r"^validation perplexity after fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
+    print(f"spread: finetune_perplexity_ratio seed={seed} before={before} after={after} ratio={after / before:.4f}")
     assert after < 0.97 * before, (before, after)
     test_rows = _jsonl(sft_dir / "test.jsonl")[:3]
     for number, row in enumerate(test_rows, 1):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.spawn import run_distributed
-import tests.helpers  # noqa: F401  (puts tools/ on sys.path)
+from tests.helpers import spread_seeds  # (and puts tools/ on sys.path)
 from tests.posttrain.test_preference import _preprocess, write_pairs
 from tests.posttrain.test_sft import HF_SHAPE, _model_flags, _saved_weights_as_hf
 
@@ -298,7 +298,8 @@ TINY_DEFAULT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
 HELD_OUT_PAIRS = 224     # of the 236 validation pairs: 14 batches of 16
 
 
-def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir):
+@pytest.mark.parametrize("seed", spread_seeds(3))
+def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir, seed):
     """The default chat pairs (tools/prepare_sft_data.py) train a reward model that scores held-out pairs well above
     chance. A tiny GPT-2 (h64, L2, from a random init) is fine-tuned on the default SFT data (200 steps of 16, lr
     3e-3: the embeddings learn which words go together), then trained as a reward model on the default pairs (200
@@ -333,6 +334,7 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir):
         topic = topic_of[(example["prompt"], example["response"])]
         assert all(answer_topics[answer] - {topic} for answer in rejected), (topic, rejected)   # another topic's
     torch.manual_seed(0)
+    seeded = [str(seed) if before == "--seed" else flag for before, flag in zip([None] + TINY_DEFAULT, TINY_DEFAULT)]
     vocab = len(json.load(open(os.path.join(webtext_data, "vocab.json"))))
     hf = HFGPT2Model(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=vocab,
                                 activation_function="gelu_new"))
@@ -340,10 +342,10 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir):
     write_full_checkpoint(str(tmp_path / "start"), weights, model_config, 1)
     tokenizer = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
                  os.path.join(webtext_data, "merges.txt")]
-    sft = TINY_DEFAULT + tokenizer + ["--lr", "3e-3", "--eval-iters", "3", "--load", str(tmp_path / "start"),
+    sft = seeded + tokenizer + ["--lr", "3e-3", "--eval-iters", "3", "--load", str(tmp_path / "start"),
                                       "--save", str(tmp_path / "sft_ckpt"), "--data-path",
                                       os.path.join(sft_dir, manifest["data_prefix"]), "--split", manifest["split"]]
-    reward = TINY_DEFAULT + tokenizer + ["--lr", "1e-3", "--eval-iters", str(HELD_OUT_PAIRS // 16), "--load",
+    reward = seeded + tokenizer + ["--lr", "1e-3", "--eval-iters", str(HELD_OUT_PAIRS // 16), "--load",
                                          str(tmp_path / "sft_ckpt"), "--save", str(tmp_path / "rm"), "--data-path",
                                          os.path.join(sft_dir, preference["data_prefix"]), "--split",
                                          preference["split"], "--log-jsonl", str(tmp_path / "rm.jsonl")]
@@ -354,5 +356,7 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir):
     trained = [(r["iteration"], r["losses"]["accuracy"]) for r in records if r.get("type") == "train"]
     print("held-out accuracy (split, iteration, accuracy):", table, "training accuracy:", trained)
     final = {split: accuracy for split, iteration, accuracy in table if iteration == 200}   # the end's, last
+    print(f"spread: reward_heldout_accuracy seed={seed} valid={final.get('valid')} test={final.get('test')} "
+          f"mean={(final.get('valid', 0) + final.get('test', 0)) / 2:.4f} train={trained[0][1]:.4f}->{trained[-1][1]:.4f}")
     assert set(final) == {"valid", "test"} and (final["valid"] + final["test"]) / 2 >= 0.65, (table, trained)
     assert trained[-1][1] > trained[0][1] + 0.05, (table, trained)

@@ -5,13 +5,14 @@ import re
 
 import pytest
 
-from tests.helpers import run_script, SCRIPT_TEST_SHAPE
+from tests.helpers import run_script, SCRIPT_TEST_SHAPE, spread_seeds
 
 pytest.importorskip("yaml")
 pytest.importorskip("chatterbot_corpus")
 
 
-def test_rlhf_sh_reward_rises(tmp_path, sft_dir, ds_pretrained):
+@pytest.mark.parametrize("seed", spread_seeds(1234))
+def test_rlhf_sh_reward_rises(tmp_path, sft_dir, ds_pretrained, seed):
     """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained) as the base, 12 GRPO steps (full fine-tuning,
     32 completions of at most 16 tokens, lr 1e-2): the mean reward of 2 validation rollouts (fixed seeds) rises by
     at least 0.1 (0.604 -> 0.755 here; with the advantages negated it falls to 0.539), as does the training reward;
@@ -25,10 +26,11 @@ def test_rlhf_sh_reward_rises(tmp_path, sft_dir, ds_pretrained):
     stdout = run_script("rlhf.sh", {**shape, "TRAIN_ITERS": "12", "LOG_INTERVAL": "4", "EVAL_ITERS": "2",
                                     "LR": "1e-2", "MAX_PROMPT": "40", "MAX_COMPLETION": "16", "LORA_RANK": "0",
                                     "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base),
-                                    "CHECKPOINT_PATH": str(out)})
+                                    "CHECKPOINT_PATH": str(out), "EXTRA_ARGS": f"--seed {seed}"})
     print(stdout)
     rewards = {when: float(value) for when, value in
                re.findall(r"^ mean reward (before|after) training \(2 validation rollouts\): ([0-9.]+)$", stdout, re.M)}
+    print(f"spread: rlhf_reward_rise seed={seed} before={rewards.get('before')} after={rewards.get('after')}")
     assert set(rewards) == {"before", "after"} and rewards["after"] > rewards["before"] + 0.1, rewards
     records = [json.loads(line) for line in open(out / "log.jsonl")]
     trained = [r["losses"]["reward"] for r in records if r.get("type") == "train"]
