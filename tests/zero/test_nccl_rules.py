@@ -152,3 +152,20 @@ def test_stage3_gathers_block_the_host_only_on_gloo():
     assert wait_for_gather(nccl, timeout, host_waits=False) and wait_for_gather(gloo, timeout, host_waits=True)
     assert nccl.waits == [((), {})]
     assert gloo.waits == [((), {"timeout": timeout})]
+
+
+@pytest.mark.parametrize("backend,size,timed", [("nccl", 2, False), ("gloo", 2, True), ("gloo", 1, False)])
+def test_a_stage3_buffer_times_its_waits_only_on_gloo(monkeypatch, backend, size, timed):
+    """The buffer's own choice under a (mocked) NCCL data-parallel group: its gathers' waits are plain waits (the
+    host runs on); on gloo at dp > 1 they take the timeout; at dp 1 there is nothing to wait for."""
+    import datetime
+    import types
+    from megatron.zero import stage3
+    monkeypatch.setattr(stage3.dist, "get_backend", lambda group=None: backend)
+    ctx = types.SimpleNamespace(data_parallel_size=size, data_parallel_group=object())
+    buffer = stage3._Buffer("unit", [], [], ctx, torch.device("cpu"))
+    handle, timeout = _Handle(), datetime.timedelta(seconds=3)
+    buffer.handles = [handle]
+    buffer.finish_gather(timeout, "unit")
+    assert handle.waits == [((), {"timeout": timeout} if timed else {})]
+    assert buffer.state == "ready" and buffer.handles == []
