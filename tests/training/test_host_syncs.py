@@ -2,7 +2,8 @@
 numpy, cpu) stalls a GPU until its queue drains. The ZeRO path's step has at most 3: the losses once
 (training.losses_to_host), the gradient norm once (grad_norm.global_norm_and_overflow), and at model-parallel
 size > 1 the batch's shapes (mpu.broadcast_data). Counted on the CPU by wrapping those Tensor methods inside
-train_step (and inside losses_to_host for several micro-batches of several losses: one read); and the phase timers synchronize the device only when timing is asked for (--timing-log-level)."""
+train_step (and inside losses_to_host for several micro-batches of several losses: one read); and the phase
+timers synchronize the device only when timing is asked for (--timing-log-level)."""
 import collections
 import traceback
 
