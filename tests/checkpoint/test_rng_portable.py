@@ -51,6 +51,13 @@ def test_saved_state_names_its_device_type(tracker):
     assert mpu.random.device_rng_state_from(state["tracker"][NAME], "cpu") is state["tracker"][NAME]
 
 
+def test_saved_state_names_the_runs_device_type_not_the_cpu(tracker, monkeypatch):
+    """On a (mocked) GPU run the saved type is "cuda" (the tracker's states are then Philox states), so a CPU run
+    that loads the checkpoint converts them; a type fixed at "cpu" would pass on this machine only."""
+    monkeypatch.setattr(mpu, "get_device", lambda: torch.device("cuda", 1))
+    assert rng.get_rng_state()["tracker_device_type"] == "cuda"
+
+
 @pytest.mark.parametrize("with_type", [True, False], ids=["typed", "old-checkpoint-sized"])
 def test_gpu_checkpoint_resumes_dropout_on_the_cpu(tracker, with_type):
     """The Philox states cannot be CPU generator states (the unconverted load dies as on a GPU: wrong size); after

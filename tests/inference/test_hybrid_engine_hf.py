@@ -254,3 +254,22 @@ def test_hybrid_engine_keys_are_accepted_enabled_honoured_the_rest_named():
         load_config({"train_batch_size": 8, "hybrid_engine": {"max_out_tokens": 0}}, 2)
     with pytest.raises(Exception, match="hybrid_engine.enabled: expected bool"):
         load_config({"train_batch_size": 8, "hybrid_engine": {"enabled": "yes"}}, 2)
+
+
+def _module_generate_routes():
+    """{enabled: (engine.module.generate is the class's own method, it is the engine's generate)} at stage 2."""
+    routes = {}
+    for enabled in (False, True):
+        engine = _engine(_hf_model(dropout=0.0), STAGES["zero2"], hybrid=enabled)
+        own = engine.module.generate
+        routes[enabled] = (getattr(own, "__func__", None) is type(engine.module).generate
+                           and "generate" not in vars(engine.module), own == engine.generate)
+    return routes
+
+
+def test_hybrid_engine_disabled_leaves_the_modules_own_generate():
+    """`"enabled": false` (the zero2 case of the launch above leaves it out of the checks): module.generate stays
+    Hugging Face's method; `"enabled": true` reroutes it to engine.generate, as DeepSpeed's engine does."""
+    pytest.importorskip("transformers")
+    routes = run_distributed(_module_generate_routes, 1, model_parallel_size=1)[0]
+    assert routes == {False: (True, False), True: (False, True)}, routes

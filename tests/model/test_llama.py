@@ -222,6 +222,32 @@ def test_llama_matches_huggingface_at_mp1_and_mp2(launched):
             assert diff < 1e-5, f"rank {rank}: LoRA {name} after 3 steps differs from mp 1 by {diff}"
 
 
+def _logits(model_config, weights, tokens):
+    with torch.no_grad():
+        return build_llama(model_config, weights)(tokens)
+
+
+def test_llama_import_keeps_a_non_default_rope_theta():
+    """Llama 3's theta 500000, which transformers 5 keeps only in rope_parameters (no top-level rope_theta): the
+    imported model's logits equal HF's (theta 10000 would move every rotary frequency but the first)."""
+    pytest.importorskip("transformers")
+    from megatron.model.hf_interchange import check_llama_config, from_hf_llama_state_dict
+    hf, hf_state = hf_llama(rope_theta=500000.0)
+    hf_dict = hf.config.to_dict()
+    assert hf_dict["rope_parameters"]["rope_theta"] == 500000.0 and hf_dict.get("rope_theta") is None
+    weights, model_config = from_hf_llama_state_dict(hf_state, hf.config)
+    assert model_config["rotary_theta"] == 500000.0
+    # an older config.json (transformers 4) with the top-level key only
+    old = {key: value for key, value in hf_dict.items() if key != "rope_parameters"}
+    assert check_llama_config(dict(old, rope_theta=500000.0))["rotary_theta"] == 500000.0
+    tokens = _tokens(HF_CONFIG["vocab_size"], 2, 24, seed=3)
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+    logits = run_distributed(_logits, 1, args=(model_config, weights, tokens), model_parallel_size=1)[0]
+    diff = (logits[..., :HF_CONFIG["vocab_size"]] - expected).abs().max().item()
+    assert diff < 1e-5, f"theta 500000: max logit difference {diff}"
+
+
 def test_llama_lora_exports_merged_and_as_a_peft_adapter(launched, tmp_path):
     """The one-key/value-head model's LoRA adapters (every linear, trained 3 steps at mp 1) in an mp-2 checkpoint ->
     tools/convert_to_hf.py --peft-adapter: the merged LlamaForCausalLM and PEFT's PeftModel over the exported base

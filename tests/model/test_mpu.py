@@ -228,3 +228,31 @@ def test_mpu_matches_single_process(world_size):
 def test_model_parallel_size_must_divide_world():
     with pytest.raises(RuntimeError, match="not divisible by model-parallel size"):
         run_distributed(math.sqrt, 2, args=(4.0,), model_parallel_size=4)
+
+
+def test_replicated_kv_head_gradients_sum_over_their_own_holders_at_mp4(monkeypatch):
+    """4 query heads, 2 key/value heads, mp 4 (mocked group): ranks 0-1 hold head 0, ranks 2-3 head 1. Each copy's
+    gradient holds its query head's share c_r; after the hook every copy holds its head's whole gradient, i.e. the
+    rows of the full gradient [q; k0 = c0 + c1, k1 = c2 + c3; v likewise] that GroupedQKVStride.split gives the
+    rank (at mp 2 with one kv head every rank's holders are ranks 0-1: a wrong holder group would not show)."""
+    import types
+    import mpu.layers as layers
+    stride = layers.GroupedQKVStride(query_rows=8, kv_rows=4, head_dim=2)       # d = 2, columns 3
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 3, generator=generator, dtype=torch.float64)
+    shares = [torch.randn(4, 3, generator=generator, dtype=torch.float64) for _ in range(4)]   # [k_r; v_r]
+    k = torch.cat([shares[0][:2] + shares[1][:2], shares[2][:2] + shares[3][:2]])
+    v = torch.cat([shares[0][2:] + shares[1][2:], shares[2][2:] + shares[3][2:]])
+    full = torch.cat([q, k, v])
+    copies = [torch.cat([q[2 * r:2 * r + 2], shares[r]]) for r in range(4)]       # each rank's raw gradient
+
+    def all_gather(out, tensor, group=None):
+        for target, copy in zip(out, copies):
+            target.copy_(copy.narrow(0, 2, 4))
+    monkeypatch.setattr(layers, "dist", types.SimpleNamespace(all_gather=all_gather))
+    monkeypatch.setattr(layers, "get_model_parallel_group", lambda: None)
+    assert stride.replicas(4) == 2
+    for rank in range(4):
+        monkeypatch.setattr(layers, "get_model_parallel_rank", lambda: rank)
+        got = layers._ReplicatedKVGrad(stride, 4)(copies[rank].clone())
+        assert torch.equal(got, stride.split(full, 0, 4, rank)), rank

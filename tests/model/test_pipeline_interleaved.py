@@ -142,3 +142,15 @@ def test_pp2_v2_times_mp2_sequence_parallel_torch_ddp_equals_single_process(refe
     assert _relative(results[0]["losses"], reference["losses"]) <= TOLERANCE
     assert _relative(results[0]["valid"], reference["valid"]) <= TOLERANCE
     _check_tied_copies(results, forwards=3 * 8 * 2)
+
+
+def test_pp2_v2_full_recompute_groups_each_chunks_own_layers(reference):
+    """Full recomputation in uniform groups of 2 layers: each model chunk (2 layers here) is its own group, never
+    layers of the stage's other chunk; recomputation changes no number (dropout off), so the losses, the validation
+    loss and every weight equal one process without it."""
+    results = run_distributed(_train_recording_embeddings, 2, args=(EIGHT_LAYERS + [
+        "--pipeline-model-parallel-size", "2"] + INTERLEAVED + ["2", "--recompute-granularity", "full",
+                                                                "--recompute-method", "uniform",
+                                                                "--recompute-num-layers", "2"], True))
+    assert [_layers_of(r) for r in results] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    _assert_equals_reference(results, reference)

@@ -2,7 +2,9 @@
 bound, and that the stages' orders together run to completion with blocking sends and receives; then the executor
 itself on two gloo processes follows that order. The same for the interleaved schedule (Megatron-LM's orders,
 warmup counts, chunk and micro-batch of each forward, layer-to-chunk assignment, bubble (P - 1) / (v M) in the
-simulation, and its executor on two processes)."""
+simulation, and its executor on two processes). The interleaved executor's point-to-point exchanges are also
+recorded stage by stage in one process and matched across stages: a wrong receive flag, a hang until the process
+group's timeout on gloo, fails there in milliseconds naming the stage, the exchange and the message it waits for."""
 import pytest
 import torch
 
@@ -284,3 +286,116 @@ def test_interleaved_executor_runs_the_pure_order_on_two_processes():
             assert trace == interleaved_order(2, stage, num_micro_batches, 2)
             assert read == [(chunk, index) for kind, index, chunk in trace if kind == "F"]
             assert num_losses == (num_micro_batches if stage == 1 else 0)
+
+
+# ---- the interleaved executor's exchanges, matched without processes (a mismatch fails here in milliseconds; on
+# gloo it is a hang until the process group's timeout) --------------------------------------------------------
+
+def _recorded_exchanges(monkeypatch, num_stages, num_chunks, num_micro_batches, forward_only):
+    """Run the real interleaved executor once per stage in this process, with mpu's pipeline state set for that
+    stage and p2p_communication._communicate replaced by a recorder: ({stage: [exchange]}, {stage: trace}); an
+    exchange is a list of (direction, peer stage, tag) with direction "send" or "recv" (tags as p2p's)."""
+    import mpu
+    import mpu.initialize as state
+    from megatron.pipeline import p2p_communication as p2p
+    from megatron.pipeline import schedules
+    stage_now, exchanges = [0], []
+    monkeypatch.setattr(state, "_PIPELINE_RANKS", list(range(num_stages)))
+    monkeypatch.setattr(state, "_VIRTUAL_PIPELINE_WORLD_SIZE", num_chunks)
+    monkeypatch.setattr(state, "_VIRTUAL_PIPELINE_RANK", 0)
+    monkeypatch.setattr(state.dist, "get_rank", lambda *args, **kwargs: stage_now[0])
+
+    def communicate(spec, send_next=None, send_previous=None, recv_previous=False, recv_next=False):
+        s, P = stage_now[0], num_stages
+        previous, following = (s - 1) % P, (s + 1) % P
+        ops = [("recv", previous, p2p._ACTIVATION_TAG)] * recv_previous + \
+            [("send", following, p2p._ACTIVATION_TAG)] * (send_next is not None) + \
+            [("recv", following, p2p._GRADIENT_TAG)] * recv_next + \
+            [("send", previous, p2p._GRADIENT_TAG)] * (send_previous is not None)
+        if ops:
+            exchanges.append(ops)
+        received = torch.zeros(spec.shape, requires_grad=True) if recv_previous else None
+        return received, (torch.ones(spec.shape) if recv_next else None)
+    monkeypatch.setattr(p2p, "_communicate", communicate)
+    spec = p2p.TensorSpec((2, 3, 4), torch.float32, torch.device("cpu"))
+    model = _Stage()
+
+    def forward_step(iterator, module):
+        x = next(iterator) if mpu.is_pipeline_first_stage() else module.input_tensor
+        out = module.linear(x)
+        return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
+
+    def backward(output, output_grad, index, after_backward):
+        torch.autograd.backward(output, output_grad)
+        after_backward()
+    found, traces, errors = {}, {}, {}
+    for stage in range(num_stages):
+        stage_now[0], exchanges, traces[stage] = stage, [], []
+        batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])
+        try:        # a receive that would hang on gloo gets a made-up tensor here: what follows may fail
+            schedules.forward_backward_pipelining_with_interleaving(
+                forward_step, batches, model, backward, num_micro_batches, spec, forward_only=forward_only,
+                trace=traces[stage])
+        except Exception as error:        # reported after the exchanges are matched (the cause, if a hang)
+            errors[stage] = error
+        found[stage] = exchanges
+    return found, traces, errors
+
+
+def _run_exchanges(exchanges):
+    """Play every stage's exchanges together as p2p does (each posts all its sends and receives, then waits for
+    all): the k-th send on a (source, destination, tag) channel meets the k-th receive. Raises AssertionError naming
+    the stage, its exchange and the message it waits for where gloo would hang."""
+    kinds = {1: "activation", 2: "gradient"}
+    where, ops_of = {}, {}      # (source, destination, tag, k, "send" | "recv") -> (stage, exchange index)
+    for stage, ops_list in exchanges.items():
+        counts = {}
+        for index, ops in enumerate(ops_list):
+            for direction, peer, tag in ops:
+                channel = (stage, peer, tag) if direction == "send" else (peer, stage, tag)
+                k = counts[channel, direction] = counts.get((channel, direction), -1) + 1
+                where[channel + (k, direction)] = (stage, index)
+                ops_of.setdefault((stage, index), []).append(channel + (k, direction))
+
+    def waiting(stage, index, position):
+        """What exchange `index` of `stage` still waits for ([] when it can complete now)."""
+        found = []
+        for source, destination, tag, k, direction in ops_of[stage, index]:
+            what = f"{'sends' if direction == 'send' else 'receives'} {kinds[tag]} #{k} " + \
+                (f"to stage {destination}" if direction == "send" else f"from stage {source}")
+            peer = where.get((source, destination, tag, k, "recv" if direction == "send" else "send"))
+            if peer is None:
+                found.append(f"{what}, which stage {destination if direction == 'send' else source} never "
+                             f"{'receives' if direction == 'send' else 'sends'}")
+            elif position[peer[0]] < peer[1]:
+                found.append(f"{what}, matched only in stage {peer[0]}'s exchange #{peer[1]}")
+        return found
+    position = {stage: 0 for stage in exchanges}
+    while any(position[s] < len(exchanges[s]) for s in exchanges):
+        stuck = {s: waiting(s, i, position) for s, i in position.items() if i < len(exchanges[s])}
+        ready = [s for s, waits in stuck.items() if not waits]
+        if not ready:
+            raise AssertionError("the pipeline would hang: " + "; ".join(
+                f"stage {s} in exchange #{position[s]} {waits[0]}" for s, waits in stuck.items()))
+        for stage in ready:
+            position[stage] += 1
+
+
+@pytest.mark.parametrize("num_stages,num_chunks,num_micro_batches", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 3, 4),
+                                                                     (4, 3, 4)])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_interleaved_executor_exchanges_match_across_stages(monkeypatch, num_stages, num_chunks, num_micro_batches,
+                                                            forward_only):
+    """Every send of the executor meets a receive of the neighbour in an exchange both reach: the stages' exchanges
+    run to the end together (a wrong recv_prev / recv_next flag fails here with the stage, exchange and message,
+    instead of a hang); each stage's own order is interleaved_order's."""
+    exchanges, traces, errors = _recorded_exchanges(monkeypatch, num_stages, num_chunks, num_micro_batches,
+                                                    forward_only)
+    try:
+        _run_exchanges(exchanges)
+    except AssertionError as hang:
+        raise AssertionError(f"{hang}" + "".join(f"; then stage {s} failed: {e!r}" for s, e in errors.items()))
+    assert not errors, errors
+    for stage, trace in traces.items():
+        expected = interleaved_order(num_stages, stage, num_micro_batches, num_chunks)
+        assert trace == ([op for op in expected if op[0] == "F"] if forward_only else expected), stage

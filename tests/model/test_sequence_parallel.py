@@ -17,9 +17,11 @@ What is asserted, in one launch of 2 processes (every variant in sequence):
 - the activation bytes one rank's layers keep for backward (measured as test_recompute.py does, fp32, dropout on)
   equal memory.activation_bytes_saved with the sequence-parallel layout at mp 2, for no recomputation, selective
   and full: the replicated part is divided by 2.
-- pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes), on the Megatron path and on ZeRO-1: with sequence
-  parallelism (the stages pass their sequence slices) the losses of 10 steps equal the run without (1e-6 relative,
-  dropout 0.1 everywhere).
+- pretrain_gpt.py at pp 2 x mp 2 (a second launch, 4 processes), on the Megatron path, on ZeRO-1 and on the Llama
+  shape (rotary: the second stage's tables cover the whole sequence): with sequence parallelism (the stages pass
+  their sequence slices) the losses of 10 steps equal the run without (1e-6 relative, dropout 0.1 everywhere);
+  and the Llama shape's second stage called with position_ids left out (its input a [b, s/2, h] slice) builds the
+  rotary tables of the whole sequence: losses equal those with 0..s-1 given.
 - a tiny Llama shape (SwiGLU, RMSNorm, rotary, GQA 2 of 4 heads, no biases, untied head) at mp 2: with sequence
   parallelism (and with it and full recomputation) its 10 SGD losses and RMSNorm gradients equal the run without;
 - the command line: --sequence-parallel at mp 1 is one line.
@@ -458,24 +460,61 @@ PIPELINE = TINY + ["--model-parallel-size", "2", "--pipeline-model-parallel-size
                                 "--batch-size", "2", "--global-batch-size", "4"]
 
 
+# the Llama shape on the Megatron path: the second stage builds rotary tables for the whole sequence from its
+# [b, s/p, h] input (a later stage has no input_ids to count positions from)
+PIPELINED_LLAMA = ["--swiglu", "--ffn-hidden-size", "48", "--num-key-value-heads", "2",
+                   "--use-rotary-position-embeddings", "--no-position-embedding", "--normalization", "rmsnorm",
+                   "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
 @pytest.fixture(scope="module")
 def pipelined_losses(tmp_path_factory):
-    """pp 2 x mp 2 on the Megatron path and on ZeRO-1, each without and with --sequence-parallel."""
+    """pp 2 x mp 2 on the Megatron path, on ZeRO-1 and on the Llama shape, each without and with
+    --sequence-parallel."""
     config = tmp_path_factory.mktemp("zero1") / "ds_config.json"
     config.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, '
                       '"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}')
     zero1 = ["--deepspeed", "--deepspeed_config", str(config)]
-    argv = [PIPELINE + path + sp for path in ([], zero1) for sp in ([], ["--sequence-parallel"])]
+    argv = [PIPELINE + path + sp for path in ([], zero1, PIPELINED_LLAMA) for sp in ([], ["--sequence-parallel"])]
     histories = run_distributed(train_each, 4, args=(argv,))
     losses = [history["lm loss"] for history in histories[-1]]        # the last stage's
-    return {"megatron": losses[:2], "zero1": losses[2:]}
+    return {"megatron": losses[:2], "zero1": losses[2:4], "llama": losses[4:]}
 
 
-@pytest.mark.parametrize("path", ["megatron", "zero1"])
+@pytest.mark.parametrize("path", ["megatron", "zero1", "llama"])
 def test_pipelined_sequence_parallel_equals_the_plain_pipeline(pipelined_losses, path):
     plain, sequence_parallel = pipelined_losses[path]
     assert len(plain) == 10 and len(set(plain)) == 10
     assert max_relative_difference(sequence_parallel, plain) < TOLERANCE
+
+
+def _later_stage_positions():
+    """pp 2 x mp 2, the Llama shape with sequence parallelism, on the second stage only: its per-token losses on
+    a [b, s/2, h] slice of fixed hidden states with position_ids left out (the model counts them from its input)
+    and with the whole sequence's positions 0..s-1 given. None on the first stage."""
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(2, 2)
+    if mpu.is_pipeline_first_stage():
+        return None
+    model = _build(_llama_config(True)).eval()
+    hidden = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(5))     # [b, s, h]
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(6))
+    rank = mpu.get_model_parallel_rank()
+    losses = {}
+    with torch.no_grad():
+        for name, positions in (("counted", None), ("given", torch.arange(SEQ).expand(BATCH, SEQ))):
+            model.set_input_tensor(hidden.chunk(2, dim=1)[rank].clone())                      # [b, s/2, h]
+            losses[name] = model(None, positions, labels=labels)
+    return losses
+
+
+def test_a_later_stage_counts_the_whole_sequences_positions_under_sequence_parallelism():
+    """Its input is a sequence slice, but its rotary tables are the whole sequence's: the losses with the positions
+    left out equal those with 0..s-1 given (pretrain_gpt.py always gives them, so its runs above cannot tell)."""
+    results = run_distributed(_later_stage_positions, 4, model_parallel_size=2)
+    assert results[:2] == [None, None]
+    for result in results[2:]:
+        assert result["given"].shape == (BATCH, SEQ) and torch.equal(result["counted"], result["given"])
 
 
 # ---- the command line ----------------------------------------------------------------------------------------

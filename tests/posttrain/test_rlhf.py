@@ -298,6 +298,9 @@ def _hf_ppo(setup, prompts, rollouts=2, epochs=2, ptx=None):
                            "loss/policy_avg": sum(l.item() for l in actor_losses) / 2,
                            "loss/value_avg": sum(l.item() for l in critic_losses) / 2,
                            "objective/scores": scores.mean().item(), "objective/kl": kl,
+                           # TRL's: the KL penalty alone (negative when the actor moved), and score + penalty
+                           "objective/non_score_reward": -F.KL_CTL * kl,
+                           "objective/rlhf_reward": scores.mean().item() - F.KL_CTL * kl,
                            "policy/clipfrac_avg": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()})
     return logged, generated, before, (actor.state_dict(), critic.state_dict())
 
@@ -395,6 +398,7 @@ def test_ppo_steps_equal_plain_pytorch(setup, request, hf_ppo, name):
         for key, value in theirs.items():
             _close(mine[key], value, (step, key))
     assert logged[2]["objective/kl"] != 0 and logged[0]["objective/kl"] == 0          # the second rollout's KL
+    assert ours[2]["objective/non_score_reward"] < 0 < ours[2]["objective/kl"]     # a penalty, not a bonus
     assert logged[1]["policy/clipfrac_avg"] > 0                 # clipping active in the second epoch
     actor = _weights_change_equal(_saved_weights_as_hf(str(setup["root"] / name)), before[0], after[0], "actor")
     critic_saved = _saved_weights_as_hf(str(setup["root"] / name / "critic"))
@@ -540,3 +544,52 @@ def test_bad_flags_are_one_line(setup, capsys):
             train_rlhf.starting_point(base + ["--train-iters", "2"] + flags)
         error = capsys.readouterr().err
         assert stop.value.code == 2 and len(error.strip().splitlines()) == 1 and message in error, error
+
+
+def noisy_vowel_reward(completions, **kwargs):
+    """vowel_reward, after drawing from every generator training draws from (python, numpy, torch, mpu's tracker)."""
+    import random
+    import numpy as np
+    import mpu
+    random.random(), np.random.rand(), torch.rand(3)
+    with mpu.get_cuda_rng_tracker().fork():
+        torch.rand(3)
+    return vowel_reward(completions)
+
+
+def _next_draws():
+    """What training would draw next from each generator (dropout: torch's, or the tracker's under mp)."""
+    import random
+    import numpy as np
+    import mpu
+    with mpu.get_cuda_rng_tracker().fork():
+        tracker = torch.rand(4).tolist()
+    return random.random(), float(np.random.rand()), torch.rand(4).tolist(), tracker
+
+
+def _score_between_seeds():
+    """(next draws after seeding, the scores, next draws after seeding and scoring with noisy_vowel_reward)."""
+    import random
+    import types
+    import numpy as np
+    import mpu
+    from megatron.posttrain import rlhf
+
+    def seed():
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        mpu.model_parallel_cuda_manual_seed(7)
+    tokenizer = types.SimpleNamespace(eod=0, detokenize=lambda ids: "".join("abcde"[i % 5] for i in ids))
+    seed()
+    expected = _next_draws()
+    seed()
+    scores = rlhf.score_completions(rlhf.Roles(actor=None, reward_fn=noisy_vowel_reward), [[1, 2], [3]],
+                                    [[4, 1, 0], [0, 2, 3, 5]], tokenizer)
+    return expected, scores.tolist(), _next_draws()
+
+
+def test_a_reward_fn_that_draws_leaves_trainings_random_streams_alone():
+    """--reward-fn's call is wrapped in preserved_rng_state: after scoring with a function that draws, every
+    generator gives what it gives with no scoring at all (so training after it is bitwise training without it)."""
+    expected, scores, after = run_distributed(_score_between_seeds, 1, model_parallel_size=1)[0]
+    assert scores == pytest.approx(vowel_reward(["eb", "cda"]))      # the function ran, end-of-text dropped
+    assert after == expected

@@ -2,7 +2,8 @@
 numpy, cpu) stalls a GPU until its queue drains. The ZeRO path's step has at most 3: the losses once
 (training.losses_to_host), the gradient norm once (grad_norm.global_norm_and_overflow), and at model-parallel
 size > 1 the batch's shapes (mpu.broadcast_data). Counted on the CPU by wrapping those Tensor methods inside
-train_step; and the phase timers synchronize the device only when timing is asked for (--timing-log-level)."""
+train_step (and inside losses_to_host for several micro-batches of several losses: one read); and the phase
+timers synchronize the device only when timing is asked for (--timing-log-level)."""
 import collections
 import traceback
 
@@ -72,3 +73,23 @@ def test_timers_synchronize_only_when_enabled(monkeypatch):
     assert len(syncs) == 2                   # the enabled timer's start and stop, none from the disabled one
     assert quiet.summary() == {} and quiet("forward").count == 1
     assert timed.summary()["forward"]["count"] == 1
+
+
+def test_several_losses_of_several_micro_batches_are_read_in_one_host_read(monkeypatch):
+    """training.losses_to_host on 3 micro-batches x (a 0-d loss, a (sum, count) pair, a float left as it is): one
+    read of the device in all (a read per loss would be 9 here), and every value the tensor's own float."""
+    import megatron.training as training
+    reads = []
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    losses = [{"lm loss": torch.tensor(0.25 * i), "tokens": (torch.tensor(3.0 + i), torch.tensor(4 + i)),
+               "lr": 1e-3} for i in range(3)]
+    host = training.losses_to_host(losses)
+    assert len(reads) == 1, reads
+    assert host == [{"lm loss": 0.25 * i, "tokens": (3.0 + i, 4.0 + i), "lr": 1e-3} for i in range(3)]

@@ -297,3 +297,20 @@ def test_zero_init_parameters_carry_ds_id_and_ds_status():
         assert {p.ds_status for p in model.parameters()} == {zero.ZeroParamStatus.AVAILABLE}
         assert model.weight.shape == (2, 3)
     assert {p.ds_status for p in model.parameters()} == {zero.ZeroParamStatus.NOT_AVAILABLE}
+
+
+# ---- dotted-name helpers at depth (issue 57) ---------------------------------------------------------------------
+@pytest.mark.parametrize("name, path", [("0.1", (0, 1)), ("0.1.0", (0, 1, 0))])
+def test_recursive_setattr_replaces_the_module_at_a_nested_dotted_name(name, path):
+    """At "0.1" every split agrees; at "0.1.0" a split at the first dot ("0" | "1.0") would set a module literally
+    named "1.0" on model[0] and leave model[0][1][0] alone."""
+    from megatron.zero.as_deepspeed.module_utils import recursive_getattr, recursive_setattr
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2),
+                                                    torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())))
+    replacement = torch.nn.Tanh()
+    recursive_setattr(model, name, replacement)
+    target = model
+    for index in path:
+        target = target[index]
+    assert target is replacement and recursive_getattr(model, name) is replacement
+    assert not any("." in key for sub in model.modules() for key in sub._modules)   # no module named "1.0"

@@ -111,6 +111,39 @@ def test_gpt2_parameter_count_matches_real_model(mp):
         assert sorted(n for n, _ in memory.gpt2_parameter_sizes(3, 48, 256, 40, size)) == sizes
 
 
+LLAMA_FLAGS = ["--num-key-value-heads", "2", "--ffn-hidden-size", "80", "--swiglu", "--normalization", "rmsnorm",
+               "--disable-bias-linear", "--no-position-embedding", "--untie-embeddings-and-output-weights"]
+LLAMA_ARCHITECTURE = dict(num_key_value_heads=2, ffn_hidden_size=80, swiglu=True, normalization="rmsnorm",
+                          add_bias_linear=False, learned_position_embeddings=False, rotary=True,
+                          untie_embeddings_and_output_weights=True)
+
+
+def _llama_counts(num_layers, hidden, heads, vocab, seq):
+    """(weight decay, no decay) parameters of this rank's real Llama-shaped GPT2Model."""
+    from megatron.model import GPT2Model
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    from megatron.training import param_groups_for_weight_decay
+    model = GPT2Model(GPT2ModelConfig(num_layers=num_layers, vocab_size=vocab, hidden_size=hidden,
+                                      num_attention_heads=heads, max_sequence_length=seq, **LLAMA_ARCHITECTURE))
+    return [sum(p.numel() for p in g["params"]) for g in param_groups_for_weight_decay(model)]
+
+
+def test_tool_parameters_for_llama_flags_equal_the_real_models(capsys):
+    """Every Llama flag changes the count (no biases, no position table, an untied head, SwiGLU's three matrices,
+    2 kv heads): the tool's parameters per rank at mp 2, and its fp32 parameter bytes, are the real model's."""
+    import estimate_memory
+    shape = (3, 48, 4, 256, 40)      # layers, hidden, heads, vocab (a multiple of 128 x mp: no padding), seq
+    counts = run_distributed(_llama_counts, 2, args=shape, model_parallel_size=2)
+    assert counts[0] == counts[1]
+    states = estimate_memory.main(["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "4",
+                                   "--seq-length", "40", "--vocab-size", "256", "--model-parallel-size", "2",
+                                   *LLAMA_FLAGS])
+    printed = capsys.readouterr().out
+    assert f"parameters per model-parallel rank: {sum(counts[0])} (weight decay {counts[0][0]}, no decay " \
+           f"{counts[0][1]};" in printed, (counts, printed)
+    assert states["parameters"] == 4 * sum(counts[0])
+
+
 def _printed(text, what):
     match = re.search(rf"model-state memory {what}[^(]*\(bytes, [^)]*\): (.*)", text)
     assert match, text

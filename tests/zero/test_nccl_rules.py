@@ -76,17 +76,20 @@ def test_initialize_binds_the_device_before_starting_torch_distributed(tmp_path)
 
 
 def test_initialize_sets_the_cuda_device_of_local_rank_first(monkeypatch):
-    """On a mocked 2-GPU machine, LOCAL_RANK 1: torch.cuda.set_device(cuda:1) before init_process_group("nccl")."""
+    """On a mocked 8-GPU machine running 2 processes per node, global RANK 3 is LOCAL_RANK 1 of the second node:
+    torch.cuda.set_device(cuda:1) before init_process_group("nccl"). (RANK 3 -> cuda:3 would be the wrong GPU;
+    with RANK == LOCAL_RANK, or RANK % device_count == LOCAL_RANK, that bug would not show.)"""
     from megatron.zero import builder
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", torch.device(device))))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append(("init", backend)))
     monkeypatch.setattr(mpu.utils, "_DEVICE_SET", False)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    assert mpu.get_device() == torch.device("cuda", 1)
     builder._init_distributed()
     assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]
     assert mpu.device_is_set()
@@ -115,6 +118,20 @@ def test_rules_refuse_a_tensor_off_the_device(monkeypatch):
         nccl_rules.check("reduce", [torch.zeros(2)])
 
 
+def test_rules_refuse_a_tensor_on_another_gpu_of_the_same_type(monkeypatch):
+    """On a (mocked) cuda:0 rank, a (fake) tensor on cuda:1 is refused: the same device type is not enough. One on
+    cuda:0 passes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(mpu.utils, "_DEVICE_SET", True)
+    monkeypatch.setattr(mpu, "get_device", lambda: torch.device("cuda", 0))
+    with FakeTensorMode():
+        own, other = torch.empty(2, device="cuda:0"), torch.empty(2, device="cuda:1")
+    assert (own.device, other.device) == (torch.device("cuda", 0), torch.device("cuda", 1))
+    nccl_rules.check("all_reduce", [own])
+    with pytest.raises(nccl_rules.NcclRuleError, match=r"on cuda:1, not on this rank's device cuda:0"):
+        nccl_rules.check("all_gather", [[own, other], own])
+
+
 class _Handle:
     def __init__(self):
         self.waits = []
@@ -135,3 +152,20 @@ def test_stage3_gathers_block_the_host_only_on_gloo():
     assert wait_for_gather(nccl, timeout, host_waits=False) and wait_for_gather(gloo, timeout, host_waits=True)
     assert nccl.waits == [((), {})]
     assert gloo.waits == [((), {"timeout": timeout})]
+
+
+@pytest.mark.parametrize("backend,size,timed", [("nccl", 2, False), ("gloo", 2, True), ("gloo", 1, False)])
+def test_a_stage3_buffer_times_its_waits_only_on_gloo(monkeypatch, backend, size, timed):
+    """The buffer's own choice under a (mocked) NCCL data-parallel group: its gathers' waits are plain waits (the
+    host runs on); on gloo at dp > 1 they take the timeout; at dp 1 there is nothing to wait for."""
+    import datetime
+    import types
+    from megatron.zero import stage3
+    monkeypatch.setattr(stage3.dist, "get_backend", lambda group=None: backend)
+    ctx = types.SimpleNamespace(data_parallel_size=size, data_parallel_group=object())
+    buffer = stage3._Buffer("unit", [], [], ctx, torch.device("cpu"))
+    handle, timeout = _Handle(), datetime.timedelta(seconds=3)
+    buffer.handles = [handle]
+    buffer.finish_gather(timeout, "unit")
+    assert handle.waits == [((), {"timeout": timeout} if timed else {})]
+    assert buffer.state == "ready" and buffer.handles == []

@@ -389,6 +389,8 @@ def test_every_deepspeed_key_at_its_default_is_known():
     ("gradient_allreduce_op", "sum", "gradient_allreduce_op: 'sum' is not supported"),
     ("bf16.bf16_optimizer_states", True, "optimizer states are fp32"),
     ("data_types", {"grad_accum_dtype": "fp32"}, "data_types: .*gradients accumulate"),
+    # a block that is on by being there (as DeepSpeed reads it), with no "enabled" key at all
+    ("sparse_attention", {"mode": "fixed"}, "sparse_attention is enabled .*not supported"),
 ])
 def test_deepspeed_features_we_do_not_have_are_refused_when_on(key, value, message):
     with pytest.raises(ConfigError, match=message):
