@@ -117,7 +117,9 @@ def test_missing_corpus_is_one_line(tmp_path):
 def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained, seed):
     """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained), then 20 LoRA steps: the validation perplexity
     drops by at least 3% (LoRA cannot sharpen the frozen, barely trained embeddings much further), both sets of
-    answers print."""
+    answers print. Spread of after / before (default data 845b8bad124aace2, --seed 1234, 1, 2, 3, 4): 0.946,
+    0.932, 0.932, 0.936, 0.941 (min 0.932, median 0.936, max 0.946; 2689.55 -> 2506-2544): the worst clears the
+    bound by 0.024, four times the spread's standard deviation (0.005)."""
     base, _ = ds_pretrained
     stdout = run_script("finetune_gpt.sh", {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
                                             "EVAL_ITERS": "4",   # 4 validation batches, not the whole split

@@ -304,8 +304,10 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir, 
     chance. A tiny GPT-2 (h64, L2, from a random init) is fine-tuned on the default SFT data (200 steps of 16, lr
     3e-3: the embeddings learn which words go together), then trained as a reward model on the default pairs (200
     steps of 16, lr 1e-3): its accuracy on the 448 held-out pairs (224 of valid, 224 of test; 112 questions no
-    training pair has) is >= 0.65 (0.71, 0.72, 0.73 with seeds 3, 4, 5; chance is 0.5) and its training accuracy
-    rises. The data: every held-out example has 4 pairs, together, each rejected answer one of its split's answers
+    training pair has) is >= 0.62 (chance is 0.5) and its training accuracy rises by more than 0.03. Spread
+    (default data 845b8bad124aace2, --seed 3, 1, 2, 4, 5): held-out 0.703, 0.703, 0.712, 0.685, 0.699 (min 0.685,
+    median 0.703, max 0.712; the bound is 0.065 under the smallest, seven standard deviations of 0.009); training
+    accuracy rises 0.097, 0.082, 0.131, 0.076, 0.101 (min 0.076). The data: every held-out example has 4 pairs, together, each rejected answer one of its split's answers
     from another topic file, none the chosen one."""
     pytest.importorskip("yaml")
     pytest.importorskip("chatterbot_corpus")
@@ -358,5 +360,5 @@ def test_default_data_reward_model_generalises(tmp_path, webtext_data, sft_dir, 
     final = {split: accuracy for split, iteration, accuracy in table if iteration == 200}   # the end's, last
     print(f"spread: reward_heldout_accuracy seed={seed} valid={final.get('valid')} test={final.get('test')} "
           f"mean={(final.get('valid', 0) + final.get('test', 0)) / 2:.4f} train={trained[0][1]:.4f}->{trained[-1][1]:.4f}")
-    assert set(final) == {"valid", "test"} and (final["valid"] + final["test"]) / 2 >= 0.65, (table, trained)
-    assert trained[-1][1] > trained[0][1] + 0.05, (table, trained)
+    assert set(final) == {"valid", "test"} and (final["valid"] + final["test"]) / 2 >= 0.62, (table, trained)
+    assert trained[-1][1] > trained[0][1] + 0.03, (table, trained)
