@@ -49,7 +49,7 @@ def test_wall_clock_breakdown_waits_at_every_timer(monkeypatch):
 
 @pytest.mark.parametrize("synchronized, expected", [(True, TIMED * 2), (False, 0)])
 def test_the_throughput_timers_keys(monkeypatch, synchronized, expected):
-    count, engine = _synchronizations(monkeypatch, timers={"throughput": {"synchronized": synchronized}})
+    count, _ = _synchronizations(monkeypatch, timers={"throughput": {"synchronized": synchronized}})
     assert count == expected
 
 
