@@ -47,8 +47,8 @@ def build_parser():
     add("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
     add("--local_rank", "--local-rank", type=int, default=None, help="set by DeepSpeed's launcher")
-    add("--no_python", action="store_true", help=argparse.SUPPRESS)
-    add("--autotuning", default="", help=argparse.SUPPRESS)
+    add("--no_python", action="store_true", help="DeepSpeed's; refused (the client runs in Python here)")
+    add("--autotuning", default="", help="DeepSpeed's; refused (no autotuner here)")
     for name in ("--launcher", "--launcher_args", "--enable_each_rank_log", "--bind_core_list", "--venv_script",
                  "--log_level", "--ssh_port"):
         add(name, default=None, help=argparse.SUPPRESS)
