@@ -135,8 +135,9 @@ def _local_slots(args, parser):
         return _slots_of(args.include, every, "--include", parser)
     if args.exclude:
         excluded = _slots_of(args.exclude, every, "--exclude", parser)
-        return [slot for slot in every if slot not in excluded] or parser.error(
-            f"--exclude {args.exclude} leaves no device")
+        every = [slot for slot in every if slot not in excluded]
+        if not every:
+            parser.error(f"--exclude {args.exclude} leaves no device")
     return every
 
 
