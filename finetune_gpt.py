@@ -152,9 +152,8 @@ model_provider = pretrain_gpt.model_provider   # the same GPT2Model (zero.Init a
 def get_batch(step_batches, data_iterator):
     """(tokens, labels, loss_mask, attention_mask, position_ids, mask tokens of the whole step)."""
     args = get_args()
-    rows, step_tokens = step_batches.next(data_iterator, args.num_micro_batches, mpu.get_data_parallel_group())
-    if not (args.pack_sequences or args.pad_to_seq_length or args.pipeline_model_parallel_size > 1):
-        rows = posttrain.trim_to_longest(rows)
+    trim = not (args.pack_sequences or args.pad_to_seq_length or args.pipeline_model_parallel_size > 1)
+    rows, step_tokens = step_batches.next(data_iterator, args.num_micro_batches, mpu.get_data_parallel_group(), trim)
     return posttrain.model_inputs(rows, args.pack_sequences) + (step_tokens,)
 
 

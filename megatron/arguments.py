@@ -316,6 +316,17 @@ def _check_sequence_parallel(args, parser):
         parser.error("--sequence-parallel runs the eager layers: drop --torch-compile or --sequence-parallel")
 
 
+def _check_backend(args, parser):
+    """--distributed-backend must fit the device mpu picks: the model and batches live on CUDA when it is there,
+    where gloo is slow or lacks collectives, and NCCL moves CUDA tensors only."""
+    wanted = mpu.get_backend()
+    if args.distributed_backend in (None, wanted):
+        return
+    where = "a CUDA machine (tensors on cuda)" if wanted == "nccl" else "a machine without CUDA (tensors on cpu)"
+    parser.error(f"--distributed-backend {args.distributed_backend} on {where}: pass --distributed-backend {wanted} "
+                 "or drop the flag (its default)")
+
+
 def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
     cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
@@ -353,6 +364,7 @@ def validate_args(args, parser):
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
     _check_sequence_parallel(args, parser)
+    _check_backend(args, parser)
     _resolve_recompute_args(args, parser)
     if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
         parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "

@@ -78,11 +78,7 @@ class Timers:
         return self.timers[name]
 
     def synchronize(self):
-        if self.device is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        elif torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize(self.device)
 
     def reset(self):
         for timer in self.timers.values():
@@ -107,3 +103,12 @@ class Timers:
                  for name in names if name in self.timers and self.enabled]
         if parts and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             print("time (ms) | " + " | ".join(parts), flush=True)
+
+
+def synchronize(device=None):
+    """Wait for `device`'s queued work (None: the current CUDA device when CUDA is available); the CPU has none."""
+    if device is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    elif torch.cuda.is_available():
+        torch.cuda.synchronize()

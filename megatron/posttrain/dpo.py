@@ -54,9 +54,11 @@ def pair_batch(data_iterator):
     """One micro-batch of pairs from the model-parallel group's rank 0 -> model inputs of its 2b rows (chosen,
     rejected interleaved), trimmed to the longest row: (tokens, labels, loss_mask, attention_mask, position_ids)."""
     data = next(data_iterator) if data_iterator is not None else None
-    rows = mpu.broadcast_data(list(ROW_KEYS), data, torch.int64)                  # [b, 2, S + 1] each
-    rows = {key: value.reshape(-1, value.size(-1)) for key, value in rows.items()}  # [2b, S + 1]
-    return model_inputs(trim_to_longest(rows), pack=False)
+    if data is not None:     # trimmed on the host, before the rows go to the device
+        rows = {key: data[key].reshape(-1, data[key].size(-1)) for key in ROW_KEYS}   # [b, 2, S + 1] -> [2b, S + 1]
+        data = trim_to_longest(rows)
+    rows = mpu.broadcast_data(list(ROW_KEYS), data, torch.int64)                  # [2b, s + 1] each
+    return model_inputs(rows, pack=False)
 
 
 @contextlib.contextmanager

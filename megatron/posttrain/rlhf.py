@@ -340,21 +340,14 @@ def _reported(pairs, name):
     return {key: (totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(pairs)}
 
 
-def _masked_or_zero(loss_fn, outputs, old, targets, mask, cliprange):
-    """loss_fn's masked mean, or 0 (with the graph) for a micro-batch without an answer token (every answer empty:
-    end-of-text first), where DeepSpeed-Chat's mean would be 0/0 (it drops such answers when generating)."""
-    if not bool(mask.any()):
-        return (outputs * mask).sum()
-    return loss_fn(outputs, old, targets, mask, cliprange)
-
-
 def ppo_actor_forward_step(config, data_iterator, model):
     """DeepSpeed-Chat's actor loss of one micro-batch (its masked mean; the loop averages over micro-batches and
     ranks) and TRL's loss/policy_avg, policy/clipfrac_avg, policy/approxkl_avg."""
     batch = next(data_iterator)
     start, mask = batch.start, batch.action_mask[:, batch.start:]
     log_probs, old = token_log_probs(model, batch)[:, start:], batch.old_logprobs[:, start:]
-    loss = _masked_or_zero(rlhf_loss.actor_loss_fn, log_probs, old, batch.advantages, mask, config.cliprange)
+    # a micro-batch without an answer token (every answer empty) gives 0, without reading the mask on the host
+    loss = rlhf_loss.actor_loss_fn(log_probs, old, batch.advantages, mask, config.cliprange)
     with torch.no_grad():
         ratio = torch.exp((log_probs - old) * mask)
         clipped = (-batch.advantages * ratio.clamp(1 - config.cliprange, 1 + config.cliprange)
@@ -370,7 +363,7 @@ def ppo_critic_forward_step(config, data_iterator, model):
     batch = next(data_iterator)
     start, mask = batch.start, batch.action_mask[:, batch.start:]
     values, old = values_of(model, batch)[:, start:], batch.old_values[:, start:]
-    loss = _masked_or_zero(rlhf_loss.critic_loss_fn, values, old, batch.returns, mask, config.cliprange_value)
+    loss = rlhf_loss.critic_loss_fn(values, old, batch.returns, mask, config.cliprange_value)
     with torch.no_grad():
         clipped_values = torch.clamp(values, old - config.cliprange_value, old + config.cliprange_value)
         clipped = ((clipped_values - batch.returns) ** 2 > (values - batch.returns) ** 2).float()

@@ -119,19 +119,20 @@ def whiten_advantages(advantages, mask):
 
 def actor_loss_fn(logprobs, old_logprobs, advantages, mask, cliprange=CLIPRANGE):
     """The clipped policy loss, mean over the mask (DeepSpeed-Chat's actor_loss_fn): ratio = exp((logprobs -
-    old_logprobs) mask), loss = sum(max(-A ratio, -A clamp(ratio, 1 - c, 1 + c)) mask) / sum(mask)."""
+    old_logprobs) mask), loss = sum(max(-A ratio, -A clamp(ratio, 1 - c, 1 + c)) mask) / sum(mask); 0 (with the
+    graph) for a mask without a token, where DeepSpeed-Chat's is 0/0 (the mask is 0/1: the same otherwise)."""
     ratio = torch.exp((logprobs - old_logprobs) * mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return torch.sum(torch.max(unclipped, clipped) * mask) / mask.sum()
+    return torch.sum(torch.max(unclipped, clipped) * mask) / mask.sum().clamp_min(1)   # no answer token: 0
 
 
 def critic_loss_fn(values, old_values, returns, mask, cliprange_value=CLIPRANGE_VALUE):
     """The clipped value loss (DeepSpeed-Chat's critic_loss_fn): values clipped to old_values +- c, 0.5 sum(max(
-    (values - returns)^2, (clipped - returns)^2) mask) / sum(mask)."""
+    (values - returns)^2, (clipped - returns)^2) mask) / sum(mask); 0 for a mask without a token, as above."""
     clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     losses = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
-    return 0.5 * torch.sum(losses * mask) / mask.sum()
+    return 0.5 * torch.sum(losses * mask) / mask.sum().clamp_min(1)                      # no answer token: 0
 
 
 # ---- GRPO (TRL 1.16) -----------------------------------------------------------------------------------------

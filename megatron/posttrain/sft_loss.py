@@ -32,10 +32,12 @@ ROW_KEYS = ("text", "loss_mask", "segments")
 
 
 def trim_to_longest(rows):
-    """The rows cut after the last non-padding token of the longest one (padding to the longest in the batch)."""
+    """The rows cut after the last non-padding token of the longest one (padding to the longest in the batch).
+    Called on the host rows, before they go to the device: the new length is read on the host (on device rows it
+    would be a stream sync)."""
     used = rows["segments"].gt(0).any(dim=0).nonzero()
     length = int(used.max()) + 1 if used.numel() else 2
-    return {key: value[:, :max(length, 2)] for key, value in rows.items()}
+    return {key: value[:, :max(length, 2)].contiguous() for key, value in rows.items()}
 
 
 def model_inputs(rows, pack):
@@ -63,9 +65,11 @@ def masked_sum(per_token_losses, loss_mask):
 
 def sum_over_group(values, name, group):
     """[number or 0-d tensor, ...] summed over `group`: a float64 tensor on the model's device, one element per value
-    (left on the device: the training loop reads a step's losses on the host once, training.losses_to_host)."""
+    (left on the device: the training loop reads a step's losses on the host once, training.losses_to_host). A
+    Python number is filled in on the device (torch.as_tensor would copy it from the host and wait for the stream)."""
     device = mpu.get_device()
-    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    tensor = torch.stack([v.to(device, torch.float64).reshape(()) if torch.is_tensor(v) else
+                          torch.full((), v, dtype=torch.float64, device=device) for v in values])
     breadcrumbs.all_reduce(tensor, name, group=group)
     return tensor
 
@@ -79,16 +83,19 @@ class StepBatches:
     def __init__(self):
         self.pending = []
 
-    def next(self, data_iterator, num_micro_batches, data_parallel_group):
-        """(rows {key: int64 [b, S + 1]}, mask tokens of this step over all data-parallel ranks: a 0-d tensor)."""
+    def next(self, data_iterator, num_micro_batches, data_parallel_group, trim=False):
+        """(rows {key: int64 [b, S + 1]}, mask tokens of this step over all data-parallel ranks: a 0-d tensor);
+        `trim`: each micro-batch cut to its longest row (trim_to_longest) before it goes to the device."""
         if not self.pending:
-            rows = [_broadcast_rows(data_iterator) for _ in range(num_micro_batches)]
+            rows = [_broadcast_rows(data_iterator, trim) for _ in range(num_micro_batches)]
             local = sum(r["loss_mask"][:, 1:].sum() for r in rows)
             step_tokens = sum_over_group([local], "sft step mask tokens", data_parallel_group)[0]
             self.pending = [(r, step_tokens) for r in rows]
         return self.pending.pop(0)
 
 
-def _broadcast_rows(data_iterator):
+def _broadcast_rows(data_iterator, trim=False):
     data = next(data_iterator) if data_iterator is not None else None
+    if data is not None and trim:
+        data = trim_to_longest({key: data[key] for key in ROW_KEYS})
     return mpu.broadcast_data(list(ROW_KEYS), data, torch.int64)

@@ -146,6 +146,20 @@ class HybridEngineConfig:
 
 
 @dataclass
+class ThroughputTimerConfig:
+    """DeepSpeed's "timers": {"throughput": {...}} block: engine.tput_timer (throughput.py)."""
+    enabled: bool = True               # False: the timer neither counts nor times (DeepSpeed's rule)
+    # wait for the device at each micro-step's start and stop; DeepSpeed's default is true, a host stall per
+    # micro-step: here only when asked (this key or wall_clock_breakdown)
+    synchronized: bool = False
+
+
+@dataclass
+class TimersConfig:
+    throughput: ThroughputTimerConfig = field(default_factory=ThroughputTimerConfig)
+
+
+@dataclass
 class Config:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
@@ -155,6 +169,7 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)   # engine.generate's block
+    timers: TimersConfig = field(default_factory=TimersConfig)
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
@@ -193,7 +208,6 @@ DEEPSPEED_KEYS = {
     "managed_gradient_accumulation": (NO_EFFECT, "the engine always counts micro-steps to the boundary"),
     "vocabulary_size": (NO_EFFECT, "read by DeepSpeed's pipeline engine only"),
     "use_data_before_expert_parallelism": (NO_EFFECT, "there is no expert parallelism"),
-    "timers": (NO_EFFECT, "the log line prints the step time"),
     "flops_profiler": (NO_EFFECT, "the log line prints TFLOP/s"),
     "tensorboard": (NO_EFFECT, "use --tensorboard-dir"),
     "csv_monitor": (NO_EFFECT, "use --log-jsonl"), "wandb": (NO_EFFECT, "use --log-jsonl"),
@@ -308,7 +322,8 @@ _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float
                      "WarmupDecayLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
                                        "warmup_type": str, "last_batch_iteration": int, "total_num_steps": int}}
 _SECTIONS = {"fp16": FP16Config, "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig,
-             "activation_checkpointing": ActivationCheckpointingConfig, "hybrid_engine": HybridEngineConfig}
+             "activation_checkpointing": ActivationCheckpointingConfig, "hybrid_engine": HybridEngineConfig,
+             "timers": TimersConfig}
 _SCALARS = {"train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
             "gradient_clipping": float, "steps_per_print": int, "wall_clock_breakdown": bool,
             "dataloader_drop_last": bool}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import mpu.lora as mpu_lora
+import mpu.utils as mpu_utils
 from mpu.utils import full_numel, full_shape
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.checkpoint.stage3_module import PartitionedModule
@@ -26,6 +27,23 @@ from .collectives import gather_intervals
 from .hybrid_engine import HybridEngine
 from .optimizer import ZeroOptimizer
 from .throughput import ThroughputTimer
+from .zero_init import is_partitioned
+
+
+def _move_to_device(module, optimizer, device):
+    """The client's module onto `device` before anything is partitioned, as DeepSpeed's engine does
+    (`self.module.to(self.device)`): Hugging Face and DeepSpeed-Chat models are built on the CPU. A module built
+    under zero.Init is already partitioned on the device and is left alone (DeepSpeed's rule). Where the move
+    replaces Parameter objects (a device whose tensors cannot share the host's tensor type, e.g. "meta") the client
+    optimizer's groups are pointed at the new ones."""
+    params = list(module.parameters())
+    if any(is_partitioned(p) for p in params):
+        return
+    module.to(device)
+    if optimizer is not None:
+        moved = dict(zip(map(id, params), module.parameters()))
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
 
 
 class ZeroEngine(torch.nn.Module):
@@ -46,6 +64,8 @@ class ZeroEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._step_applied = False      # what was_step_applied() reports for the latest step()
+        self._device = mpu_utils.get_device()   # looked up at call time: the one device source
+        _move_to_device(module, optimizer, self._device)
         dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
         zero_config = config.zero_optimization
         param_order = list(module.parameters())
@@ -53,7 +73,7 @@ class ZeroEngine(torch.nn.Module):
         self.stage3, groups = None, None
         frozen_bytes = 0                  # parameters in no optimizer group (requires_grad False): no state
         if zero_config.stage == 3:
-            groups = stage3.partition_parameters(module, param_groups, ctx, zero_config, dtype)
+            groups = stage3.partition_parameters(module, param_groups, ctx, zero_config, dtype, self.device)
             self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
             if len(groups) > len(param_groups):   # the stateless parameters' group: gathered, not stepped
                 frozen_bytes = groups[-1].parameter_bytes()
@@ -69,7 +89,10 @@ class ZeroEngine(torch.nn.Module):
         if self.stage3 is not None:
             self.stage3.install_hooks()   # after the gradient buckets' hooks: a buffer is released after them
         self.timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
-        self.tput_timer = ThroughputTimer(batch_size=config.train_batch_size)
+        throughput = config.timers.throughput
+        self.tput_timer = ThroughputTimer(batch_size=config.train_batch_size, enabled=throughput.enabled,
+                                          synchronized=throughput.synchronized or config.wall_clock_breakdown,
+                                          device=self.device)
         self.hybrid_engine = HybridEngine(self, module, config.hybrid_engine)
 
     def _wrap_optimizer(self, optimizer, groups, param_order, frozen_bytes):
@@ -108,7 +131,8 @@ class ZeroEngine(torch.nn.Module):
 
     @property
     def device(self):
-        return next(self.module.parameters()).device
+        """The compute device (mpu.get_device(), DeepSpeed's local accelerator device), where the module lives."""
+        return self._device
 
     def wait_for_parameters(self):
         """Complete the parameter all-gathers the last step left in flight (overlap_param_gather): call it before

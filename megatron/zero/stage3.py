@@ -83,15 +83,15 @@ class PartitionedGroup(FlatLayout):
         return self.partition.numel() * self.partition.element_size()
 
 
-def partition_parameters(module, param_groups, ctx, zero_config, dtype):
+def partition_parameters(module, param_groups, ctx, zero_config, dtype, device):
     """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own), then one more for
     the frozen parameters (requires_grad False: in no optimizer group, e.g. LoRA's base weights) when there are
     any: partitioned and gathered like the others, without optimizer state. Without an optimizer (no param
     groups: an inference engine) every parameter is in that stateless group. A parameter built whole is first
     broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is gathered from its
-    pieces. One parameter is whole at a time."""
+    pieces. One parameter is whole at a time. `device`: the engine's compute device (where the partitions live
+    without offload_param)."""
     from .zero_init import gather_initial
-    device = next(module.parameters()).device
 
     def full_value(param):
         if hasattr(param, "ds_tensor"):

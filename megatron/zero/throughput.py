@@ -9,16 +9,24 @@ steps are not timed (warm-up), so with a global batch of B samples and T seconds
 
 DeepSpeed also logs a line every steps_per_print steps; this engine's own progress line (engine.py) serves there.
 Where DeepSpeed's data loader starts the timer (its iterator, so loading is timed too), this engine's forward does.
+
+The config's "timers": {"throughput": {"enabled", "synchronized"}} are DeepSpeed's keys. `synchronized` waits for
+the device at each timed start and stop (two host stalls per micro-step): DeepSpeed does it by default, this
+engine only when asked (that key, or wall_clock_breakdown); unsynchronized, a step's time is its launch time until
+the queue fills, which over many steps is the compute time.
 """
 import time
 
-import torch
+from megatron.timers import synchronize
 
 
 class ThroughputTimer:
     """Samples per second over the optimizer steps after the first `start_step` (DeepSpeed's names and rules)."""
 
-    def __init__(self, batch_size, start_step=2):
+    def __init__(self, batch_size, start_step=2, enabled=True, synchronized=False, device=None):
+        """`enabled` False: start() and stop() do nothing (DeepSpeed's rule); `synchronized`: wait for `device`
+        at each timed start and stop."""
+        self.enabled, self.synchronized, self.device = enabled, synchronized, device
         self.batch_size = 1 if batch_size is None else batch_size
         self.start_step = start_step
         self.epoch_count = 0
@@ -35,9 +43,11 @@ class ThroughputTimer:
 
     def start(self):
         """Start timing a micro-step; the clock runs only once `start_step` optimizer steps are done (warm-up)."""
+        if not self.enabled:
+            return
         self.started = True
         if self.global_step_count >= self.start_step:
-            _synchronize()
+            self._synchronize()
             self.start_time = time.time()
 
     def stop(self, global_step=False):
@@ -49,7 +59,7 @@ class ThroughputTimer:
         self.micro_step_count += 1
         self.global_step_count += int(global_step)
         if self.start_time > 0:
-            _synchronize()
+            self._synchronize()
             self.total_elapsed_time += time.time() - self.start_time
 
     def avg_samples_per_sec(self):
@@ -61,9 +71,6 @@ class ThroughputTimer:
             return float("-inf")     # DeepSpeed divides by zero here (ZeroDivisionError); nothing timed yet
         return self.batch_size / (self.total_elapsed_time / timed_steps)
 
-
-def _synchronize():
-    """Wait for the device's queued work, so that a step's time is its compute, not its launch (DeepSpeed's
-    `timers.throughput.synchronized`, on by default)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    def _synchronize(self):
+        if self.synchronized:
+            synchronize(self.device)

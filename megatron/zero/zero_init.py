@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import mpu.utils as mpu_utils
+
 from . import offload
 from .collectives import all_gather_into_tensor
 from .config import ConfigError
@@ -91,15 +93,17 @@ def _config_dtype(config):
 
 class Init:
     """DeepSpeed 0.19.8's signature. Accepted with no effect here: `mem_efficient_linear` (torch's linear is
-    used; its memory saving is DeepSpeed's own autograd function), `param_swapper` (NVMe), the `device` member of
-    `tensor_overrides` (constructors inside the context keep torch's default device; parameters go to
-    `remote_device` when partitioned). `zero_param_parallel_group` (hpZ), `zero_quantized_weights` and
+    used; its memory saving is DeepSpeed's own autograd function), `param_swapper` (NVMe).
+    `zero_param_parallel_group` (hpZ), `zero_quantized_weights` and
     `zero_quantized_nontrainable_weights` are refused when given. `config_dict_or_path` (or the deprecated
     `config`), a dict or a JSON path, gives as in DeepSpeed the dtype when `dtype` is None (bf16, fp16, else fp32)
     and, when `remote_device` is None, `zero_optimization.offload_param.device` and `pin_memory`. With a dtype
     (given or from the config) and `DeepSpeedTensorOverride.dtype` in `tensor_overrides`, torch's tensor
     constructors inside the context return floating-point tensors in that dtype, as in DeepSpeed; without one,
-    parameters keep the dtype they were built in."""
+    parameters keep the dtype they were built in. As DeepSpeed builds on the local accelerator, the model is built
+    on mpu.get_device(): with `DeepSpeedTensorOverride.device` in `tensor_overrides` torch's constructors default
+    to it, and a parameter built elsewhere is moved there before it is partitioned (its piece then goes to
+    `remote_device`, or stays on the device)."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
@@ -140,6 +144,7 @@ class Init:
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self.size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.remote_device = torch.device("cpu") if remote_device == "cpu" else None
+        self.device = mpu_utils.get_device()
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.dtype = dtype
         if module is not None:
@@ -152,12 +157,14 @@ class Init:
                 if "__init__" in cls.__dict__:
                     self._patched[cls] = cls.__dict__["__init__"]
                     cls.__init__ = self._wrap(cls.__dict__["__init__"])
-            if self.dtype is not None and DeepSpeedTensorOverride.dtype in self.tensor_overrides:
+            dtype = self.dtype if DeepSpeedTensorOverride.dtype in self.tensor_overrides else None
+            device = self.device if DeepSpeedTensorOverride.device in self.tensor_overrides else None
+            if dtype is not None or device is not None:
                 for name in _CONSTRUCTORS:
                     self._constructors[name] = getattr(torch, name)
                     # looked up at each entry: a client's replacement of the wrapper (transformers) applies
                     setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(
-                        globals()[f"_orig_torch_{name}"], target_fp_dtype=self.dtype, target_device=None))
+                        globals()[f"_orig_torch_{name}"], target_fp_dtype=dtype, target_device=device))
         return self
 
     def __exit__(self, *exc):
@@ -183,7 +190,7 @@ class Init:
 
     def _partition(self, param):
         with torch.no_grad():
-            full = param.data
+            full = param.data.to(self.device)      # built on the host (outside the constructors): to the device
             if self.dtype is not None and full.is_floating_point():
                 full = full.to(self.dtype)
             if self.size > 1:
@@ -192,14 +199,14 @@ class Init:
             if self.remote_device is not None:          # "cpu": host offload memory
                 piece = offload.host_zeros(piece_size, full.dtype, self.pin_memory)
             else:
-                piece = torch.zeros(piece_size, dtype=full.dtype, device=full.device)
+                piece = torch.zeros(piece_size, dtype=full.dtype, device=self.device)
             lo, hi = self.rank * piece_size, min((self.rank + 1) * piece_size, full.numel())
             if lo < hi:
                 piece[:hi - lo].copy_(full.reshape(-1)[lo:hi])
             param.ds_tensor = piece
             param.ds_shape, param.ds_numel = full.shape, full.numel()
             param.ds_group, param.ds_world_size = self.group, self.size
-            param.data = torch.empty(0, dtype=full.dtype, device=full.device)
+            param.data = torch.empty(0, dtype=full.dtype, device=self.device)
             assign_id(param)
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 

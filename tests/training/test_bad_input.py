@@ -35,6 +35,21 @@ def test_megatron_flags_out_of_range_are_one_line(flag, value, wanted, capsys):
     assert line.split(": error: ", 1)[1] == f"{flag} is {value}: it must be {wanted} (see --help)"
 
 
+@pytest.mark.parametrize("cuda,backend,wanted", [(True, "gloo", "nccl"), (False, "nccl", "gloo")])
+def test_a_backend_that_does_not_fit_the_device_is_one_line(cuda, backend, wanted, capsys, monkeypatch):
+    """gloo on a (mocked) CUDA machine, nccl on one without CUDA: refused naming the fix; the fitting one and the
+    default are accepted."""
+    import torch
+    from megatron.arguments import parse_args
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + ["--distributed-backend", backend], capsys)
+    where = "a CUDA machine (tensors on cuda)" if cuda else "a machine without CUDA (tensors on cpu)"
+    assert line.split(": error: ", 1)[1] == (f"--distributed-backend {backend} on {where}: pass --distributed-backend "
+                                             f"{wanted} or drop the flag (its default) (see --help)")
+    assert parse_args(args_list=TINY + ["--distributed-backend", wanted]).distributed_backend == wanted
+    assert parse_args(args_list=TINY).distributed_backend is None          # initialize picks mpu.get_backend()
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_new_tokens=-4), "--out-seq-length (max_new_tokens) is -4: give the number of new tokens, at least 1"),
     (dict(max_new_tokens=0), "--out-seq-length (max_new_tokens) is 0: give the number of new tokens, at least 1"),

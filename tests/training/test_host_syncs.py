@@ -1,10 +1,16 @@
 """Host syncs in the training step: every read of a device value on the host (Tensor.item, tolist, bool/float/int,
-numpy, cpu) stalls a GPU until its queue drains. The ZeRO path's step has at most 3: the losses once
-(training.losses_to_host), the gradient norm once (grad_norm.global_norm_and_overflow), and at model-parallel
-size > 1 the batch's shapes (mpu.broadcast_data). Counted on the CPU by wrapping those Tensor methods inside
-train_step (and inside losses_to_host for several micro-batches of several losses: one read); and the phase
-timers synchronize the device only when timing is asked for (--timing-log-level)."""
+numpy, cpu) stalls a GPU until its queue drains, and so do torch.cuda.synchronize() and a Python value put on the
+device (torch.tensor / torch.as_tensor with a device: a blocking host-to-device copy). The ZeRO path's step has at
+most 3: the losses once (training.losses_to_host), the gradient norm once (grad_norm.global_norm_and_overflow), and
+at model-parallel size > 1 the batch's shapes (mpu.broadcast_data); the post-training steps (SFT, DPO, reward) the
+same (issue 53 row 5: they had 2-4 more per micro-batch: the trim of each micro-batch on the device, Python counts
+copied to the device). Counted on the CPU by wrapping those calls inside train_step (and inside
+losses_to_host for several micro-batches of several losses: one read); and the phase timers
+synchronize the device only when timing is asked for (--timing-log-level)."""
 import collections
+import importlib
+import json
+import os
 import traceback
 
 import pytest
@@ -12,30 +18,35 @@ import torch
 
 from megatron.spawn import run_distributed
 from megatron.timers import Timers
-from tests.helpers import NO_DROPOUT, TINY, train, write_config
+from tests.helpers import NO_DROPOUT, TINY, write_config
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu")
 ITERS = 4
 
 
-def _count_reads(args_list):
-    """Train; {(method, caller file:line): calls per step} inside train_step, and whether the timers are on."""
+def _count_reads(args_list, entry="pretrain_gpt"):
+    """`entry`.main(args_list); {(call, caller file:line): calls per step} inside train_step, and whether the
+    timers are on."""
     import megatron.training as training
     from megatron.global_vars import get_timers
     counts, counting = collections.Counter(), [False]
 
-    def wrap(name):
-        original = getattr(torch.Tensor, name)
+    def wrap(owner, name, counted=lambda *args, **kwargs: True):
+        original = getattr(owner, name)
 
-        def read(self, *args, **kwargs):
-            if counting[0]:
+        def read(*args, **kwargs):
+            if counting[0] and counted(*args, **kwargs):
                 caller = next(f for f in reversed(traceback.extract_stack()[:-1])
                               if "/torch/" not in f.filename)
                 counts[(name, f"{caller.filename.rsplit('/', 2)[-1]}:{caller.lineno}")] += 1
-            return original(self, *args, **kwargs)
-        setattr(torch.Tensor, name, read)
+            return original(*args, **kwargs)
+        setattr(owner, name, read)
     for name in READS:
-        wrap(name)
+        wrap(torch.Tensor, name)
+    wrap(torch.cuda, "synchronize")
+    for name in ("tensor", "as_tensor"):      # a Python value placed on a device: a blocking copy there
+        wrap(torch, name, lambda data, *args, **kwargs: kwargs.get("device") is not None and
+             not torch.is_tensor(data))
     step = training.train_step
 
     def counted_step(*args, **kwargs):
@@ -45,8 +56,37 @@ def _count_reads(args_list):
         finally:
             counting[0] = False
     training.train_step = counted_step
-    train(args_list)
+    _count_trims_on_device_rows_only(counting)
+    importlib.import_module(entry).main(args_list)
     return {key: calls / ITERS for key, calls in counts.items()}, get_timers().enabled
+
+
+def _count_trims_on_device_rows_only(counting):
+    """On the CPU the rows a DataLoader gives and their copy on the device are both host tensors: the batch's
+    copies get their own memory here (as on a GPU), and the post-training trim's reads count only when it is
+    handed those copies (after the rows went to the device) rather than the loader's rows."""
+    import weakref
+    import mpu
+    import megatron.posttrain as posttrain
+    from megatron.posttrain import dpo, sft_loss
+    sent, broadcast = [], mpu.broadcast_data
+
+    def to_device(*args, **kwargs):
+        rows = {key: value.clone() for key, value in broadcast(*args, **kwargs).items()}
+        sent.extend(weakref.ref(value) for value in rows.values())
+        return rows
+    mpu.broadcast_data = to_device
+    trim = sft_loss.trim_to_longest
+
+    def counted_trim(rows):
+        on_device = rows["segments"].untyped_storage().data_ptr() in {
+            t.untyped_storage().data_ptr() for t in (ref() for ref in sent) if t is not None}
+        was, counting[0] = counting[0], counting[0] and on_device
+        try:
+            return trim(rows)
+        finally:
+            counting[0] = was
+    sft_loss.trim_to_longest = dpo.trim_to_longest = posttrain.trim_to_longest = counted_trim
 
 
 @pytest.mark.parametrize("model_parallel_size,most", [(1, 2), (2, 3)])
@@ -57,6 +97,49 @@ def test_zero2_step_reads_the_device_at_most_three_times(tmp_path, model_paralle
     reads, timers_on = run_distributed(_count_reads, 2, args=(args,))[0]
     assert sum(reads.values()) <= most, reads
     assert not timers_on                     # --timing-log-level 0 (the default): no phase timers
+
+
+@pytest.fixture(scope="module")
+def posttrain_setup(tmp_path_factory, webtext_data):
+    """SFT examples and preference pairs preprocessed, and a random GPT-2 imported as the starting checkpoint."""
+    import convert_from_hf
+    import preprocess_sft_data
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tests.posttrain.test_preference import write_pairs
+    from tests.posttrain.test_sft import HF_SHAPE, write_examples
+    root = tmp_path_factory.mktemp("posttrain_syncs")
+    vocab = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
+             os.path.join(webtext_data, "merges.txt"), "--seq-length", "48"]
+    preprocess_sft_data.main(["--input", write_examples(str(root / "sft.jsonl")), "--output-prefix",
+                              str(root / "sft"), *vocab])
+    preprocess_sft_data.main(["--input", write_pairs(str(root / "pairs.jsonl"), count=24), "--output-prefix",
+                              str(root / "pairs"), "--preference", *vocab])
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**HF_SHAPE, bos_token_id=0, eos_token_id=0)).save_pretrained(
+        str(root / "hf"), safe_serialization=True)
+    assert convert_from_hf.main(["--hf", str(root / "hf"), "--save", str(root / "start")]) == 0
+    with open(root / "ds.json", "w") as handle:
+        json.dump({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                   "zero_optimization": {"stage": 2}}, handle)
+    return root, webtext_data
+
+
+POSTTRAIN = {"sft": ("finetune_gpt", "sft", []), "dpo": ("finetune_gpt", "pairs", ["--objective", "dpo"]),
+             "reward": ("train_reward_model", "pairs", [])}
+
+
+@pytest.mark.parametrize("kind", list(POSTTRAIN))
+def test_posttraining_steps_read_the_device_at_most_three_times(posttrain_setup, kind):
+    """SFT, DPO and reward steps at ZeRO-2, 2 micro-batches of 2 per step: every per-micro-batch read is gone."""
+    from tests.posttrain.test_sft import _model_flags
+    root, webtext = posttrain_setup
+    entry, data, flags = POSTTRAIN[kind]
+    args = _model_flags(webtext) + ["--data-path", str(root / data), "--split", "100,0,0", "--load",
+                                    str(root / "start"), "--train-iters", str(ITERS), "--eval-iters", "0",
+                                    "--batch-size", "2", "--global-batch-size", "4", "--lr", "1e-4",
+                                    "--deepspeed", "--deepspeed_config", str(root / "ds.json")] + NO_DROPOUT + flags
+    reads, _ = run_distributed(_count_reads, 1, args=(args, entry))[0]
+    assert sum(reads.values()) <= 3, reads
 
 
 class _Device:

@@ -74,6 +74,7 @@ def test_init_accepts_deepspeeds_signature_and_config_dtype():
 
     import torch
 
+    import mpu
     from megatron.zero import zero_init
     names = list(inspect.signature(zero_init.Init.__init__).parameters)[1:]
     assert names == ["module", "data_parallel_group", "mem_efficient_linear", "remote_device", "pin_memory",
@@ -86,6 +87,11 @@ def test_init_accepts_deepspeeds_signature_and_config_dtype():
         index = torch.arange(3)
     assert layer.weight.ds_tensor.dtype == torch.bfloat16 and buffer.dtype == torch.bfloat16 and index.dtype == torch.int64
     assert torch.zeros is zero_init._orig_torch_zeros
-    with zero_init.Init():                            # no config, no dtype: constructors untouched
-        assert torch.zeros is zero_init._orig_torch_zeros
+    with zero_init.Init():                            # no dtype: constructors default to the device only
+        assert torch.zeros is not zero_init._orig_torch_zeros
+        assert torch.zeros(2).device == torch.empty(2, device=None).device == mpu.get_device()
+        assert torch.zeros(2).dtype == torch.float32
         torch.nn.Linear(2, 2)
+    with zero_init.Init(tensor_overrides=[]):         # no overrides: constructors untouched (DeepSpeed's rule)
+        assert torch.zeros is zero_init._orig_torch_zeros
+    assert torch.zeros is zero_init._orig_torch_zeros

@@ -87,16 +87,16 @@ def _run(flags, script="finetune_gpt"):
         examples.append(sum(len(set(row.tolist()) - {0}) for row in rows["segments"]))
         return rows, step_tokens
     training.train_step, StepBatches.next = timed_step, counted_next
-    import megatron.posttrain as posttrain
-    real_trim = posttrain.trim_to_longest
+    import megatron.posttrain.sft_loss as sft_loss    # SFT trims its host rows there (StepBatches)
+    real_trim = sft_loss.trim_to_longest
     if NO_TRIM in flags:
         flags = [flag for flag in flags if flag != NO_TRIM]
-        posttrain.trim_to_longest = lambda rows: rows
+        sft_loss.trim_to_longest = lambda rows: rows
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             history = entry.main(flags)
     finally:
-        training.train_step, StepBatches.next, posttrain.trim_to_longest = real_step, real_next, real_trim
+        training.train_step, StepBatches.next, sft_loss.trim_to_longest = real_step, real_next, real_trim
     steps = len(step_times)
     return step_times, [sum(tokens) / steps], [sum(examples) / steps], history.get("model_state_measured")
 

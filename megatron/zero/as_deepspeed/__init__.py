@@ -2,6 +2,7 @@
 to this package's objects.
 
     python -m megatron.zero.as_deepspeed train.py --deepspeed_config ds.json
+    python -m megatron.zero.as_deepspeed --num_gpus 2 train.py --deepspeed_config ds.json   # DeepSpeed's launcher
     torchrun --nproc_per_node 2 -m megatron.zero.as_deepspeed train.py --deepspeed_config ds.json
     python -m megatron.zero.as_deepspeed -m my_package.train ...
 
