@@ -259,7 +259,9 @@ def build_small_corpus(directory, max_mb=0.3, vocab_size=1000):
 SCRIPT_TEST_DS_CONFIG = os.path.join(REPO, "tests", "zero_configs", "script_test_zero2.json")
 SCRIPT_TEST_SHAPE = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "128", "NUM_HEADS": "4", "SEQ_LENGTH": "64", "MICRO_BATCH": "8",
                      "DS_CONFIG": SCRIPT_TEST_DS_CONFIG}
-# scripts/ds_pretrain_gpt.sh at a test size (conftest's ds_pretrained): 20 iterations
+# scripts/ds_pretrain_gpt.sh at a test size (conftest's ds_pretrained): 20 iterations. The script tests assert that the
+# loss falls by more than 0.2 between the first and the fourth logged point; spread on the default data
+# (845b8bad124aace2, --seed 1234, 1, 2, 3, 4): 1.466, 1.473, 1.387, 1.586, 1.451 (min 1.387): seven times the bound.
 SHORT_PRETRAIN = dict(SCRIPT_TEST_SHAPE, TRAIN_ITERS="20", LOG_INTERVAL="5", EVAL_INTERVAL="10", EVAL_ITERS="2")
 
 
