@@ -14,6 +14,7 @@ reduce-scattered into sequence slices (backward: all-gather) and its bias, repli
 gradient summed over the group (see LayerNorm below: the same reason).
 Both linears can carry a LoRA adapter (`add_lora`, split along the same dimension: see lora.py).
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -183,9 +184,52 @@ def sequence_parallel_replicated(param):
     forward, its gradient all-reduced over the model-parallel group in backward. Each rank sees only its slice of
     the sequence, so its gradient is a partial sum (Megatron-LM all-reduces the grads of parameters marked
     `sequence_parallel` after backward; summing here, inside autograd, makes .grad whole before any hook sees it:
-    data-parallel reduction, ZeRO's buckets and partitions, the pipeline's embedding sync)."""
+    data-parallel reduction, ZeRO's buckets and partitions, the pipeline's embedding sync). Inside
+    replicated_gradients_together, the view made for all of a layer's replicated parameters at once."""
     param.sequence_parallel = True
+    if _TOGETHER is not None and id(param) in _TOGETHER:
+        return _TOGETHER[id(param)]
     return copy_to_model_parallel_region(param)
+
+
+_TOGETHER = None      # {id(param): its view} inside replicated_gradients_together
+
+
+class _ReplicatedTogether(torch.autograd.Function):
+    """Identity on several replicated parameters; backward sums all their gradients over the model-parallel group
+    in one all-reduce of their concatenation (autograd calls it once every output's gradient is ready)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return tuple(param.view_as(param) for param in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=get_model_parallel_group())
+        return tuple(piece.view_as(grad) for piece, grad in zip(flat.split([grad.numel() for grad in grads]), grads))
+
+
+@contextlib.contextmanager
+def replicated_gradients_together(params):
+    """Within: sequence_parallel_replicated of each of `params` (those that require a gradient, grouped by dtype)
+    returns a view from one _ReplicatedTogether, so a layer's LayerNorm weights and biases and row-parallel biases
+    (6 for GPT-2) are summed in one all-reduce, not one each. Every one of `params` must be used in the forward
+    (an unused one would get a zero gradient instead of None)."""
+    global _TOGETHER
+    trained = [param for param in params if param.requires_grad]
+    if get_model_parallel_world_size() == 1 or not trained or _TOGETHER is not None:
+        yield
+        return
+    views = {}
+    for dtype in dict.fromkeys(param.dtype for param in trained):
+        group = [param for param in trained if param.dtype == dtype]
+        views.update(zip(map(id, group), _ReplicatedTogether.apply(*group)))
+    _TOGETHER = views
+    try:
+        yield
+    finally:
+        _TOGETHER = None
 
 
 class _SequenceParallelLinear(torch.autograd.Function):

@@ -129,18 +129,23 @@ def _split_sequence(input_):
 
 def gather_sequence(input_):
     """Concatenate every rank's sequence slice (the collective alone, no autograd: also used by layers.py's
-    sequence-parallel linear)."""
+    sequence-parallel linear). One all_gather_into_tensor into [m, b, s/m, ...] (each rank's slice lands
+    contiguous), then one copy into [b, s, ...]: not a list collective plus a concatenation on the middle dimension."""
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return input_
     input_ = input_.contiguous()
-    pieces = [torch.empty_like(input_) for _ in range(world_size)]
-    dist.all_gather(pieces, input_, group=get_model_parallel_group())
-    return torch.cat(pieces, dim=SEQUENCE_DIM)
+    gathered = torch.empty((world_size * input_.size(0),) + tuple(input_.shape[1:]), dtype=input_.dtype,
+                           device=input_.device)          # gloo wants the ranks along the first dimension
+    dist.all_gather_into_tensor(gathered, input_, group=get_model_parallel_group())
+    shape = list(input_.shape)
+    shape[SEQUENCE_DIM] *= world_size
+    return gathered.view(world_size, *input_.shape).movedim(0, SEQUENCE_DIM).reshape(shape)
 
 
 def reduce_scatter_sequence(input_):
-    """Sum over the group, then keep this rank's sequence slice."""
+    """Sum over the group, then keep this rank's sequence slice: one copy of [b, s, ...] into [m, b, s/m, ...] (rank
+    r's slice contiguous at r), then one reduce_scatter_tensor."""
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         return input_
@@ -148,9 +153,11 @@ def reduce_scatter_sequence(input_):
     if length % world_size:
         raise ValueError(f"sequence parallelism: the sequence length {length} is not divisible by the "
                          f"model-parallel size {world_size}")
-    pieces = [piece.contiguous() for piece in input_.chunk(world_size, dim=SEQUENCE_DIM)]
+    shape = list(input_.shape)
+    shape[SEQUENCE_DIM:SEQUENCE_DIM + 1] = [world_size, length // world_size]
+    pieces = input_.reshape(shape).movedim(SEQUENCE_DIM, 0).contiguous()
     output = torch.empty_like(pieces[0])
-    dist.reduce_scatter(output, pieces, group=get_model_parallel_group())
+    dist.reduce_scatter_tensor(output, pieces.flatten(0, 1), group=get_model_parallel_group())
     return output
 
 

@@ -7,9 +7,9 @@ Sequence parallelism (`ParallelTransformer(..., sequence_parallel=True)`, Megatr
 stack's input and output and everything between the blocks (LayerNorms, hidden dropout, residual adds) are this
 rank's slice of the sequence, [b, s/p, h]; each block all-gathers the sequence before its column-parallel linear
 and reduce-scatters after its row-parallel one (the all-reduce's two halves), and the LayerNorms' and row-parallel
-biases' gradients are summed over the group (mpu.layers.sequence_parallel_replicated). The hidden dropouts keep
-each rank's slice of the whole sequence's mask (mpu.layers.replicated_mask_dropout), so the run equals the one
-without; incremental decoding runs without it.
+biases' gradients are summed over the group, a layer's six in one all-reduce
+(mpu.layers.replicated_gradients_together). The hidden dropouts keep each rank's slice of the whole sequence's mask
+(mpu.layers.replicated_mask_dropout), so the run equals the one without; incremental decoding runs without it.
 
 Activation checkpointing and dropout RNG come from the builder: `ParallelTransformer(...,
 checkpoint_function=..., rng_tracker=...)` (default: mpu's own `checkpoint` and `get_cuda_rng_tracker()`).
@@ -36,8 +36,8 @@ from torch import nn
 
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_world_size
-from .layers import (ColumnParallelLinear, GroupedQKVStride, LayerNorm, replicated_mask_dropout, RMSNorm,
-                     RowParallelLinear)
+from .layers import (ColumnParallelLinear, GroupedQKVStride, LayerNorm, replicated_gradients_together,
+                     replicated_mask_dropout, RMSNorm, RowParallelLinear)
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
@@ -363,10 +363,17 @@ class ParallelTransformerLayer(nn.Module):
         if self.fused and layer_past is None:
             return self._fused_forward(hidden_states, attention_mask)
         sp = self.sequence_parallel and layer_past is None if sequence_parallel is None else sequence_parallel
-        hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
-                                                       attention_mask, layer_past, rotary, sequence_parallel=sp)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
-                                        layer_past, sequence_parallel=sp)
+        with replicated_gradients_together(self.replicated_parameters() if sp else ()):
+            hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
+                                                           attention_mask, layer_past, rotary, sequence_parallel=sp)
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
+                                            layer_past, sequence_parallel=sp)
+
+    def replicated_parameters(self):
+        """What sequence parallelism sums over the group: both norms' parameters and the row-parallel biases (LoRA's
+        B, used only while the adapter is on, keeps its own all-reduce)."""
+        return [param for param in (*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters(),
+                                    self.attention.dense.bias, self.mlp.dense_4h_to_h.bias) if param is not None]
 
     def _fused_forward(self, hidden_states, attention_mask):
         """The eager forward's math, compiled between the collectives (see mpu/fused.py)."""

@@ -265,9 +265,34 @@ def _llama_run(config):
     return {"losses": losses, "norms": norms}
 
 
+COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor")
+
+
+def _backward_collectives(config):
+    """(name, element count) of each collective one backward of GPT-2 runs, in order (forward not counted)."""
+    model = _build(config)
+    loss = model(*_tokens(0)[:1], labels=_tokens(0)[1]).mean()
+    calls, originals = [], {name: getattr(dist, name) for name in COUNTED}
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            calls.append((name, args[0].numel() if torch.is_tensor(args[0]) else sum(t.numel() for t in args[0])))
+            return originals[name](*args, **kwargs)
+        return collective
+    try:
+        for name in COUNTED:
+            setattr(dist, name, counting(name))
+        loss.backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return calls
+
+
 def _worker(zero_stages):
     from megatron.zero import checkpointing  # noqa: F401  (imported: the engine registers with it)
     results = {"mappings": _mappings_case(), "mp2": _sgd_run(_hidden_dropout_config(False)),
+               "backward collectives sp": _backward_collectives(_config(True)),
                "mp2 sp": _sgd_run(_hidden_dropout_config(True))}
     results["dropout mp2"] = _sgd_run(_config(False, dropout=0.2))
     results["dropout mp2 sp"] = _sgd_run(_config(True, dropout=0.2))
@@ -312,6 +337,19 @@ def test_scatter_keeps_my_slice_and_gathers_the_gradient(ranks):
         assert torch.equal(out, full[:, 2 * rank:2 * rank + 2])
         # backward all-gathers: rank r's gradient slice is (r + 1) on its positions, the other rank's elsewhere
         assert torch.equal(grad, torch.tensor([1.0, 1, 2, 2]).view(1, 4, 1).expand(1, 4, 2))
+
+
+def test_backward_sums_each_layers_replicated_gradients_in_one_all_reduce(ranks):
+    """Per layer, both LayerNorms' weights and biases and the two row-parallel biases (6h elements) are summed in
+    one all-reduce, not six; the final LayerNorm's two are summed alone (outside the layers). The sequence
+    gathers and reduce-scatters are the single-tensor collectives (no list collectives)."""
+    calls = ranks[0]["backward collectives sp"]
+    all_reduces = sorted(numel for name, numel in calls if name == "all_reduce")
+    assert all_reduces.count(6 * HIDDEN) == LAYERS and all_reduces.count(HIDDEN) == 2, all_reduces
+    assert len([numel for numel in all_reduces if numel <= 6 * HIDDEN]) == LAYERS + 2, all_reduces
+    assert not {name for name, _ in calls} & {"all_gather", "reduce_scatter"}, calls
+    assert {name for name, _ in calls} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}, calls
+    assert calls == ranks[1]["backward collectives sp"]
 
 
 def test_gather_concatenates_and_reduce_scatters_the_gradient(ranks):
