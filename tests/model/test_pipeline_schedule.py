@@ -112,6 +112,19 @@ class _Stage(torch.nn.Module):
         self.input_tensor = tensor
 
 
+def _toy_forward_step(iterator, module):
+    """The schedules' forward step for _Stage: the batch on the first stage, the received tensor elsewhere."""
+    import mpu
+    x = next(iterator) if mpu.is_pipeline_first_stage() else module.input_tensor
+    out = module.linear(x)
+    return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
+
+
+def _toy_backward(output, output_grad, index, after_backward):
+    torch.autograd.backward(output, output_grad)
+    after_backward()
+
+
 def _executed_orders(num_micro_batches):
     """The executor's own order of forwards and backwards on this stage of a 2-stage gloo pipeline."""
     import mpu
@@ -119,18 +132,9 @@ def _executed_orders(num_micro_batches):
     mpu.initialize_model_parallel(1, 2)
     model, trace = _Stage(), []
     batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])
-
-    def forward_step(iterator, module):
-        x = next(iterator) if mpu.is_pipeline_first_stage() else module.input_tensor
-        out = module.linear(x)
-        return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
-
-    def backward(output, output_grad, index, after_backward):
-        torch.autograd.backward(output, output_grad)
-        after_backward()
     spec = p2p_communication.TensorSpec((2, 3, 4), torch.float32, torch.device("cpu"))
-    losses = schedules.get_forward_backward_func()(forward_step, batches, model, backward, num_micro_batches, spec,
-                                                   trace=trace)
+    losses = schedules.get_forward_backward_func()(_toy_forward_step, batches, model, _toy_backward,
+                                                   num_micro_batches, spec, trace=trace)
     return mpu.get_pipeline_model_parallel_rank(), trace, len(losses)
 
 
@@ -319,22 +323,13 @@ def _recorded_exchanges(monkeypatch, num_stages, num_chunks, num_micro_batches, 
     monkeypatch.setattr(p2p, "_communicate", communicate)
     spec = p2p.TensorSpec((2, 3, 4), torch.float32, torch.device("cpu"))
     model = _Stage()
-
-    def forward_step(iterator, module):
-        x = next(iterator) if mpu.is_pipeline_first_stage() else module.input_tensor
-        out = module.linear(x)
-        return (out.square().mean(), {"loss": 0.0}) if mpu.is_pipeline_last_stage() else (out, {})
-
-    def backward(output, output_grad, index, after_backward):
-        torch.autograd.backward(output, output_grad)
-        after_backward()
     found, traces, errors = {}, {}, {}
     for stage in range(num_stages):
         stage_now[0], exchanges, traces[stage] = stage, [], []
         batches = iter([torch.full((2, 3, 4), float(i)) for i in range(num_micro_batches)])
         try:        # a receive that would hang on gloo gets a made-up tensor here: what follows may fail
             schedules.forward_backward_pipelining_with_interleaving(
-                forward_step, batches, model, backward, num_micro_batches, spec, forward_only=forward_only,
+                _toy_forward_step, batches, model, _toy_backward, num_micro_batches, spec, forward_only=forward_only,
                 trace=traces[stage])
         except Exception as error:        # reported after the exchanges are matched (the cause, if a hang)
             errors[stage] = error
