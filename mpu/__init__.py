@@ -26,5 +26,5 @@ from .recompute import RecomputeConfig
 from .rotary import apply_rotary, rotary_tables
 from .transformer import (GPT2_ARCHITECTURE, Architecture, ParallelMLP, ParallelSelfAttention, ParallelTransformer,
                           ParallelTransformerLayer, init_method_normal, pipeline_layer_ranges, scaled_init_method_normal)
-from .utils import (device_is_set, divide, full_numel, full_shape, get_backend, get_device, init_distributed, set_device,
-                    split_tensor_along_last_dim, VocabUtility)
+from .utils import (current_device, device_is_set, divide, full_numel, full_shape, get_backend, get_device,
+                    init_distributed, set_device, split_tensor_along_last_dim, VocabUtility)

@@ -31,9 +31,20 @@ def set_device():
     return device
 
 
+def current_device(device=None):
+    """The device this process's work goes to now: on CUDA `torch.cuda.current_device()` (what NCCL's groups and
+    torch's object collectives use), whatever get_device() says; a device with no current one to bind (the CPU,
+    "meta") is `device` (default get_device()) itself."""
+    device = get_device() if device is None else device
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_is_set():
-    """Whether set_device() ran in this process (the NCCL-rules check refuses collectives before it)."""
-    return _DEVICE_SET
+    """Whether this process is bound to its device: set_device() ran and the current device (current_device()) is
+    still this rank's, not only a record that it was once set (the NCCL-rules check refuses collectives otherwise)."""
+    return _DEVICE_SET and current_device() == get_device()
 
 
 def init_distributed(backend=None, **kwargs):

@@ -1,19 +1,34 @@
 """`deepspeed.comm`: torch.distributed under DeepSpeed's names, started the way this codebase starts it.
 
-The collectives are torch.distributed's own functions (DeepSpeed's wrappers take the same arguments);
-`init_distributed` is DeepSpeed's entry point, through mpu.init_distributed so the device is set before the first
-process group (NCCL otherwise puts every rank on cuda:0).
+The collectives are torch.distributed's own functions (DeepSpeed's wrappers take the same arguments), looked up on
+torch.distributed at each call: what the NCCL-rules mode (megatron/guards/nccl_rules.py) or the breadcrumbs wrap
+there is what a client's `deepspeed.comm.all_reduce` reaches, whenever either was installed. `init_distributed` is
+DeepSpeed's entry point, through mpu.init_distributed so the device is set before the first process group (NCCL
+otherwise puts every rank on cuda:0).
 """
 import datetime
 import os
 
 import torch.distributed as dist
-from torch.distributed import (ReduceOp, all_gather, all_gather_into_tensor, all_reduce,  # noqa: F401
-                               all_to_all_single, barrier, broadcast, destroy_process_group, gather,
-                               get_global_rank, get_rank, get_world_size, irecv, isend, is_initialized, new_group,
-                               recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send)
+from torch.distributed import (ReduceOp, destroy_process_group, get_global_rank, get_rank,  # noqa: F401
+                               get_world_size, irecv, isend, is_initialized, new_group)
 
 import mpu
+
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
+               "gather", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "send")
+
+
+def _forward(name):
+    def collective(*args, **kwargs):
+        return getattr(dist, name)(*args, **kwargs)
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = f"torch.distributed.{name}, as it is at the call (checked under the NCCL-rules mode)."
+    return collective
+
+
+all_gather, all_gather_into_tensor, all_reduce, all_to_all_single, barrier, broadcast, gather, recv, reduce, \
+    reduce_scatter, reduce_scatter_tensor, scatter, send = map(_forward, COLLECTIVES)
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
