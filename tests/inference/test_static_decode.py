@@ -83,6 +83,7 @@ def test_static_decoding_equals_the_growing_cache_and_huggingface_at_mp_1_and_2(
     for rank_result in run_distributed(_cases, 2, args=(False,), model_parallel_size=2):
         for key in (("one", "greedy"), ("three", "greedy"), ("one", "sampled"), ("three", "sampled")):
             assert rank_result[key] == reference[key], key
+        assert rank_result["defaults"] == (None, False, 2)   # mp 2 on CUDA: eager static steps unless asked
 
 
 def test_a_replay_without_arguments_gives_the_same_tokens(reference):
