@@ -23,7 +23,10 @@ query heads), SwiGLU MLP, RMSNorm, no biases, another MLP width; rotary embeddin
 Incremental decoding: pass one `InferenceCache` through `ParallelTransformer.forward(..., inference_cache=cache)`
 (GPT2Model.forward does). Each attention layer writes this step's keys/values (its own heads/p heads) into its
 slot's preallocated buffers, so a step feeds only the new tokens; `cache.sequence_length` is how many positions
-are already cached.
+are already cached. Static decoding (`cache.write_at(position)`, what generation's one-token steps use): every
+step has the same shapes and reads only fixed buffers, so it can be captured as a CUDA graph: the token's
+keys/values go to the slot a device tensor names, and attention reads all `capacity` slots under the caller's
+mask, which hides the slots not written yet (and the padding).
 """
 import contextlib
 import math
@@ -110,6 +113,10 @@ class LayerPast:
         slot = LayerPast(capacity=8)
         k, v = slot.append(k3, v3)   # [b, heads/p, 3, d] -> views of positions 0..2
         k, v = slot.append(k1, v1)   # written at position 3 -> views of positions 0..3; slot.length == 4
+
+    Static decoding (`position` set: a long tensor [1] on the device, InferenceCache.write_at): a one-token step
+    writes at slot position[0] (index_copy_, no host read) and returns the whole buffers [b, heads/p, capacity,
+    head_dim]; the caller's mask hides the slots past it and keeps `length` (InferenceCache.set_length).
     """
 
     def __init__(self, capacity, transposed=None):
@@ -118,6 +125,7 @@ class LayerPast:
         self.value_buffer = None
         self.length = 0             # positions written
         self.transposed = transposed if transposed is not None else {}   # shared by a cache's layers
+        self.position = None        # static decoding: a long tensor [1], the slot a one-token step writes
 
     def weight_t(self, weight):
         """decoding_weight_t of `weight`, made once per cache."""
@@ -126,14 +134,23 @@ class LayerPast:
     def append(self, key, value):
         """Write key/value [b, heads/p, s, head_dim] at positions length..length+s-1; returns the keys and values
         of every position so far, [b, heads/p, length, head_dim] (views of the buffers)."""
+        if self.position is not None:
+            if self.key_buffer is None or key.size(2) != 1:
+                raise ValueError(f"static decoding writes one token per step after a prompt, this step has "
+                                 f"{key.size(2)} and {'no' if self.key_buffer is None else 'a'} prompt cached")
+            self.key_buffer.index_copy_(2, self.position, key)
+            self.value_buffer.index_copy_(2, self.position, value)
+            return self.key_buffer, self.value_buffer
         end = self.length + key.size(2)
         if end > self.capacity:
             raise ValueError(f"the inference cache holds {self.capacity} positions, this step needs {end}: make "
                              "the cache with a larger capacity")
         if self.key_buffer is None:
             b, heads, _, head_dim = key.shape
-            self.key_buffer = key.new_empty(b, heads, self.capacity, head_dim)
-            self.value_buffer = value.new_empty(b, heads, self.capacity, head_dim)
+            # zeros, not empty: static decoding reads every slot, and a masked slot's garbage (NaN) would still
+            # reach the output through probability 0 x NaN
+            self.key_buffer = key.new_zeros(b, heads, self.capacity, head_dim)
+            self.value_buffer = value.new_zeros(b, heads, self.capacity, head_dim)
         self.key_buffer[:, :, self.length:end] = key
         self.value_buffer[:, :, self.length:end] = value
         self.length = end
@@ -147,6 +164,20 @@ class InferenceCache:
     def __init__(self, num_layers, capacity):
         self.transposed = {}             # id(weight) -> its decoding layout (decoding_weight_t)
         self.layers = [LayerPast(capacity, self.transposed) for _ in range(num_layers)]
+
+    def write_at(self, position):
+        """Static decoding from now on: each one-token step writes its keys/values at slot position[0] (`position`:
+        a long tensor [1] on the cache's device, which the caller updates in place between steps) and attention
+        reads every slot, so the caller passes a mask over all `capacity` keys. A prompt is written before
+        (plain appends)."""
+        for layer in self.layers:
+            layer.position = position
+
+    def set_length(self, length):
+        """Static decoding: record that `length` positions are cached (the steps do not count, they are replayed
+        without the host)."""
+        for layer in self.layers:
+            layer.length = length
 
     def head_matmul(self, weight, rows):
         """decoding_head_matmul of the LM head's `weight` for `rows` rows, its layout made once per cache."""
@@ -256,7 +287,10 @@ class ParallelSelfAttention(nn.Module):
         past = 0
         if layer_past is not None:
             past = layer_past.length
-            k, v = layer_past.append(k, v)                                        # [b, n_kv/p, past + s, d]
+            if layer_past.position is not None and attention_mask is None:
+                raise ValueError("static decoding reads every cache slot: pass the mask that hides the slots not "
+                                 "written yet")
+            k, v = layer_past.append(k, v)                  # [b, n_kv/p, past + s, d] (static: capacity)
         group = self.heads_per_partition // self.kv_heads_per_partition
         if group > 1:   # kv head j serves query heads j*group .. (j+1)*group - 1 (HF's repeat_kv)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [b, n/p, t, d]

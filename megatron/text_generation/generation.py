@@ -10,6 +10,14 @@ each later step feeds one token per row into a cache preallocated for the call; 
 (--recompute) every step re-runs the whole sequence so far. Nothing is synchronized with the host per token:
 whether every row has finished is asked every DONE_CHECK_INTERVAL steps.
 
+Static decoding (static_cache=True, the default with the cache): after the prompt, every one-token step has the
+same shapes and reads only fixed buffers (DecodeStep): the token, its position ids and its mask row are copied into
+buffers made once per call, the step writes its keys/values at the slot a device tensor names
+(InferenceCache.write_at) and attends over every slot of the cache, the slots not written yet (and a row's
+padding) masked. On CUDA the step is then captured once per call as a CUDA graph and replayed (cuda_graph; the
+host launches one graph per token instead of every kernel: generation at batch 1 is host-bound without it). The
+tokens are those of the growing-cache path (static_cache=False), which stays for comparison.
+
 Logits are gathered over the vocab-parallel group (when the model keeps them parallel) and cut to the real
 vocabulary (config.real_vocab_size), so padded ids are never produced. Model-parallel rank 0 samples with a
 torch.Generator seeded by `seed` and broadcasts the ids over the model-parallel group: every rank of a group gets
@@ -74,10 +82,13 @@ def _broadcast_from_model_parallel_src(tensor):
 
 @torch.no_grad()
 def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature=1.0, top_k=0, top_p=0.0,
-             eod_id=None, use_cache=True, seed=1234):
+             eod_id=None, use_cache=True, seed=1234, static_cache=True, cuda_graph=None):
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens; returns a list of lists of the
     new token ids per prompt (ending with eod_id where it was produced). Every model-parallel rank must call it
-    with the same prompts and arguments."""
+    with the same prompts and arguments. static_cache: the one-token steps at fixed shapes (DecodeStep); False:
+    the cache read as a growing prefix. cuda_graph: capture the static step as a CUDA graph (True), run it eagerly
+    (False), the default (None: on CUDA at model-parallel size 1, graph_capture_default), or a capture function
+    (DecodeStep)."""
     check_sampling_options(max_new_tokens, greedy, temperature, top_k, top_p)
     module = _unwrap(model)
     config = module.config
@@ -109,14 +120,22 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     model.eval()
     try:
         cache = module.new_inference_cache(total) if use_cache else None
+        step = None                                     # the static one-token step, after the prompt
         fed = 0                                         # columns already in the cache
         for column in range(width, total):              # the column whose token this step produces
             if (column - width) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
                 break
             first = fed if cache is not None else 0
-            logits = model(tokens[:, first:column], position_ids=position_ids[:, first:column],
-                           attention_mask=None if mask is None else mask[:, :, first:column, :column],
-                           inference_cache=cache, last_logits_only=True)
+            if step is not None:
+                logits = step(tokens[:, first:column], position_ids[:, first:column], step_mask[:, :, first], first)
+            else:
+                logits = model(tokens[:, first:column], position_ids=position_ids[:, first:column],
+                               attention_mask=None if mask is None else mask[:, :, first:column, :column],
+                               inference_cache=cache, last_logits_only=True)
+                if cache is not None and static_cache and column + 1 < total:
+                    step_mask = mask if mask is not None else causal_mask(total, device)   # [b|1, 1, total, total]
+                    step = DecodeStep(model, cache, batch, step_mask.size(0), total, device,
+                                      chosen_capture(cuda_graph, device))
             fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
             if gather:
@@ -140,6 +159,90 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
             out = out[:out.index(eod_id) + 1]
         results.append(out)
     return results
+
+
+def causal_mask(total, device):
+    """[1, 1, total, total] bool, True = masked out: query column i sees keys 0..i (equal-length prompts)."""
+    columns = torch.arange(total, device=device)
+    return (columns[None, :] > columns[:, None])[None, None]
+
+
+class DecodeStep:
+    """generate's one-token step at fixed shapes, reading only buffers made once per call: the token ids [b, 1],
+    their position ids [b, 1], the mask row [b|1, 1, 1, total] over every cache slot, and the slot to write (a
+    long tensor [1], InferenceCache.write_at). A call copies the step's values into them and runs the model, or,
+    with `capture`, replays what capture(forward) made of the first call (CUDA: cuda_graph_capture). Its result,
+    the logits [b, 1, V/p or V], is then the capture's static output: read it before the next call.
+
+        step = DecodeStep(model, cache, b, mask_rows, total, device, capture=None)   # after the prompt is cached
+        logits = step(tokens[:, c:c + 1], position_ids[:, c:c + 1], mask[:, :, c], c)   # column c's token
+    """
+
+    def __init__(self, model, cache, batch, mask_rows, total, device, capture=None):
+        self.model, self.cache, self.capture, self.replay = model, cache, capture, None
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.mask = torch.ones(mask_rows, 1, 1, total, dtype=torch.bool, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        cache.write_at(self.position)
+
+    def forward(self):
+        """The model on the static buffers (what a capture records)."""
+        return self.model(self.tokens, position_ids=self.position_ids, attention_mask=self.mask,
+                          inference_cache=self.cache, last_logits_only=True)
+
+    def __call__(self, tokens, position_ids, mask_row, column):
+        """Logits after feeding `tokens` [b, 1] at cache slot `column` (position_ids [b, 1], mask_row [b|1, 1,
+        total]: the keys the token may see, True = masked out)."""
+        self.tokens.copy_(tokens)
+        self.position_ids.copy_(position_ids)
+        self.mask.copy_(mask_row[:, :, None])
+        self.position.fill_(column)
+        self.cache.set_length(column + 1)
+        if self.capture is None:
+            return self.forward()
+        if self.replay is None:
+            self.replay = self.capture(self.forward)
+        return self.replay()
+
+
+def graph_capture_default(device):
+    """The capture generate uses when cuda_graph is None: cuda_graph_capture on CUDA at model-parallel size 1;
+    None (eager static steps) on the CPU, and at larger model-parallel sizes, whose collectives inside a captured
+    graph have not been checked on a GPU here (pass cuda_graph=True to try)."""
+    if device.type == "cuda" and mpu.get_model_parallel_world_size() == 1:
+        return cuda_graph_capture
+    return None
+
+
+def chosen_capture(cuda_graph, device):
+    """The capture function generate's `cuda_graph` option names: None -> graph_capture_default, True ->
+    cuda_graph_capture, False -> None (eager), a callable -> itself."""
+    if cuda_graph is None:
+        return graph_capture_default(device)
+    if callable(cuda_graph):
+        return cuda_graph
+    return cuda_graph_capture if cuda_graph else None
+
+
+def cuda_graph_capture(forward, warmup=2):
+    """forward's kernels captured once into a torch.cuda.CUDAGraph; returns replay() -> forward's output tensor,
+    which every replay overwrites. The warm-up runs (on a side stream, as torch's CUDA-graph notes ask) compute
+    the step itself: they rewrite the same cache slot with the same values."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = forward()
+
+    def replay():
+        graph.replay()
+        return output
+    return replay
 
 
 def _check_prompts(prompts, max_positions, real_vocab):

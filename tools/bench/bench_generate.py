@@ -1,15 +1,20 @@
-"""Generation and evaluation throughput: our KV-cache generation vs recomputing the prefix (--recompute) vs Hugging
-Face GPT2LMHeadModel.generate on the same weights, greedy, one process; and evaluation forward tokens/s.
+"""Generation and evaluation throughput: our KV-cache generation (static decode steps, CUDA-graph captured on
+CUDA; and the growing-cache path it replaced) vs recomputing the prefix (--recompute) vs Hugging Face
+GPT2LMHeadModel.generate on the same weights, greedy, one process; and evaluation forward tokens/s.
 
-    python tools/bench/bench_generate.py            # L4 h256 V8192, prompt 16, new tokens 32/128/256/512, batch 1, 8
+    python tools/bench/bench_generate.py            # CPU, L4 h256 V8192, prompt 16, 128 new tokens, batch 1, 8, 32
     python tools/bench/bench_generate.py --lengths 64 512 --batches 4 --repeats 5 --recompute-up-to 512
+    python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --layers 12 --hidden 768 --heads 12 \
+        --vocab 50257 --recompute-up-to 0        # GPT-2 124M on one GPU (issue 54's cells)
 
 The implementations alternate within each repeat (this machine is shared and noisy); tokens/s = batch x new
 tokens / seconds, the median over --repeats. The ratios are the median (min-max) of the per-repeat ratios, each
 from the same repeat, so a slow phase of the machine cancels and one noisy repeat cannot flip the verdict.
 --recompute is measured up to --recompute-up-to new tokens (its cost grows as n^2: O(n^2) tokens of forward for n
 new tokens, the cache O(n)); its speedup should grow with the length.
-Targets: ours (cache) >= 1.2x HF generate at every length and batch; the cache's speedup growing with length.
+Targets: on the CPU ours (static) >= 1.2x HF generate at every length and batch, the cache's speedup over
+--recompute growing with length; on CUDA (issue 54, GPT-2 124M bf16, 128 new tokens) >= 3x HF at batch 1, >= 2x at
+batch 8 and 32.
 """
 import argparse
 import os
@@ -30,7 +35,7 @@ from megatron.model.hf_interchange import to_hf_state_dict  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
 
 
-def build(layers, hidden, heads, vocab, positions):
+def build(layers, hidden, heads, vocab, positions, device, dtype):
     torch.manual_seed(1234)
     mpu.model_parallel_cuda_manual_seed(1234)
     config = GPT2ModelConfig(num_layers=layers, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
@@ -44,19 +49,28 @@ def build(layers, hidden, heads, vocab, positions):
                     "max_sequence_length": positions, "vocab_size": vocab, "layernorm_epsilon": 1e-5}
     hf.load_state_dict(to_hf_state_dict(dict(ours.state_dict()), model_config), strict=False)
     hf.tie_weights()
-    return ours, hf
+    return ours.to(device=device, dtype=dtype), hf.to(device=device, dtype=dtype)
 
 
 def timed(fn):
+    """Seconds of fn(), the device's queued work included."""
+    synchronize()
     start = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - start
 
 
-def bench_generation(ours, hf, prompt, new_tokens, repeats, recompute):
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_generation(ours, hf, prompt, new_tokens, repeats, recompute, cuda_graph):
     """{way: [tokens/s of each repeat]}; the ways alternate order from repeat to repeat."""
     def ways(count):
-        out = {"cache": lambda: generate(ours, prompt.tolist(), count, greedy=True, use_cache=True),
+        out = {"static": lambda: generate(ours, prompt.tolist(), count, greedy=True, cuda_graph=cuda_graph),
+               "growing": lambda: generate(ours, prompt.tolist(), count, greedy=True, static_cache=False),
                "hf": lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                          max_new_tokens=count, min_new_tokens=count, pad_token_id=0)}
         if recompute:
@@ -106,8 +120,13 @@ def main():
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 256, 512], help="new tokens")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="prompts per generate call")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128], help="new tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="prompts per generate call")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both models' parameters and activations")
+    parser.add_argument("--no-cuda-graph", action="store_true",
+                        help="CUDA: run the static decode steps eagerly (generate(..., cuda_graph=False))")
     parser.add_argument("--recompute-up-to", type=int, default=128,
                         help="measure --recompute up to this many new tokens (its time grows as the square)")
     parser.add_argument("--eval-seq", type=int, default=1024)
@@ -116,26 +135,34 @@ def main():
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (0: torch's default); 1 is steadier on a shared, loaded machine")
     options = parser.parse_args()
+    if options.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
+    device, dtype = torch.device(options.device), getattr(torch, options.dtype)
     init_single_process()
     if options.threads:
         torch.set_num_threads(options.threads)
-    ours, hf = build(options.layers, options.hidden, options.heads, options.vocab, options.positions)
-    print(precision_header() + "; fp32 here")
+    ours, hf = build(options.layers, options.hidden, options.heads, options.vocab, options.positions, device, dtype)
+    graph = options.device == "cuda" and not options.no_cuda_graph
+    print(precision_header() + f"; {options.dtype} on {options.device} here")
     print(f"# GPT-2 L={options.layers} h={options.hidden} heads={options.heads} V={options.vocab}, prompt "
           f"{options.prompt} tokens, greedy, {torch.get_num_threads()} threads, {options.repeats} repeats: tok/s "
-          "medians; ratios: median (min-max) of the per-repeat ratios")
-    print("| batch | new tokens | ours KV cache tok/s | ours --recompute tok/s | HF generate tok/s | "
-          "cache / recompute | ours / HF |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "medians; ratios: median (min-max) of the per-repeat ratios; ours static: the static decode steps"
+          f"{', CUDA-graph captured' if graph else ', eager'}; ours growing: the cache read as a growing prefix")
+    print("| batch | new tokens | ours static tok/s | ours growing tok/s | ours --recompute tok/s | HF generate tok/s | "
+          "static / growing | static / HF |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in options.batches:
         prompt = torch.randint(0, options.vocab, (batch, options.prompt), generator=torch.Generator().manual_seed(7))
+        prompt = prompt.to(device)
         for length in options.lengths:
-            rates = bench_generation(ours, hf, prompt, length, options.repeats, length <= options.recompute_up_to)
-            cache, recompute, theirs = rates["cache"], rates.get("recompute", []), rates["hf"]
-            print(f"| {batch} | {length} | {rate_cell(cache)} | {rate_cell(recompute)} | {rate_cell(theirs)} | "
-                  f"{ratio_cell(cache, recompute)} | {ratio_cell(cache, theirs)} |", flush=True)
+            rates = bench_generation(ours, hf, prompt, length, options.repeats, length <= options.recompute_up_to,
+                                     None if graph else False)
+            static, growing, recompute, theirs = rates["static"], rates["growing"], rates.get("recompute", []), \
+                rates["hf"]
+            print(f"| {batch} | {length} | {rate_cell(static)} | {rate_cell(growing)} | {rate_cell(recompute)} | "
+                  f"{rate_cell(theirs)} | {ratio_cell(static, growing)} | {ratio_cell(static, theirs)} |", flush=True)
     tokens = torch.randint(0, options.vocab, (options.eval_batch, options.eval_seq),
-                           generator=torch.Generator().manual_seed(8))
+                           generator=torch.Generator().manual_seed(8)).to(device)
     rate = bench_evaluation(ours, hf, tokens, options.repeats)
     print()
     print(f"| evaluation forward ({options.eval_batch} x {options.eval_seq}) | ours tok/s | HF tok/s | ours / HF |")
