@@ -1,6 +1,7 @@
 """The CPU-only parts of the GPU check: tools/gpu_check.sh's dry run (plan, commands, expected time) and argument
 handling; tools/bench/bench_gpu.py's arguments, peak table, estimates, rows kept as measured, and one benchmark cell
 run on the CPU through the real training loop on a port of its own."""
+import importlib.util
 import json
 import os
 import re
@@ -37,17 +38,20 @@ def test_dry_run_shows_plan_commands_and_expected_time_within_8_minutes():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "gpu_check dry run (nothing runs): the plan for 1 GPU"
-    assert lines[1].startswith("(a) device-agnostic tests on CUDA, limit 150 s, expected ~")
+    assert lines[1].startswith("(a) device-agnostic tests on CUDA, limit 120 s, expected ~30 s (measured on one H200)")
     assert lines[2].split() == [f"tests/{name}" for name in TESTS]
     assert "1-rank NCCL group" in done.stdout and "NCCL refuses two ranks on one GPU" in done.stdout
     (tests,) = [line for line in lines if "-m pytest" in line]
-    assert tests.strip().startswith("$ timeout 150 ") and "-m pytest -q -rs --device cuda" in tests
+    assert tests.strip().startswith("$ timeout 120 ") and "-m pytest -q -rs --device cuda" in tests
     assert all(f"tests/{name}" in tests for name in TESTS)
     cells = [line.split(":")[0].strip() for line in lines if re.match(r"\s+\S+ \S+ ZeRO-\d:", line)]
     assert cells == ["124m bf16 ZeRO-2", "124m bf16 ZeRO-3", "350m bf16 ZeRO-2", "350m bf16 ZeRO-3"]
     (bench,) = [line for line in lines if "bench_gpu.py" in line and "$ timeout" in line]
     assert bench.strip().startswith("$ timeout 300 ") and "--json runs/gpu_check/bench_gpu.json" in bench
     assert bench.endswith("--cell-timeout 75")
+    (client,) = [line for line in lines if "ds_client_check.py" in line]
+    assert client.strip() == f"$ timeout 45 {sys.executable} tools/ds_client_check.py"
+    assert any(line.startswith("(c) a DeepSpeed-style client") and "limit 45 s" in line for line in lines)
     expected, bound = map(float, re.search(r"expected ~([\d.]+) min; at most ([\d.]+) min", lines[-1]).groups())
     assert 0 < expected < bound <= 8.0, lines[-1]
 
@@ -60,13 +64,17 @@ def test_dry_run_passes_bench_options_and_parts_alone():
     (bench,) = [line for line in done.stdout.splitlines() if "$ timeout" in line]
     assert bench.endswith("--cell-timeout 75 --models 124m --stages 2")
     only = _gpu_check("--dry-run", "--tests-only", env={"GPU_COUNT": "2"}).stdout
-    assert "(b)" not in only and "bench_gpu.py" not in only
+    assert "(b)" not in only and "bench_gpu.py" not in only and "(c)" not in only
+    client = _gpu_check("--dry-run", "--client-only").stdout
+    assert "(a)" not in client and "(b)" not in client and "$ timeout 45 " in client
+    assert "at most 1.0 min" in client          # 15 s of device queries + CLIENT_TIMEOUT 45 s
 
 
 @pytest.mark.parametrize("args,message", [
     (["--bogus"], "unknown option '--bogus'"),
     (["--models"], "--models needs a value"),
     (["--tests-only", "--bench-only"], "leave nothing to run"),
+    (["--bench-only", "--client-only"], "leave nothing to run"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     done = _gpu_check(*args)
@@ -111,6 +119,7 @@ def test_launcher_refuses_more_nccl_ranks_than_gpus(monkeypatch, world_size, gpu
 
 @pytest.mark.parametrize("variable,value,message", [("TEST_TIMEOUT", "4m", "whole seconds"),
                                                     ("CELL_TIMEOUT", "1.5", "whole seconds"),
+                                                    ("CLIENT_TIMEOUT", "45s", "whole seconds"),
                                                     ("GPU_COUNT", "two", "GPU_COUNT must be a whole number")])
 def test_bad_settings_are_refused(variable, value, message):
     done = _gpu_check("--dry-run", env={variable: value})
@@ -269,6 +278,21 @@ def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     assert row["model_state_formula_gb"] * 2 ** 30 == pytest.approx(16 * _params(m), rel=0.01)
     assert row.get("note") is None                                   # the cell left its process group cleanly
     assert done.stdout.strip().splitlines()[-1] == bench_gpu.format_row(row)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a test requirement")
+def test_part_c_client_runs_on_the_cpu():
+    """Part (c), tools/ds_client_check.py, as the GPU check runs it, on this CPU (the suite hides CUDA): both stages
+    pass their checks and report the device, falling losses equal at ZeRO-2 and ZeRO-3, and 8 new tokens per
+    prompt."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "ds_client_check.py")], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["stage"] for r in records] == [2, 3] and {r["device"] for r in records} == {"cpu"}
+    assert records[0]["losses"] == records[1]["losses"] and len(records[0]["losses"]) == 4
+    assert records[0]["losses"][-1] < records[0]["losses"][0]
+    assert all(len(tokens) == 8 for r in records for tokens in r["generated"])
 
 
 def test_bench_summaries_are_medians_with_spread_and_paired_ratios():

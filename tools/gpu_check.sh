@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: the one command to run when a CUDA machine is at hand; at most ~8 minutes on one H200.
 #
-#   bash tools/gpu_check.sh                   # (a) device-agnostic tests on CUDA, then (b) the one-GPU GPT-2 benchmark
+#   bash tools/gpu_check.sh                   # (a) device-agnostic tests on CUDA, (b) the one-GPU GPT-2 benchmark,
+#                                             #   then (c) a DeepSpeed-style Hugging Face client
 #   bash tools/gpu_check.sh --dry-run         # the plan, its commands and expected time; runs nothing (works anywhere)
-#   bash tools/gpu_check.sh --tests-only      # or --bench-only; (b)'s options pass on to bench_gpu.py: --models 124m
+#   bash tools/gpu_check.sh --tests-only      # or --bench-only, --client-only; (b)'s options pass on to bench_gpu.py:
+#                                             #   --models 124m
 #                                             #   --precisions bf16 --stages 2,3 --steps 20 --micro-batch 8
 #                                             #   --peak-tflops 989.5 --checkpoint-activations
 #
@@ -11,34 +13,39 @@
 #     Hugging Face, ZeRO vs torch AdamW, activation checkpointing, exact resume; one NCCL rank per GPU.
 # (b) tools/bench/bench_gpu.py: GPT-2 124M and 350M, bf16, ZeRO-2 and ZeRO-3 on one GPU, each cell a fresh process
 #     on a free port: tokens/s, MFU (the peak looked up by exact device name), peak memory against the estimate.
+# (c) tools/ds_client_check.py: a Hugging Face GPT-2 built on the CPU, deepspeed.initialize through our alias, bf16,
+#     ZeRO-2 and ZeRO-3, a few steps, then engine.generate and module.generate (the Hybrid Engine), on one GPU.
 # Each part's result goes to $LOG_DIR/summary.txt as soon as the part ends, and (b)'s rows to bench_gpu.json as
 # they are measured: a later failure, timeout or kill keeps them. Reads PYTHON (default .venv/bin/python, else
-# python3), LOG_DIR (runs/gpu_check), TEST_TIMEOUT (150 s), CELL_TIMEOUT (75 s), BENCH_TIMEOUT (300 s), GPU_COUNT
-# (default: the GPUs torch sees; a dry run without any plans for one).
+# python3), LOG_DIR (runs/gpu_check), TEST_TIMEOUT (120 s), CELL_TIMEOUT (75 s), BENCH_TIMEOUT (300 s),
+# CLIENT_TIMEOUT (45 s), GPU_COUNT (default: the GPUs torch sees; a dry run without any plans for one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 LOG_DIR=${LOG_DIR:-runs/gpu_check}
-TEST_TIMEOUT=${TEST_TIMEOUT:-150}
+TEST_TIMEOUT=${TEST_TIMEOUT:-120}
 CELL_TIMEOUT=${CELL_TIMEOUT:-75}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
-START_S=15          # device queries and the table: the seconds of the check outside (a) and (b)
-TESTS_1GPU_S=60     # (a)'s expected seconds on one GPU, 120 with more (multi-rank tests run too): guesses until a
-TESTS_NGPU_S=120    # GPU run measures them
+CLIENT_TIMEOUT=${CLIENT_TIMEOUT:-45}
+START_S=15          # device queries and the table: the seconds of the check outside (a), (b) and (c)
+TESTS_1GPU_S=30     # (a)'s seconds on one H200 (measured 2026-12-04: 30 s); 120 with more GPUs (multi-rank tests
+TESTS_NGPU_S=120    # run too): a guess until a multi-GPU run measures it
+CLIENT_S=20         # (c)'s expected seconds (a guess: ~28 s on this 2-core CPU, most of it importing transformers)
 TESTS="tests/model/test_mpu.py tests/model/test_gpt2_model.py tests/zero/test_zero_engine.py tests/zero/test_activation_checkpointing.py
 tests/checkpoint/test_zero_checkpoint.py"
-RUN_TESTS=1 RUN_BENCH=1 DRY_RUN=0
+RUN_TESTS=1 RUN_BENCH=1 RUN_CLIENT=1 DRY_RUN=0
 BENCH_ARGS=()
 
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --tests-only) RUN_BENCH=0 ;;
-    --bench-only) RUN_TESTS=0 ;;
+    --tests-only) RUN_BENCH=0 RUN_CLIENT=0 ;;
+    --bench-only) RUN_TESTS=0 RUN_CLIENT=0 ;;
+    --client-only) RUN_TESTS=0 RUN_BENCH=0 ;;
     --dry-run) DRY_RUN=1 ;;
     --models|--precisions|--stages|--steps|--micro-batch|--peak-tflops)
       [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (e.g. $1 $(case "$1" in --models) echo 124m;;
@@ -49,9 +56,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ "$RUN_TESTS$RUN_BENCH" != "00" ] || die "--tests-only and --bench-only together leave nothing to run: pass one"
-case "$TEST_TIMEOUT$CELL_TIMEOUT$BENCH_TIMEOUT" in
-  *[!0-9]*) die "TEST_TIMEOUT/CELL_TIMEOUT/BENCH_TIMEOUT must be whole seconds" ;; esac
+[ "$RUN_TESTS$RUN_BENCH$RUN_CLIENT" != "000" ] ||
+  die "two of --tests-only, --bench-only and --client-only together leave nothing to run: pass one"
+case "$TEST_TIMEOUT$CELL_TIMEOUT$BENCH_TIMEOUT$CLIENT_TIMEOUT" in
+  *[!0-9]*) die "TEST_TIMEOUT/CELL_TIMEOUT/BENCH_TIMEOUT/CLIENT_TIMEOUT must be whole seconds" ;; esac
 case "${GPU_COUNT-}" in *[!0-9]*) die "GPU_COUNT must be a whole number of GPUs (e.g. GPU_COUNT=8)" ;; esac
 
 gpu_count() { "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
@@ -71,6 +79,7 @@ plan() {
 TEST_CMD=("$PYTHON" -m pytest -q -rs --device cuda $TESTS)
 BENCH_CMD=("$PYTHON" tools/bench/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" --cell-timeout "$CELL_TIMEOUT"
            "${BENCH_ARGS[@]}")
+CLIENT_CMD=("$PYTHON" tools/ds_client_check.py)
 
 dry_run() {
   local gpus=${GPU_COUNT:-$(gpu_count)} expected=$START_S bench_plan
@@ -79,7 +88,8 @@ dry_run() {
   if [ "$RUN_TESTS" = 1 ]; then
     local tests_s=$([ "$gpus" -gt 1 ] && echo $TESTS_NGPU_S || echo $TESTS_1GPU_S)
     expected=$((expected + tests_s))
-    echo "(a) device-agnostic tests on CUDA, limit $TEST_TIMEOUT s, expected ~$tests_s s (a guess: no GPU run yet):"
+    echo "(a) device-agnostic tests on CUDA, limit $TEST_TIMEOUT s, expected ~$tests_s s ($([ "$gpus" -gt 1 ] &&
+      echo "a guess: no multi-GPU run yet" || echo "measured on one H200")):"
     echo "    $(echo $TESTS)"
     plan "$gpus"
     echo "    \$ timeout $TEST_TIMEOUT ${TEST_CMD[*]}"
@@ -92,9 +102,16 @@ dry_run() {
     expected=$((expected + $(echo "$bench_plan" | sed -n 's/^expected: ~\([0-9]*\) s.*/\1/p')))
     echo "    \$ timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
   fi
+  if [ "$RUN_CLIENT" = 1 ]; then
+    expected=$((expected + CLIENT_S))
+    echo "(c) a DeepSpeed-style client (HF GPT-2 built on the CPU, deepspeed.initialize through our alias, bf16," \
+         "ZeRO-2 and ZeRO-3, 4 steps, engine.generate), limit $CLIENT_TIMEOUT s, expected ~$CLIENT_S s (a guess):"
+    echo "    \$ timeout $CLIENT_TIMEOUT ${CLIENT_CMD[*]}"
+  fi
   local bound=$START_S
   [ "$RUN_TESTS" = 1 ] && bound=$((bound + TEST_TIMEOUT))
   [ "$RUN_BENCH" = 1 ] && bound=$((bound + BENCH_TIMEOUT))
+  [ "$RUN_CLIENT" = 1 ] && bound=$((bound + CLIENT_TIMEOUT))
   echo "whole check: expected ~$(minutes $expected) min; at most $(minutes $bound) min (the limits and ~$START_S s" \
        "of device queries; the budget on one H200 is 8 min)"
 }
@@ -118,7 +135,7 @@ nvidia-smi --query-gpu=name,power.default_limit,driver_version --format=csv,nohe
   | sed 's/^/# nvidia-smi: /' >> "$SUMMARY"
 cat "$SUMMARY"
 
-TEST_RC=skipped BENCH_RC=skipped
+TEST_RC=skipped BENCH_RC=skipped CLIENT_RC=skipped
 if [ "$RUN_TESTS" = 1 ]; then
   echo "== (a) device-agnostic tests on CUDA (log: $LOG_DIR/tests.log)"
   timeout "$TEST_TIMEOUT" "${TEST_CMD[@]}" > "$LOG_DIR/tests.log" 2>&1; TEST_RC=$?
@@ -138,8 +155,17 @@ if [ "$RUN_BENCH" = 1 ]; then
     "$PYTHON" tools/bench/bench_gpu.py --print-log "$LOG_DIR/bench.log"
   } >> "$SUMMARY"
 fi
+if [ "$RUN_CLIENT" = 1 ]; then
+  echo "== (c) DeepSpeed-style client (log: $LOG_DIR/client.log)"
+  timeout "$CLIENT_TIMEOUT" "${CLIENT_CMD[@]}" > "$LOG_DIR/client.log" 2>&1; CLIENT_RC=$?
+  [ "$CLIENT_RC" = 124 ] && echo "client timed out after $CLIENT_TIMEOUT s" >> "$LOG_DIR/client.log"
+  { echo "client (exit $CLIENT_RC):"
+    grep -E '^(RESULT|ds_client_check:|client timed out)' "$LOG_DIR/client.log" | sed 's/^/  /'
+  } >> "$SUMMARY"
+fi
 
 echo
 cat "$SUMMARY"
 [ "$TEST_RC" = 0 ] || [ "$TEST_RC" = skipped ] || exit 1
 [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ] || exit 1
+[ "$CLIENT_RC" = 0 ] || [ "$CLIENT_RC" = skipped ] || exit 1

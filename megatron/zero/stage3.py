@@ -458,14 +458,24 @@ class Stage3Parameters:
             if not buffer.persistent and buffer.holders == 0:
                 self._release(buffer)
 
-    def gather(self, params):
-        """Hold the buffers of `params` gathered until `release(params)` (GatheredParameters)."""
+    def gather(self, params, own_storage=False):
+        """Hold the buffers of `params` gathered until `release(params)`. `own_storage` (GatheredParameters: the
+        client may keep `p.data`, or `p.data.cpu()`, which is the same tensor on the CPU): each of `params` gets a
+        storage of its own instead of a view of its unit's buffer, so what the client keeps (or saves:
+        torch.save writes a view's whole storage) is that parameter alone, not the unit's other parameters."""
         buffers = list({id(self.buffer_of[id(p)]): self.buffer_of[id(p)] for p in params}.values())
         for buffer in buffers:
             self._start(buffer)
         for buffer in buffers:
             self._finish(buffer, buffer.name)
             buffer.holders += 1
+        if own_storage:
+            for p in params:
+                p.data = p.data.clone()
+            asked = {id(p) for p in params}
+            for buffer in buffers:          # every parameter has its own copy: the flat storage is not needed
+                if all(id(p) in asked for p in buffer.params):
+                    buffer.storage = buffer.placeholder
         return buffers
 
     @contextlib.contextmanager

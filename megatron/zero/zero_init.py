@@ -259,7 +259,7 @@ class GatheredParameters:
             p.data = gather_initial(p, p.data.device).clone()
         set_status(init_params, ZeroParamStatus.AVAILABLE)
         managed = [p for p in self.params if getattr(p, "ds_manager", None) is not None]
-        self._held = [(p.ds_manager, p.ds_manager.gather([p])) for p in managed]
+        self._held = [(p.ds_manager, p.ds_manager.gather([p], own_storage=True)) for p in managed]
         return self
 
     def __exit__(self, *exc):
