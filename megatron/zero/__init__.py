@@ -40,4 +40,12 @@ zero = sys.modules[__name__]
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
            "GatheredParameters", "register_external_parameter", "ZeroParamStatus", "adam_kernel_options",
-           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator"]
+           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator", "as_deepspeed"]
+
+
+def __getattr__(name):
+    """`as_deepspeed` (the `deepspeed` alias a client installs) is imported on first use, not with the engine."""
+    if name == "as_deepspeed":
+        import importlib
+        return importlib.import_module(f"{__name__}.as_deepspeed")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
