@@ -16,7 +16,11 @@ dtype, into the gradient. With tokens T, this rank's width W and logits of e byt
 
 so at bf16 no fp32 tensor of the logits' size is ever written (the unchunked loss wrote three: logits.float(),
 the shifted logits / softmax it kept, and the gradient's copy: 10 bytes per logit at its peak against 4 here).
-The default chunk holds CHUNK_ELEMENTS logits (64 MiB of fp32 scratch): 333 tokens at W = 50304.
+The default chunk holds CHUNK_ELEMENTS[device type] logits: on a GPU 2^24 (64 MiB of fp32 scratch, 333 tokens
+at W = 50304; fewer, larger chunks keep kernel launches few), on the CPU 2^21 (8 MiB, 256 tokens at W = 8192). On
+the CPU at one thread smaller chunks run faster (they stay in cache), but at two threads on a loaded machine every
+op waits at OpenMP's barrier for a descheduled thread, and many small ops lose: 2^21 is the compromise
+(tools/bench/bench_loss.py; docs/benchmarks.md).
 
 Across ranks each rank sums exp(logit - its own max) and scales the sum by exp(own max - global max) before the
 all-reduce: the same sum as exp(logit - global max) up to fp32 rounding (at mp 1 the scale is exactly 1).
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from . import fused as compiled_ops
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 
-CHUNK_ELEMENTS = 2 ** 24   # logits per chunk by default: 64 MiB of fp32 scratch
+CHUNK_ELEMENTS = {"cpu": 2 ** 21, "cuda": 2 ** 24}   # logits per chunk by default, by device type
 
 
 def _vocab_range(partition_vocab_size, device, vocab_size=None):
@@ -52,9 +56,10 @@ def _vocab_range(partition_vocab_size, device, vocab_size=None):
     return int(widths[:get_model_parallel_rank()].sum()), int(widths.sum())
 
 
-def default_chunk_tokens(width):
-    """Tokens per chunk for a rank's vocabulary width: CHUNK_ELEMENTS logits, at least one token."""
-    return max(1, CHUNK_ELEMENTS // width)
+def default_chunk_tokens(width, device_type="cuda"):
+    """Tokens per chunk for a rank's vocabulary width on a device type: CHUNK_ELEMENTS logits (a GPU's for any
+    device type not named there), at least one token."""
+    return max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cuda"]) // width)
 
 
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -167,12 +172,12 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, fused=False, rea
     backward then overwrites the logits with their gradient. real_vocab_size: ids from it on are padding, out of the
     softmax (None: every id is real). vocab_size: the whole (padded) vocabulary when it is split evenly, as the
     model's is: each rank's range follows without a collective (None: found by an all-reduce of the widths).
-    chunk_tokens: tokens per chunk of the eager loss (None: default_chunk_tokens(V/p)); the loss is the same for
-    any value."""
+    chunk_tokens: tokens per chunk of the eager loss (None: default_chunk_tokens for V/p and the logits' device);
+    the loss is the same for any value."""
     if fused:
         return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, real_vocab_size, vocab_size)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(vocab_parallel_logits.size(-1))
+        chunk_tokens = default_chunk_tokens(vocab_parallel_logits.size(-1), vocab_parallel_logits.device.type)
     elif chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     return _ChunkedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, real_vocab_size, vocab_size,

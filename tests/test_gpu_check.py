@@ -180,9 +180,10 @@ def test_device_peak_override_and_unknown(monkeypatch):
     assert peak is None and bench_gpu.device_line(name, peak, how).endswith("no MFU (--peak-tflops sets it)")
 
 
-def test_activation_estimate_knows_flash_attention_and_the_fp32_loss(monkeypatch):
-    """No s x s term (SDPA's flash kernels keep no scores): linear in the sequence length. The loss adds the logits
-    in the training precision and two fp32 copies: 10 bytes per logit in bf16, 8 in fp32."""
+def test_activation_estimate_knows_flash_attention_and_the_chunked_loss(monkeypatch):
+    """No s x s term (SDPA's flash kernels keep no scores): linear in the sequence length. The chunked loss adds the
+    logits and their gradient in the training precision (4 bytes per logit in bf16, 8 in fp32) and one fp32 chunk
+    of tokens (all 512 tokens here: 1024 logits a token is below a chunk's 2^24)."""
     shape = dict(layers=2, hidden=64, heads=4, vocab=1000, micro=2)
     monkeypatch.setitem(bench_gpu.MODELS, "s256", dict(shape, seq=256))
     monkeypatch.setitem(bench_gpu.MODELS, "s512", dict(shape, seq=512))
@@ -190,9 +191,9 @@ def test_activation_estimate_knows_flash_attention_and_the_fp32_loss(monkeypatch
     assert estimate("s512", 2, "bf16") == 2 * estimate("s256", 2, "bf16")
     s, b, h, a, L, V = 256, 2, 64, 4, 2, 1024
     layer = 34 * s * b * h + 4 * a * s * b
-    assert estimate("s256", 2, "bf16") == L * layer + 10 * s * b * V
-    assert estimate("s256", 2, "fp32") == L * (2 * 34 * s * b * h + 4 * a * s * b) + 8 * s * b * V
-    assert estimate("s256", 2, "bf16", checkpoint_activations=True) == L * 2 * s * b * h + layer + 10 * s * b * V
+    assert estimate("s256", 2, "bf16") == L * layer + (4 + 4) * s * b * V
+    assert estimate("s256", 2, "fp32") == L * (2 * 34 * s * b * h + 4 * a * s * b) + (8 + 4) * s * b * V
+    assert estimate("s256", 2, "bf16", checkpoint_activations=True) == L * 2 * s * b * h + layer + 8 * s * b * V
 
 
 def test_rows_and_table():

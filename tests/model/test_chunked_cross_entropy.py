@@ -134,3 +134,12 @@ def test_loss_writes_no_logits_sized_fp32_tensor():
     assert one_chunk["bytes per logit"] == bf16["bytes per logit"]
     fp32 = counts["fp32 chunk 5"]
     assert fp32["full fp32"] == [] and fp32["largest fp32"] == 5 * 64, fp32
+
+
+def test_default_chunk_by_device():
+    """A GPU's chunk: 2^24 logits (333 tokens of GPT-2's padded 50304); a CPU's: 2^21 (256 tokens at 8192); always at
+    least one token; a device type not named gets the GPU's."""
+    from mpu.cross_entropy import default_chunk_tokens
+    assert default_chunk_tokens(50304, "cuda") == 333 and default_chunk_tokens(50304, "xpu") == 333
+    assert default_chunk_tokens(8192, "cpu") == 256
+    assert default_chunk_tokens(2 ** 25, "cuda") == 1 and default_chunk_tokens(2 ** 22, "cpu") == 1

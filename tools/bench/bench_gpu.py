@@ -18,7 +18,7 @@ count: Narayanan et al. 2021, 3 passes of 24 L h^2 (1 + s/6h) per token, 4 with 
 3 x 2 h V for the LM head); MFU = that / the GPU's dense bf16/fp16 peak, looked up by the exact name CUDA reports
 (PEAK_TFLOPS; an unknown name gets no MFU rather than a guess; --peak-tflops sets it).
 Memory: max_memory_allocated next to the model-state formula (megatron/guards/memory.py, the ZeRO paper's 2P + 2P +
-12P at dp 1) plus activation_estimate_bytes (flash attention's, and the loss's fp32 logits).
+12P at dp 1) plus activation_estimate_bytes (flash attention's, and the loss's logits with their gradient).
 """
 import argparse
 import json
@@ -168,9 +168,9 @@ def activation_estimate_bytes(model, micro, precision, checkpoint_activations=Fa
       attention. The model's attention is F.scaled_dot_product_attention, whose flash / memory-efficient kernels
       keep no s x s scores: the paper's 5 a s^2 b term is not there;
     - with --checkpoint-activations a layer keeps its input, 2 s b h, and one layer at a time is recomputed whole;
-    - the loss (mpu/cross_entropy.py) holds the logits [b, s, V] in the training precision plus two fp32 copies
-      at its peak (forward: logits.float() and the shifted logits it keeps as the softmax; backward: that softmax
-      and the gradient), while every layer's activations are still alive.
+    - the loss (mpu/cross_entropy.py, chunked over tokens) holds at its peak, the end of its backward, the logits
+      [b, s, V] it saved and their gradient, both in the training precision, plus one fp32 chunk of
+      default_chunk_tokens(V, "cuda") tokens (64 MiB at most), while every layer's activations are still alive.
     The embeddings' and the final LayerNorm's few s b h are left out."""
     m = MODELS[model]
     s, b, h, a = m["seq"], micro, m["hidden"], m["heads"]
@@ -178,7 +178,9 @@ def activation_estimate_bytes(model, micro, precision, checkpoint_activations=Fa
     full_layer = int(34 * s * b * h * element / 2) + 4 * a * s * b
     layers = m["layers"] * (2 * s * b * h * element // 2) + full_layer if checkpoint_activations \
         else m["layers"] * full_layer
-    loss = s * b * padded_vocab(model) * (8 + (element if element < 4 else 0))
+    from mpu.cross_entropy import default_chunk_tokens
+    vocab = padded_vocab(model)
+    loss = 2 * s * b * vocab * element + 4 * min(s * b, default_chunk_tokens(vocab, "cuda")) * vocab
     return layers + loss
 
 
