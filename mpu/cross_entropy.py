@@ -7,15 +7,16 @@ together (one [2, tokens] tensor). The input is never modified.
 
 Chunked over tokens: forward and backward each walk the tokens in chunks of `chunk_tokens` rows, compute in fp32
 on that chunk only, and keep per token only fp32 statistics (the max, the sum of exponentials). Per chunk, the
-forward reads the logits once (this rank's max and the target logit, then exp(logits - local max) summed), and the
-backward recomputes softmax - one_hot from the saved logits and the two statistics and writes it, in the logits'
-dtype, into the gradient. With tokens T, this rank's width W and logits of e bytes an element (2 in bf16):
+forward takes this rank's max and the target logit, then sums exp(logits - local max); the backward recomputes
+softmax - one_hot from the saved logits and the two statistics and writes it, in the logits' dtype, into the
+gradient. With tokens T, this rank's width W and logits of e bytes an element (2 in bf16):
 
-    held from forward to backward   the logits themselves (e T W: saved, not copied) + 3 fp32 numbers a token
+    held from forward to backward   the logits themselves (e T W: saved, not copied) + per token 2 fp32 numbers
+                                    and the target
     peak, backward                  e T W (logits) + e T W (their gradient) + 4 x chunk_tokens x W (fp32 scratch)
 
-so at bf16 no fp32 tensor of the logits' size is ever written (the unchunked loss wrote three: logits.float(),
-the shifted logits / softmax it kept, and the gradient's copy: 10 bytes per logit at its peak against 4 here).
+so at bf16 no fp32 tensor of the logits' size is ever written (the unchunked loss this replaced wrote six, and
+held 10 bytes per logit at its peak against 4 here: tests/model/test_chunked_cross_entropy.py counts them).
 The default chunk holds CHUNK_ELEMENTS[device type] logits: on a GPU 2^24 (64 MiB of fp32 scratch, 333 tokens
 at W = 50304; fewer, larger chunks keep kernel launches few), on the CPU 2^21 (8 MiB, 256 tokens at W = 8192). On
 the CPU at one thread smaller chunks run faster (they stay in cache), but at two threads on a loaded machine every
