@@ -15,13 +15,13 @@ gradient. With tokens T, this rank's width W and logits of e bytes an element (2
                                     and the target
     peak, backward                  e T W (logits) + e T W (their gradient) + 4 x chunk_tokens x W (fp32 scratch)
 
-so at bf16 no fp32 tensor of the logits' size is ever written (the unchunked loss this replaced wrote six, and
-held 10 bytes per logit at its peak against 4 here: tests/model/test_chunked_cross_entropy.py counts them).
-The default chunk holds CHUNK_ELEMENTS[device type] logits: on a GPU 2^24 (64 MiB of fp32 scratch, 333 tokens
-at W = 50304; fewer, larger chunks keep kernel launches few), on the CPU 2^21 (8 MiB, 256 tokens at W = 8192). On
-the CPU at one thread smaller chunks run faster (they stay in cache), but at two threads on a loaded machine every
-op waits at OpenMP's barrier for a descheduled thread, and many small ops lose: 2^21 is the compromise
-(tools/bench/bench_loss.py; docs/benchmarks.md).
+so at bf16 no fp32 tensor of the logits' size is ever written (the unchunked loss wrote six, and held 10 bytes
+per logit at its peak against 4 here: tests/model/test_chunked_cross_entropy.py counts them). The default chunk
+holds CHUNK_ELEMENTS[device type] logits: on a GPU 2^24 (64 MiB of fp32 scratch, 333 tokens at W = 50304; fewer,
+larger chunks keep kernel launches few). On the CPU the default is the unchunked loss (_VocabParallelCrossEntropy):
+at two threads on a loaded machine every op of the chunked one waits at OpenMP's barrier for a descheduled thread
+(1.1-1.6x slower at its best chunk, 2^21 logits: tools/bench/bench_loss.py; docs/benchmarks.md), and the default
+data's published numbers come from the unchunked loss; chunk_tokens= asks for the chunked one there.
 
 Across ranks each rank sums exp(logit - its own max) and scales the sum by exp(own max - global max) before the
 all-reduce: the same sum as exp(logit - global max) up to fp32 rounding (at mp 1 the scale is exactly 1).
@@ -61,6 +61,47 @@ def default_chunk_tokens(width, device_type="cuda"):
     """Tokens per chunk for a rank's vocabulary width on a device type: CHUNK_ELEMENTS logits (a GPU's for any
     device type not named there), at least one token."""
     return max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cuda"]) // width)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The unchunked loss (three all-reduces, an fp32 softmax kept for backward): the CPU default, whose numbers
+    the README's runs print; the chunked one equals it to fp32 rounding, not bit for bit."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, real_vocab_size, vocab_size):
+        group = get_model_parallel_group()
+        local_target, outside, real = _local_target(target, vocab_parallel_logits, real_vocab_size, vocab_size)
+        logits = vocab_parallel_logits.float()
+        if real > 0:
+            logits_max = logits[..., :real].amax(dim=-1)
+        else:      # only padding here: another rank holds the maximum
+            logits_max = logits.new_full(logits.shape[:-1], float("-inf"))
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)  # a new tensor: the caller's logits are untouched
+        shifted[..., real:] = float("-inf")          # padded ids: exp 0, out of the sum and the gradient
+
+        predicted = torch.gather(shifted, -1, local_target.unsqueeze(-1)).squeeze(-1)
+        predicted = predicted.masked_fill(outside, 0.0)
+        dist.all_reduce(predicted, group=group)
+
+        exp_logits = shifted.exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = torch.log(sum_exp) - predicted
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.input_dtype = vocab_parallel_logits.dtype
+        ctx.save_for_backward(softmax, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad_input = softmax.clone()
+        inside = (~outside).to(grad_input.dtype)
+        grad_input.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
+        grad_input.mul_(grad_output.unsqueeze(-1))
+        return grad_input.to(ctx.input_dtype), None, None, None
 
 
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -173,10 +214,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, fused=False, rea
     backward then overwrites the logits with their gradient. real_vocab_size: ids from it on are padding, out of the
     softmax (None: every id is real). vocab_size: the whole (padded) vocabulary when it is split evenly, as the
     model's is: each rank's range follows without a collective (None: found by an all-reduce of the widths).
-    chunk_tokens: tokens per chunk of the eager loss (None: default_chunk_tokens for V/p and the logits' device);
-    the loss is the same for any value."""
+    chunk_tokens: tokens per chunk of the eager loss (None: default_chunk_tokens for V/p and the logits' device,
+    except on the CPU, where None is the unchunked loss); the loss is the same for any value, to fp32 rounding."""
     if fused:
         return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, real_vocab_size, vocab_size)
+    if chunk_tokens is None and vocab_parallel_logits.device.type == "cpu":
+        # The CPU default stays the unchunked loss: at two threads on a loaded machine the chunked one measured
+        # 1.1-1.6x slower (docs/benchmarks.md), and the default data's published numbers come from it.
+        return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, real_vocab_size, vocab_size)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(vocab_parallel_logits.size(-1), vocab_parallel_logits.device.type)
     elif chunk_tokens < 1:
