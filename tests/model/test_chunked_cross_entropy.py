@@ -114,9 +114,11 @@ def _count_writes(shape, dtype, chunk):
 
 
 def _counts():
-    return {"bf16 chunk 5": _count_writes((4, 9, 64), torch.bfloat16, 5),
+    import mpu
+    return {"device": mpu.get_device().type,"bf16 chunk 5": _count_writes((4, 9, 64), torch.bfloat16, 5),
             "bf16 one chunk": _count_writes((4, 9, 64), torch.bfloat16, 36),
-            "fp32 chunk 5": _count_writes((4, 9, 64), torch.float32, 5)}
+            "fp32 chunk 5": _count_writes((4, 9, 64), torch.float32, 5),
+            "bf16 default": _count_writes((4, 9, 64), torch.bfloat16, None)}
 
 
 def test_loss_writes_no_logits_sized_fp32_tensor():
@@ -136,6 +138,8 @@ def test_loss_writes_no_logits_sized_fp32_tensor():
     assert one_chunk["bytes per logit"] == bf16["bytes per logit"]
     fp32 = counts["fp32 chunk 5"]
     assert fp32["full fp32"] == [] and fp32["largest fp32"] == 5 * 64, fp32
+    if counts["device"] == "cpu":    # the CPU default is the unchunked loss (its logits-sized fp32 upcast and softmax)
+        assert "_to_copy" in counts["bf16 default"]["full fp32"], counts["bf16 default"]   # the whole upcast
 
 
 def test_default_chunk_by_device():
