@@ -127,7 +127,8 @@ def main(argv=None):
     rel = {k: os.path.relpath(v, os.getcwd()) for k, v in paths.items()}
     digest = data_digest(args.output_dir)
     print(f"default data digest: {digest}", flush=True)
-    if args.corpus_mb == 24.0 and args.vocab_size == 8192 and (warning := check_digest(digest)):
+    defaults = (parser.get_default("corpus_mb"), parser.get_default("vocab_size"))   # the README's data only
+    if (args.corpus_mb, args.vocab_size) == defaults and (warning := check_digest(digest)):
         print(warning, file=sys.stderr, flush=True)
     print(f"default data ready in {time.time() - start:.1f} s:\n"
           f"  --data-path {rel['data_prefix']} --vocab-file {rel['vocab_file']} --merge-file {rel['merge_file']}")
