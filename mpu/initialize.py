@@ -1,8 +1,12 @@
-"""Tensor-, data- and pipeline-parallel process groups (Megatron's layout).
+"""Tensor-, context-, data- and pipeline-parallel process groups (Megatron-LM's layout and order tp, cp, dp, pp).
 
-World = pp x dp x mp. Consecutive ranks form a tensor (model)-parallel group; ranks at the same position of the
-tensor-parallel groups of one pipeline stage form a data-parallel group; ranks dp x mp apart form a pipeline.
-rank = pipeline rank x (dp x mp) + data-parallel rank x mp + tensor-parallel rank.
+World = pp x dp x cp x mp. Consecutive ranks form a tensor (model)-parallel group; ranks mp apart within a block of
+cp x mp form a context-parallel group (each holds two chunks of the sequence: mpu/context_parallel.py); ranks
+cp x mp apart within a pipeline stage form a data-parallel group; ranks dp x cp x mp apart form a pipeline.
+rank = pipeline rank x (dp x cp x mp) + data-parallel rank x (cp x mp) + context-parallel rank x mp + tp rank.
+Gradients are reduced over data x context parallel (`get_data_parallel_group(with_context_parallel=True)`,
+DeepSpeed's `get_sequence_data_parallel_group()`): the cp ranks hold the same parameters but different tokens.
+At cp = 1 every group below is what it was without context parallelism.
 
 Example, 8 ranks at model-parallel size 2, pipeline size 1 (dp = 4):
 
@@ -17,6 +21,13 @@ Example, 16 ranks at model-parallel size 2, pipeline size 4 (dp = 2):
     pipeline groups:       [0 4 8 12] [1 5 9 13] [2 6 10 14] [3 7 11 15]
     embedding groups:      [0 12] [1 13] [2 14] [3 15]   (first and last stage: the tied word embedding)
     rank 9: model-parallel rank 1, data-parallel rank 0, pipeline rank (stage) 2
+
+Example, 8 ranks at model-parallel size 2, context-parallel size 2 (dp = 2):
+
+    model-parallel groups:             [0 1] [2 3] [4 5] [6 7]
+    context-parallel groups:           [0 2] [1 3] [4 6] [5 7]
+    data-parallel groups:              [0 4] [1 5] [2 6] [3 7]
+    data x context (gradient) groups:  [0 2 4 6] [1 3 5 7]
 
 `get_model_parallel_*` always means tensor parallel (the split of each layer); the pipeline has its own getters.
 
@@ -33,13 +44,17 @@ _PIPELINE_GROUP = None
 _PIPELINE_RANKS = None       # global ranks of this rank's pipeline, stage order
 _EMBEDDING_GROUP = None
 _EMBEDDING_RANKS = None
+_CONTEXT_PARALLEL_GROUP = None
+_CONTEXT_PARALLEL_RANKS = None   # global ranks of this rank's context-parallel group, cp-rank order (the ring)
+_DATA_CONTEXT_PARALLEL_GROUP = None
 _VIRTUAL_PIPELINE_WORLD_SIZE = None   # model chunks per stage with the interleaved schedule; None: not interleaved
 _VIRTUAL_PIPELINE_RANK = None         # the model chunk running now (set by the schedule)
 
 
 def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=1, timeout=None,
-                              virtual_pipeline_model_parallel_size=None):
-    """Build the groups for `model_parallel_size` (tensor parallel) x `pipeline_model_parallel_size`;
+                              virtual_pipeline_model_parallel_size=None, context_parallel_size=1):
+    """Build the groups for `model_parallel_size` (tensor parallel) x `context_parallel_size` x
+    `pipeline_model_parallel_size`;
     torch.distributed must already be initialized. `timeout` (a timedelta; None = torch's default for new
     groups, 30 min on gloo) bounds each collective on these groups. `virtual_pipeline_model_parallel_size`:
     model chunks per stage for the interleaved schedule (None or 1: one chunk, not interleaved).
@@ -48,32 +63,38 @@ def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=
     """
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
     global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS, _DATA_CONTEXT_PARALLEL_GROUP
     assert dist.is_initialized(), "torch.distributed must be initialized before mpu.initialize_model_parallel"
     assert _MODEL_PARALLEL_GROUP is None, "model parallel groups are already initialized"
     world_size = dist.get_world_size()
-    mp, pp = model_parallel_size, pipeline_model_parallel_size
+    mp, pp, cp = model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     if mp < 1 or world_size % mp != 0:
         raise ValueError(f"world size ({world_size}) is not divisible by model-parallel size ({mp})")
-    if pp < 1 or world_size % (mp * pp) != 0:
-        raise ValueError(f"world size ({world_size}) is not divisible by pipeline size ({pp}) x model-parallel "
-                         f"size ({mp}) = {mp * pp}")
+    if pp < 1 or cp < 1 or world_size % (mp * cp * pp) != 0:
+        raise ValueError(f"world size ({world_size}) is not divisible by pipeline size ({pp}) x context-parallel "
+                         f"size ({cp}) x model-parallel size ({mp}) = {mp * cp * pp}")
     if virtual_pipeline_model_parallel_size not in (None, 1):
         if pp == 1:
             raise ValueError("when interleaved schedule is used, pipeline-model-parallel size should be greater than 1")
         _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK = virtual_pipeline_model_parallel_size, 0
     rank = dist.get_rank()
-    stage_size = world_size // pp          # ranks per pipeline stage: dp x mp
+    stage_size = world_size // pp          # ranks per pipeline stage: dp x cp x mp
     for start in range(0, world_size, mp):
         ranks = list(range(start, start + mp))
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             _MODEL_PARALLEL_GROUP = group
     for stage in range(pp):
-        for offset in range(mp):
-            ranks = list(range(stage * stage_size + offset, (stage + 1) * stage_size, mp))
+        for offset in range(mp * cp):      # data parallel: ranks cp x mp apart (at cp = 1: mp apart)
+            ranks = list(range(stage * stage_size + offset, (stage + 1) * stage_size, mp * cp))
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 _DATA_PARALLEL_GROUP = group
+    if cp > 1:
+        _build_context_parallel_groups(rank, world_size, stage_size, mp, cp, timeout)
+    else:                                  # no new groups: at cp = 1 the run is the one without context parallelism
+        _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS = None, [rank]
+        _DATA_CONTEXT_PARALLEL_GROUP = _DATA_PARALLEL_GROUP
     for position in range(stage_size):
         ranks = list(range(position, world_size, stage_size))
         group = dist.new_group(ranks, timeout=timeout)
@@ -85,6 +106,24 @@ def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=
             _EMBEDDING_GROUP, _EMBEDDING_RANKS = group, embedding_ranks
 
 
+def _build_context_parallel_groups(rank, world_size, stage_size, mp, cp, timeout):
+    """The context-parallel groups (ranks mp apart within each block of cp x mp consecutive ranks) and the
+    data x context groups gradients are reduced over (ranks mp apart within a pipeline stage)."""
+    global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS, _DATA_CONTEXT_PARALLEL_GROUP
+    for block in range(0, world_size, mp * cp):
+        for offset in range(mp):
+            ranks = list(range(block + offset, block + mp * cp, mp))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS = group, ranks
+    for stage_start in range(0, world_size, stage_size):
+        for offset in range(mp):
+            ranks = list(range(stage_start + offset, stage_start + stage_size, mp))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _DATA_CONTEXT_PARALLEL_GROUP = group
+
+
 def model_parallel_is_initialized():
     return _MODEL_PARALLEL_GROUP is not None and _DATA_PARALLEL_GROUP is not None
 
@@ -94,9 +133,11 @@ def get_model_parallel_group():
     return _MODEL_PARALLEL_GROUP
 
 
-def get_data_parallel_group():
+def get_data_parallel_group(with_context_parallel=False):
+    """The ranks that read different samples; with_context_parallel: and the context-parallel ranks, which hold
+    the same parameters (the group gradients are reduced over; Megatron-LM's argument)."""
     assert _DATA_PARALLEL_GROUP is not None, "data parallel group is not initialized"
-    return _DATA_PARALLEL_GROUP
+    return _DATA_CONTEXT_PARALLEL_GROUP if with_context_parallel else _DATA_PARALLEL_GROUP
 
 
 def get_model_parallel_world_size():
@@ -113,12 +154,50 @@ def get_model_parallel_src_rank():
     return (dist.get_rank() // mp) * mp
 
 
-def get_data_parallel_world_size():
-    return dist.get_world_size(group=get_data_parallel_group())
+def get_data_parallel_world_size(with_context_parallel=False):
+    return dist.get_world_size(group=get_data_parallel_group(with_context_parallel))
 
 
-def get_data_parallel_rank():
-    return dist.get_rank(group=get_data_parallel_group())
+def get_data_parallel_rank(with_context_parallel=False):
+    return dist.get_rank(group=get_data_parallel_group(with_context_parallel))
+
+
+# DeepSpeed's names for the gradient-reduction group (its engine partitions and reduces over it when the mpu
+# object has them; so does megatron.zero's)
+def get_sequence_data_parallel_group():
+    return get_data_parallel_group(with_context_parallel=True)
+
+
+def get_sequence_data_parallel_world_size():
+    return get_data_parallel_world_size(with_context_parallel=True)
+
+
+def get_sequence_data_parallel_rank():
+    return get_data_parallel_rank(with_context_parallel=True)
+
+
+# ---------------------------------------------------------------------------------------------------- context
+
+def get_context_parallel_group():
+    """This rank's context-parallel group (None at context-parallel size 1: nothing to communicate)."""
+    assert _CONTEXT_PARALLEL_RANKS is not None, "context parallel group is not initialized"
+    return _CONTEXT_PARALLEL_GROUP
+
+
+def get_context_parallel_world_size():
+    """Context-parallel ranks (1 before initialize_model_parallel)."""
+    return len(_CONTEXT_PARALLEL_RANKS) if _CONTEXT_PARALLEL_RANKS is not None else 1
+
+
+def get_context_parallel_rank():
+    """This rank's place in its context-parallel group: it holds sequence chunks rank and 2C - 1 - rank."""
+    return _CONTEXT_PARALLEL_RANKS.index(dist.get_rank()) if _CONTEXT_PARALLEL_RANKS is not None else 0
+
+
+def get_context_parallel_global_ranks():
+    """Global ranks of this rank's context-parallel group in cp-rank order (the ring's p2p peers)."""
+    assert _CONTEXT_PARALLEL_RANKS is not None, "context parallel group is not initialized"
+    return list(_CONTEXT_PARALLEL_RANKS)
 
 
 # ---------------------------------------------------------------------------------------------------- pipeline
@@ -190,6 +269,8 @@ def destroy_model_parallel():
     """Forget the groups (the process groups themselves die with torch.distributed)."""
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
     global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS, _DATA_CONTEXT_PARALLEL_GROUP
+    _CONTEXT_PARALLEL_GROUP = _CONTEXT_PARALLEL_RANKS = _DATA_CONTEXT_PARALLEL_GROUP = None
     _MODEL_PARALLEL_GROUP = None
     _DATA_PARALLEL_GROUP = None
     _PIPELINE_GROUP = _PIPELINE_RANKS = None

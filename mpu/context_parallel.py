@@ -1,0 +1,225 @@
+"""Context parallelism (Megatron-LM's --context-parallel-size): the sequence split over C ranks, attention computed
+ring-style.
+
+Layout (load-balanced for the causal mask, Megatron-LM's): the sequence of s tokens is cut into 2C chunks of
+s / 2C; context-parallel rank i holds chunks i and 2C - 1 - i, in that order, so every rank has the same amount
+of causal work. Example, C = 2, s = 8 (chunks of 2):
+
+    positions   0 1 | 2 3 | 4 5 | 6 7
+    chunk         0     1     2     3
+    rank 0 holds chunks 0, 3: positions 0 1 6 7
+    rank 1 holds chunks 1, 2: positions 2 3 4 5
+
+Everything outside attention (embeddings, MLP, norms, loss) is per token, so each rank runs it on its 2 chunks only;
+positions (learned or rotary) are the held tokens' global ones (context_parallel_positions).
+
+Ring attention (`ring_attention(q, k, v)`): each rank keeps its queries; the key/value blocks travel around the
+ring (rank r sends to r + 1 and receives from r - 1, async p2p overlapping the block's compute), and the partial
+results merge by their log-sum-exp (the online softmax). With the layout above, at step t rank r holds the
+keys/values of rank j = r - t (mod C):
+
+    t = 0:   its own: causal over its 2 chunks (their positions increase, so local causal = global causal)
+    j < r:   all its queries see only j's first chunk (j < r <= 2C - 1 - r < 2C - 1 - j), unmasked
+    j > r:   only its second chunk's queries (2C - 1 - r) see both of j's chunks, unmasked
+
+Backward (a custom autograd.Function, as Megatron-LM's/torchtitan's): the key/value blocks go around again with
+the gradients of their keys/values travelling with them; after C steps each gradient has visited every rank and
+reaches its owner. The blocks' probabilities are recomputed from the saved log-sum-exp: memory per rank is O(s/C)
+between forward and backward, plus one block's scores at a time.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from .initialize import get_context_parallel_global_ranks, get_context_parallel_group, \
+    get_context_parallel_rank, get_context_parallel_world_size
+
+
+class SequenceLengthError(ValueError):
+    """A sequence length the context-parallel layout cannot split (not a multiple of 2C)."""
+
+
+def check_sequence_length(seq_length, cp_size):
+    if seq_length % (2 * cp_size):
+        raise SequenceLengthError(
+            f"the sequence length ({seq_length}) is not divisible by 2 x context-parallel size ({2 * cp_size}): "
+            f"each rank holds 2 of the 2C chunks; use a multiple of {2 * cp_size}")
+
+
+def held_positions(seq_length, cp_size, cp_rank, device=None):
+    """Global positions of the tokens context-parallel rank `cp_rank` holds (chunks cp_rank and 2C-1-cp_rank),
+    a long tensor [s / C]."""
+    check_sequence_length(seq_length, cp_size)
+    chunk = seq_length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
+    return torch.cat((first, second))
+
+
+def context_parallel_positions(local_length, batch_size, device):
+    """Position ids [b, s / C] of this rank's tokens when it holds `local_length` = s / C of a sequence of s."""
+    cp = get_context_parallel_world_size()
+    positions = held_positions(local_length * cp, cp, get_context_parallel_rank(), device)
+    return positions.unsqueeze(0).expand(batch_size, local_length)
+
+
+def slice_for_context_parallel(tensor, seq_dim=1):
+    """This context-parallel rank's chunks (i and 2C - 1 - i) of `tensor` along `seq_dim` (the whole sequence);
+    `tensor` itself at C = 1."""
+    cp = get_context_parallel_world_size()
+    if tensor is None or cp == 1:
+        return tensor
+    index = held_positions(tensor.size(seq_dim), cp, get_context_parallel_rank(), tensor.device)
+    return tensor.index_select(seq_dim, index)
+
+
+# ------------------------------------------------------------------------------------------------------- blocks
+
+def _expand_kv(t, group):
+    """[b, n_kv, t, d] -> [b, n_kv * group, t, d] (key/value head j serves query heads j*group .. j*group+group-1)."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _fold_kv_grad(grad, group):
+    """The gradient of _expand_kv: sum over each key/value head's query-head group."""
+    if group == 1:
+        return grad
+    b, n, t, d = grad.shape
+    return grad.view(b, n // group, group, t, d).sum(dim=2)
+
+
+def _block_forward(q, k, v, scale, causal):
+    """One block: (out [b, n, sq, d] fp32, lse [b, n, sq] fp32) of softmax(q k^T scale) v, causal within the block
+    (sq == sk, increasing positions) when asked."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale            # [b, n, sq, sk]
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                            # [b, n, sq]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())             # [b, n, sq, d]
+    return out, lse
+
+
+def _merge(out, lse, block_out, block_lse, rows=None):
+    """Online-softmax merge of a block's (out, lse) into the running (out, lse), in place, for query rows `rows`
+    (a slice; None: all)."""
+    rows = slice(None) if rows is None else rows
+    old_out, old_lse = out[:, :, rows], lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    out[:, :, rows] = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + \
+        block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    lse[:, :, rows] = new_lse
+
+
+def _block_backward(q, k, v, out, lse, grad_out, scale, causal):
+    """Gradients (dq, dk, dv) in fp32 of one block given the *final* out and lse of these query rows (the flash
+    attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))                                   # [b, n, sq, sk]
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)                         # [b, n, sk, d]
+    grad_probs = torch.matmul(grad_out, vf.transpose(-1, -2))                        # [b, n, sq, sk]
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)                               # [b, n, sq, 1]
+    grad_scores = probs * (grad_probs - delta) * scale
+    return torch.matmul(grad_scores, kf), torch.matmul(grad_scores.transpose(-1, -2), qf), grad_v
+
+
+def _step_plan(step, rank, cp, chunk):
+    """(query rows, key/value rows, causal) of ring step `step` on rank `rank` (see the module docstring)."""
+    source = (rank - step) % cp
+    if step == 0:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, 2 * chunk), slice(None), False
+
+
+# --------------------------------------------------------------------------------------------------------- ring
+
+class _Ring:
+    """Async p2p to the next rank and from the previous one of the context-parallel ring."""
+
+    def __init__(self):
+        ranks, rank = get_context_parallel_global_ranks(), get_context_parallel_rank()
+        self.group = get_context_parallel_group()
+        self.next, self.prev = ranks[(rank + 1) % len(ranks)], ranks[(rank - 1) % len(ranks)]
+
+    def start(self, send, tag):
+        """Send `send` on and receive a tensor of its shape from behind; returns (received, handles)."""
+        received = torch.empty_like(send)
+        handles = [dist.isend(send, self.next, group=self.group, tag=tag),
+                   dist.irecv(received, self.prev, group=self.group, tag=tag)]
+        return received, handles
+
+
+def _wait(handles):
+    for handle in handles:
+        handle.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's keys/values (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        # q: [b, n, 2T, d]; k, v: [b, n_kv, 2T, d] (this rank's two chunks of T tokens)
+        cp, rank, ring = get_context_parallel_world_size(), get_context_parallel_rank(), _Ring()
+        chunk, group = q.size(2) // 2, q.size(1) // k.size(1)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).contiguous()                                        # [2, b, n_kv, 2T, d]
+        for step in range(cp):
+            handles = []
+            if step < cp - 1:
+                next_kv, handles = ring.start(kv, tag=0)
+            rows, cols, causal = _step_plan(step, rank, cp, chunk)
+            block_out, block_lse = _block_forward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                                  _expand_kv(kv[1][:, :, cols], group), scale, causal)
+            _merge(out, lse, block_out, block_lse, rows)
+            _wait(handles)
+            if step < cp - 1:
+                kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank, ring = get_context_parallel_world_size(), get_context_parallel_rank(), _Ring()
+        chunk, group = q.size(2) // 2, q.size(1) // k.size(1)
+        grad_output = grad_output.float()
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).contiguous()
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)      # of the block held now
+        for step in range(cp):
+            handles = []
+            if step < cp - 1:
+                next_kv, handles = ring.start(kv, tag=1)
+            rows, cols, causal = _step_plan(step, rank, cp, chunk)
+            dq, dk, dv = _block_backward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                         _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
+                                         grad_output[:, :, rows], ctx.scale, causal)
+            grad_q[:, :, rows] += dq
+            grad_kv[0][:, :, cols] += _fold_kv_grad(dk, group)
+            grad_kv[1][:, :, cols] += _fold_kv_grad(dv, group)
+            if cp > 1:   # on with its block: after C sends each block's gradient is home, whole
+                next_grad_kv, grad_handles = ring.start(grad_kv, tag=2)
+                _wait(handles + grad_handles)
+                grad_kv = next_grad_kv
+            if step < cp - 1:
+                kv = next_kv
+        grad_k, grad_v = grad_kv.to(k.dtype).unbind(0)
+        return grad_q.to(q.dtype), grad_k, grad_v, None
+
+
+def ring_attention(q, k, v, scale=None):
+    """Causal attention over the whole sequence for this context-parallel rank's queries: q [b, n, s/C, d] and
+    k, v [b, n_kv, s/C, d] (n a multiple of n_kv: grouped-query attention) hold the rank's chunks i and 2C-1-i.
+    Returns [b, n, s/C, d] in q's dtype (accumulated in fp32). Every rank of the group calls it (p2p inside)."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    return RingAttention.apply(q, k, v, scale)
