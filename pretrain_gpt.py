@@ -19,6 +19,7 @@ from megatron.utils import print_rank_0, reduce_losses
 from megatron import zero
 from megatron.zero import ConfigError
 from megatron.checkpoint.layout import CheckpointError
+from megatron.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
 from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 
 
@@ -26,7 +27,8 @@ def model_provider():
     args = get_args()
     set_deepspeed_activation_checkpointing(args)
     print_rank_0("building GPT2 model ...")
-    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
+    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
+                   remote_device=args.remote_device,
                    enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
         model = GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
     return model
@@ -42,7 +44,8 @@ def set_deepspeed_activation_checkpointing(args):
 
 def get_batch(data_iterator):
     """Tokens, labels, loss mask, attention mask (None = plain causal) and position ids for one micro-batch,
-    read on model-parallel rank 0 and broadcast to the rest of its group."""
+    read on model-parallel rank 0 and broadcast to the rest of its group; this rank's chunks of the sequence with
+    context parallelism."""
     args = get_args()
     data = next(data_iterator) if data_iterator is not None else None
     text = mpu.broadcast_data(["text"], data, torch.int64)["text"]      # [b, s+1]
@@ -57,7 +60,7 @@ def get_batch(data_iterator):
         attention_mask = None
         loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
         position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return tokens, labels, loss_mask, attention_mask, position_ids
+    return batch_on_this_context_parallel_rank(tokens, labels, loss_mask, attention_mask, position_ids)
 
 
 def forward_step(data_iterator, model):
@@ -70,8 +73,8 @@ def forward_step(data_iterator, model):
     losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
     if not mpu.is_pipeline_last_stage():
         return losses, {}   # this stage's hidden states [b, s, h], for the next pipeline stage
-    loss = torch.sum(losses.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
-    reduced = reduce_losses([loss])
+    loss, whole_sequence_loss = masked_token_mean(losses, loss_mask)     # the same at context-parallel size 1
+    reduced = reduce_losses([whole_sequence_loss])
     return loss, {"lm loss": reduced[0]}    # read on the host once per step (training.losses_to_host)
 
 

@@ -177,6 +177,10 @@ def _add_distributed_args(parser):
                        help="interleaved 1F1B (Megatron-LM's): each stage holds L / (P x this) model chunks of this "
                             "many layers, chunk c of stage r layers [(c P + r) n, (c P + r + 1) n); the micro-batches "
                             "per step must be a multiple of P; bubble (P - 1) / (v M) instead of (P - 1) / M")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Megatron-LM's context parallelism: the sequence split over this many ranks (rank order "
+                            "tp, cp, dp, pp), rank i holding chunks i and 2C-1-i of 2C, attention computed ring-style "
+                            "(mpu/context_parallel.py); --seq-length must be a multiple of 2C")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Megatron-LM's sequence parallelism (needs --model-parallel-size > 1): LayerNorm, dropout "
                             "and residual activations split along the sequence across the tensor-parallel group, "
@@ -316,6 +320,26 @@ def _check_sequence_parallel(args, parser):
         parser.error("--sequence-parallel runs the eager layers: drop --torch-compile or --sequence-parallel")
 
 
+def _check_context_parallel(args, parser):
+    """--context-parallel-size: one line for each combination not supported."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        parser.error(f"--seq-length ({args.seq_length}) is not divisible by 2 x --context-parallel-size ({2 * cp}): "
+                     f"each context-parallel rank holds 2 of 2C chunks; use a multiple of {2 * cp}")
+    if args.sequence_parallel and (args.seq_length // cp) % args.model_parallel_size:
+        parser.error(f"--sequence-parallel with --context-parallel-size {cp}: the {args.seq_length // cp} tokens a "
+                     f"rank holds are not divisible by --model-parallel-size ({args.model_parallel_size})")
+    if args.attention_dropout:
+        parser.error(f"--context-parallel-size {cp} computes attention ring-style without dropout: pass "
+                     "--attention-dropout 0")
+    if args.reset_attention_mask:
+        parser.error("--context-parallel-size runs plain causal attention: drop --reset-attention-mask")
+    if args.torch_compile:
+        parser.error("--context-parallel-size runs the eager layers: drop --torch-compile")
+
+
 def _check_backend(args, parser):
     """--distributed-backend must fit the device mpu picks: the model and batches live on CUDA when it is there,
     where gloo is slow or lacks collectives, and NCCL moves CUDA tensors only."""
@@ -331,16 +355,20 @@ def validate_args(args, parser):
     """Check every cross-flag constraint before anything is built; fill derived defaults."""
     cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    mp, pp = args.model_parallel_size, args.pipeline_model_parallel_size
+    mp, pp, cp = args.model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if mp < 1 or world_size % mp != 0:
         parser.error(f"world size ({world_size}) is not divisible by --model-parallel-size ({mp})")
-    if pp < 1 or world_size % (pp * mp) != 0:
+    if cp < 1 or world_size % (cp * mp) != 0:
+        parser.error(f"world size ({world_size}) is not divisible by --context-parallel-size ({cp}) x "
+                     f"--model-parallel-size ({mp}) = {cp * mp}")
+    if pp < 1 or world_size % (pp * cp * mp) != 0:
         parser.error(f"world size ({world_size}) is not divisible by --pipeline-model-parallel-size ({pp}) x "
-                     f"--model-parallel-size ({mp}) = {pp * mp}")
+                     + (f"--context-parallel-size ({cp}) x " if cp > 1 else "")
+                     + f"--model-parallel-size ({mp}) = {pp * cp * mp}")
     if args.num_layers % pp != 0:
         parser.error(f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (pp * mp)
+    args.data_parallel_size = world_size // (pp * cp * mp)
     if args.hidden_size % args.num_attention_heads != 0:
         parser.error(f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
                      f"({args.num_attention_heads})")
@@ -364,6 +392,7 @@ def validate_args(args, parser):
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
     _check_sequence_parallel(args, parser)
+    _check_context_parallel(args, parser)
     _check_backend(args, parser)
     _resolve_recompute_args(args, parser)
     if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):

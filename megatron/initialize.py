@@ -27,9 +27,10 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
     set_global_variables(args)
     set_random_seed(args.seed)
     if args.rank == 0:
-        print(f"> world size {args.world_size}: model-parallel {args.model_parallel_size} x data-parallel "
-              f"{args.data_parallel_size}, device {mpu.get_device()}, backend {args.distributed_backend}",
-              flush=True)
+        print(f"> world size {args.world_size}: model-parallel {args.model_parallel_size} x "
+              + (f"context-parallel {args.context_parallel_size} x " if args.context_parallel_size > 1 else "")
+              + f"data-parallel {args.data_parallel_size}, device {mpu.get_device()}, backend "
+              f"{args.distributed_backend}", flush=True)
     return args
 
 
@@ -55,7 +56,8 @@ def _initialize_distributed(args):
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,
                                       timeout=timedelta(minutes=args.distributed_timeout_minutes),
-                                      virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+                                      virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                                      context_parallel_size=args.context_parallel_size)
 
 
 def restart_attempt_store(timeout):

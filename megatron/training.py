@@ -68,7 +68,8 @@ def get_model(model_provider):
     if args.DDP_impl == "torch":
         device_ids = [mpu.get_device()] if mpu.get_device().type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                         process_group=mpu.get_data_parallel_group())
+                                                         process_group=mpu.get_data_parallel_group(
+                                                             with_context_parallel=True))
     return LocalDDP(model)
 
 
@@ -266,7 +267,8 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, engine
         if engine_step is not None and schedules.finishes_micro_batch():   # one engine micro-step a micro-batch
             engine_step()
     # with sequence parallelism a stage passes on its rank's sequence slice (Megatron-LM's tensor_shape too)
-    seq = args.seq_length // (args.model_parallel_size if args.sequence_parallel else 1)
+    # and with context parallelism its 2 chunks of the sequence
+    seq = args.seq_length // args.context_parallel_size // (args.model_parallel_size if args.sequence_parallel else 1)
     spec = p2p_communication.TensorSpec((args.batch_size, seq, args.hidden_size),
                                         getattr(torch, args.params_dtype), mpu.get_device())
     losses = schedules.get_forward_backward_func()(forward, data_iterator, model, backward,

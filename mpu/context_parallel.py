@@ -89,15 +89,21 @@ def _fold_kv_grad(grad, group):
     return grad.view(b, n // group, group, t, d).sum(dim=2)
 
 
+def accumulation_dtype(dtype):
+    """Scores, softmax statistics and outputs in fp32 at least (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _block_forward(q, k, v, scale, causal):
-    """One block: (out [b, n, sq, d] fp32, lse [b, n, sq] fp32) of softmax(q k^T scale) v, causal within the block
-    (sq == sk, increasing positions) when asked."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale            # [b, n, sq, sk]
+    """One block: (out [b, n, sq, d], lse [b, n, sq], both in accumulation_dtype) of softmax(q k^T scale) v, causal
+    within the block (sq == sk, increasing positions) when asked."""
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale              # [b, n, sq, sk]
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                            # [b, n, sq]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())             # [b, n, sq, d]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))              # [b, n, sq, d]
     return out, lse
 
 
@@ -113,9 +119,10 @@ def _merge(out, lse, block_out, block_lse, rows=None):
 
 
 def _block_backward(q, k, v, out, lse, grad_out, scale, causal):
-    """Gradients (dq, dk, dv) in fp32 of one block given the *final* out and lse of these query rows (the flash
+    """Gradients (dq, dk, dv) in accumulation_dtype of one block given the *final* out and lse of these query rows (the flash
     attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
-    qf, kf, vf = q.float(), k.float(), v.float()
+    acc = accumulation_dtype(q.dtype)
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -169,8 +176,9 @@ class RingAttention(torch.autograd.Function):
         # q: [b, n, 2T, d]; k, v: [b, n_kv, 2T, d] (this rank's two chunks of T tokens)
         cp, rank, ring = get_context_parallel_world_size(), get_context_parallel_rank(), _Ring()
         chunk, group = q.size(2) // 2, q.size(1) // k.size(1)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()                                        # [2, b, n_kv, 2T, d]
         for step in range(cp):
             handles = []
@@ -192,10 +200,11 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, ring = get_context_parallel_world_size(), get_context_parallel_rank(), _Ring()
         chunk, group = q.size(2) // 2, q.size(1) // k.size(1)
-        grad_output = grad_output.float()
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        grad_output = grad_output.to(acc)
+        grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()
-        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)      # of the block held now
+        grad_kv = torch.zeros(kv.shape, dtype=acc, device=q.device)                # of the block held now
         for step in range(cp):
             handles = []
             if step < cp - 1:

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused as compiled_ops
-from .initialize import get_model_parallel_world_size
+from .context_parallel import ring_attention
+from .initialize import get_context_parallel_world_size, get_model_parallel_world_size
 from .layers import (ColumnParallelLinear, GroupedQKVStride, LayerNorm, replicated_gradients_together,
                      replicated_mask_dropout, RMSNorm, RowParallelLinear)
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
@@ -292,7 +293,8 @@ class ParallelSelfAttention(nn.Module):
                                  "written yet")
             k, v = layer_past.append(k, v)                  # [b, n_kv/p, past + s, d] (static: capacity)
         group = self.heads_per_partition // self.kv_heads_per_partition
-        if group > 1:   # kv head j serves query heads j*group .. (j+1)*group - 1 (HF's repeat_kv)
+        ring = layer_past is None and get_context_parallel_world_size() > 1   # context parallel: ring attention
+        if group > 1 and not ring:   # kv head j serves query heads j*group .. (j+1)*group - 1 (HF's repeat_kv)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [b, n/p, t, d]
         if self.checkpoint_core_attention and self.training and q.requires_grad:   # else autograd keeps nothing
             # Selective recomputation: keep q, k, v (views of qkv) and recompute the core in backward under the
@@ -312,6 +314,12 @@ class ParallelSelfAttention(nn.Module):
         context [b, s, h/p]."""
         b, _, s, _ = q.shape
         dropout_p = self.attention_dropout_prob if self.training else 0.0
+        if past == 0 and get_context_parallel_world_size() > 1:
+            # this rank's 2 chunks of the sequence against every rank's keys/values (k, v: n_kv heads, not repeated)
+            if attention_mask is not None or dropout_p > 0:
+                raise ValueError("context parallelism runs causal attention without a mask or attention dropout")
+            context = ring_attention(q, k, v)                                      # [b, n/p, s, d]
+            return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)
         # Heads differ across model-parallel ranks, so their dropout masks come from the per-rank stream. Without
         # dropout nothing is drawn: skip saving and restoring the RNG states (~20 us per layer and step).
         with self.rng_tracker.fork() if dropout_p > 0 else contextlib.nullcontext():

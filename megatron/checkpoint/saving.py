@@ -110,7 +110,7 @@ def save_checkpoint(train_state, model, optimizer, lr_scheduler, options):
     iteration = train_state.iteration      # train_state goes on changing while an --async-save is in flight
 
     def write(tmp_dir):
-        if mpu.get_data_parallel_rank() == 0:
+        if mpu.get_data_parallel_rank(with_context_parallel=True) == 0:   # one writer per tp/pp rank
             state = ckpt.host_copy(checkpoint_state(train_state, model, optimizer, lr_scheduler, options),
                                    clone=options.async_save and atomic_io.background_writes_need_copies())
             path = rank_file(tmp_dir)

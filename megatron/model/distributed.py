@@ -12,7 +12,8 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module):
         super().__init__()
         self.module = module
-        self.data_parallel_group = mpu.get_data_parallel_group()
+        # context-parallel ranks hold the same parameters too (their gradients cover other tokens)
+        self.data_parallel_group = mpu.get_data_parallel_group(with_context_parallel=True)
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)

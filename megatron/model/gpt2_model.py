@@ -37,6 +37,12 @@ learned position table, SwiGLU, RMSNorm, grouped-query attention, no biases, ano
 layer `output_layer.weight` [V/p, h] (vocabulary-parallel like the word embedding; on the last stage only; not in a
 reward model, which scores with `score`).
 
+Context parallelism (mpu.get_context_parallel_world_size() = C > 1, --context-parallel-size): input_ids, labels
+and position_ids hold this rank's 2 chunks of the sequence, [b, s/C] (mpu/context_parallel.py's layout; left out,
+position_ids are those chunks' global positions, so learned and rotary positions are the whole sequence's);
+attention runs ring-style over the context-parallel group, everything else per token; the per-token losses are
+this rank's [b, s/C] (megatron/context_parallel.py averages them over the whole sequence).
+
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).
 
@@ -313,6 +319,9 @@ class GPT2Model(nn.Module):
         if not (self.pre_process and self.post_process) and (labels is None or inference_cache is not None):
             raise RuntimeError("logits and generation need the whole model on one stage: run with "
                                "--pipeline-model-parallel-size 1 (a pipelined checkpoint loads there)")
+        if inference_cache is not None and mpu.get_context_parallel_world_size() > 1:
+            raise RuntimeError("generation runs whole sequences: use --context-parallel-size 1 (a checkpoint "
+                               "trained with context parallelism loads there)")
         chunk = mpu.get_virtual_pipeline_model_parallel_rank() or 0         # interleaved: the chunk to run
         pre_process = self.pre_process and chunk == 0                      # this chunk embeds the tokens
         post_process = self.post_process and chunk == self.num_chunks - 1  # this chunk ends in the head
@@ -331,8 +340,11 @@ class GPT2Model(nn.Module):
                     length *= mpu.get_model_parallel_world_size()
             device = input_ids.device if input_ids is not None else self.input_tensor.device
             start = inference_cache.sequence_length if inference_cache is not None else 0
-            position_ids = torch.arange(start, start + length, device=device)
-            position_ids = position_ids.unsqueeze(0).expand(batch, length)
+            if mpu.get_context_parallel_world_size() > 1:   # this rank's chunks i and 2C-1-i of the sequence
+                position_ids = mpu.context_parallel_positions(length, batch, device)
+            else:
+                position_ids = torch.arange(start, start + length, device=device)
+                position_ids = position_ids.unsqueeze(0).expand(batch, length)
         if pre_process:
             hidden = self.word_embeddings(input_ids)                          # [b, s, h]
             if self.position_embeddings is not None:

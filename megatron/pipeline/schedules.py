@@ -401,14 +401,14 @@ def finish_deferred_ddp_reduction(model):
     if mpu.get_pipeline_model_parallel_world_size() == 1 or \
             not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return
-    world = mpu.get_data_parallel_world_size()
+    world = mpu.get_data_parallel_world_size(with_context_parallel=True)
     grads = {}
     for param in model.module.parameters():
         if param.grad is not None:
             grads.setdefault(param.grad.dtype, []).append(param.grad)
     for same_dtype in grads.values():
         flat = _flatten_dense_tensors(same_dtype).div_(world)
-        dist.all_reduce(flat, group=mpu.get_data_parallel_group())
+        dist.all_reduce(flat, group=mpu.get_data_parallel_group(with_context_parallel=True))
         for grad, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
             grad.copy_(reduced)
 

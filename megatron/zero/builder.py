@@ -52,7 +52,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("both config= and config_params= were given (config_params is DeepSpeed's older name "
                           "for config): pass one")
     ctx = ParallelContext.from_mpu(mpu)
-    cfg = load_config(_config_source(args, config if config is not None else config_params), ctx.data_parallel_size)
+    cfg = load_config(_config_source(args, config if config is not None else config_params), ctx.sample_parallel_size)
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     resolved = resolve_auto_values(cfg, hidden_size)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -173,8 +173,8 @@ def _dataloader(training_data, config, ctx, collate_fn):
     if training_data is None:
         return None
     if dist.is_available() and dist.is_initialized():
-        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=ctx.data_parallel_size,
-                                                      rank=ctx.data_parallel_rank)
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=ctx.sample_parallel_size,
+                                                      rank=ctx.sample_parallel_rank)
     else:
         sampler = torch.utils.data.RandomSampler(training_data)
     return torch.utils.data.DataLoader(training_data, batch_size=config.train_micro_batch_size_per_gpu,

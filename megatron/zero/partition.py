@@ -38,11 +38,22 @@ class ParallelContext:
     pipeline_parallel_size: int = 1
     pipeline_parallel_rank: int = 0
     """This rank's stage (its checkpoint files' names carry it when pipeline_parallel_size > 1)."""
+    sample_parallel_size: int = None
+    """Ranks that read different samples (the batch triangle's and the dataloader's dp); None: data_parallel_size.
+    Fewer when the mpu object splits sequences over data-parallel ranks too (DeepSpeed's
+    get_sequence_data_parallel_group: context parallelism), which then are the ranks gradients are reduced and
+    partitioned over."""
+    sample_parallel_rank: int = None
+
+    def __post_init__(self):
+        if self.sample_parallel_size is None:
+            self.sample_parallel_size, self.sample_parallel_rank = self.data_parallel_size, self.data_parallel_rank
 
     @classmethod
     def from_mpu(cls, mpu):
-        """From an object with mpu's six getters (and mpu's pipeline getters, when it has them); without one,
-        data parallel over the whole world."""
+        """From an object with mpu's six getters (and mpu's pipeline getters, when it has them; and DeepSpeed's
+        get_sequence_data_parallel_{group,rank,world_size}, the gradient group when sequences are split too);
+        without one, data parallel over the whole world."""
         if mpu is not None:
             pipeline = {}
             stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
@@ -50,9 +61,15 @@ class ParallelContext:
                 pipeline = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
                             "pipeline_parallel_size": stages,
                             "pipeline_parallel_rank": mpu.get_pipeline_model_parallel_rank()}
+            samples = {"sample_parallel_size": mpu.get_data_parallel_world_size(),
+                       "sample_parallel_rank": mpu.get_data_parallel_rank()}
+            if hasattr(mpu, "get_sequence_data_parallel_group"):
+                return cls(mpu.get_sequence_data_parallel_group(), mpu.get_sequence_data_parallel_rank(),
+                           mpu.get_sequence_data_parallel_world_size(), mpu.get_model_parallel_group(),
+                           mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline, **samples)
             return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
                        mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
-                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline)
+                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline, **samples)
         if dist.is_available() and dist.is_initialized():
             return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None, 0, 1)
         return cls(None, 0, 1, None, 0, 1)

@@ -1,0 +1,184 @@
+"""--context-parallel-size (mpu/context_parallel.py, megatron/context_parallel.py, pretrain_gpt.py's batch and loss).
+
+What is asserted (fp32, dropout off; the reference is the run at context-parallel size 1 in one process):
+- model level, 5 SGD steps of tiny GPT-2 (learned positions) and tiny Llama (rotary, GQA 2 of 4 heads, SwiGLU,
+  RMSNorm, untied head) at C = 2 and C = 4: every step's whole-sequence loss and every parameter's gradient after
+  the data-parallel wrapper's reduction over data x context ranks equal C = 1 within 1e-6 (the largest difference
+  over all gradients relative to the largest gradient). The sequence is
+  16 tokens, so C = 4 has chunks of 2 and every chunk border matters: a token seeing its successor in the next
+  chunk, a chunk's positions off by one, or the loss averaged per rank instead of over the sequence all fail here.
+- training level (pretrain_gpt.main, Adam, global batch 4 of micro-batches 2), 5 steps' losses equal the C = 1 run
+  within 1e-6 relative: the Megatron path at C = 4, C = 2 x data parallel 2 (the loader's samples), C = 2 x TP 2
+  with sequence parallelism, C = 2 x pipeline 2, C = 2 with full and with selective recomputation, tiny Llama at
+  C = 2 x dp 2 and C = 4; the ZeRO engine (--deepspeed) at stages 0-3 with C = 2 x dp 2 against the ZeRO run at C = 1;
+- a ZeRO-2 checkpoint written at C = 2 (after 3 steps) resumes at C = 1 and at C = 4, and steps 4-5 equal the
+  straight C = 1 run's (C holds no parameters: a topology change like dp);
+- a --seq-length not divisible by 2C, and attention dropout with C > 1, are refused in one line naming the fix.
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import mpu
+from megatron.spawn import run_distributed
+from tests.helpers import (max_relative_difference, NO_DROPOUT, parser_error, TINY, train_each, write_config)
+
+LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB, STEPS, LR = 2, 32, 4, 16, 2, 64, 5, 0.5
+TOLERANCE = 1e-6
+
+
+# ---- model level: losses and gradients ----------------------------------------------------------------------------
+
+def _config(llama):
+    from megatron.model.gpt2_model import GPT2ModelConfig
+    config = GPT2ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                             max_sequence_length=SEQ)
+    if llama:
+        config = dataclasses.replace(config, num_key_value_heads=2, swiglu=True, ffn_hidden_size=48,
+                                     normalization="rmsnorm", add_bias_linear=False,
+                                     learned_position_embeddings=False, rotary=True,
+                                     untie_embeddings_and_output_weights=True)
+    return config
+
+
+def _tokens(step):
+    generator = torch.Generator().manual_seed(100 + step)          # the same batch on every rank
+    text = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return text[:, :-1], text[:, 1:]
+
+
+def _sgd_run(cp, llama):
+    """STEPS SGD steps at context-parallel size cp: each step's whole-sequence loss and reduced gradients."""
+    from megatron.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
+    from megatron.model.distributed import DistributedDataParallel
+    from megatron.model.gpt2_model import GPT2Model
+    mpu.initialize_model_parallel(1, context_parallel_size=cp)
+    mpu.model_parallel_cuda_manual_seed(1234)
+    model = DistributedDataParallel(GPT2Model(_config(llama)))
+    losses, grads = [], []
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        tokens, labels = _tokens(step)
+        mask = torch.ones(tokens.shape)
+        tokens, labels, mask = batch_on_this_context_parallel_rank(tokens, labels, mask)
+        loss, whole = masked_token_mean(model(tokens, labels=labels), mask)
+        loss.backward()
+        model.allreduce_params(reduce_after=False)
+        losses.append(float(whole.detach()))
+        grads.append({name: p.grad.clone() for name, p in model.module.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-LR)
+    mpu.destroy_model_parallel()
+    return losses, grads
+
+
+def _sgd_runs(cps, llama):
+    return [_sgd_run(cp, llama) for cp in cps]
+
+
+@pytest.fixture(scope="module")
+def sgd_results():
+    """{(model, C): (losses, grads)} with C = 1 from one process, C = 4 then C = 2 (x dp 2) from one launch of 4."""
+    results = {}
+    for llama in (False, True):
+        results[llama, 1] = run_distributed(_sgd_runs, 1, args=([1], llama))[0][0]
+        runs = run_distributed(_sgd_runs, 4, args=([4, 2], llama))
+        for rank, (cp4, cp2) in enumerate(runs):
+            results[llama, 4, rank], results[llama, 2, rank] = cp4, cp2
+    return results
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_losses_and_gradients_equal_one_process(sgd_results, llama, cp):
+    ref_losses, ref_grads = sgd_results[llama, 1]
+    for rank in range(4):
+        losses, grads = sgd_results[llama, cp, rank]
+        assert max_relative_difference(losses, ref_losses) < TOLERANCE, (rank, losses, ref_losses)
+        for step in range(STEPS):
+            assert _gradient_difference(grads[step], ref_grads[step]) < TOLERANCE, (rank, step)
+
+
+def _gradient_difference(grads, reference):
+    """max |g - ref| over every parameter's gradient / max |ref| over them all (one step's gradient as one vector:
+    a per-tensor ratio of a tensor of tiny gradients, like a LayerNorm bias's ~1e-5, reads fp32 summation order)."""
+    assert grads.keys() == reference.keys()
+    worst = max(float((grads[name].double() - ref.double()).abs().max()) for name, ref in reference.items())
+    return worst / max(float(ref.abs().max()) for ref in reference.values())
+
+
+# ---- training level: pretrain_gpt.main ------------------------------------------------------------------------
+
+RUN = TINY + NO_DROPOUT + ["--train-iters", str(STEPS), "--lr-decay-iters", str(STEPS), "--batch-size", "2",
+                           "--global-batch-size", "4"]
+LLAMA = ["--swiglu", "--ffn-hidden-size", "48", "--num-key-value-heads", "2", "--use-rotary-position-embeddings",
+         "--no-position-embedding", "--normalization", "rmsnorm", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+
+
+def _zero(directory, stage):
+    path = write_config(os.path.join(directory), train_batch_size=4, gradient_accumulation_steps=None,
+                        zero_optimization={"stage": stage, "reduce_bucket_size": 5000,
+                                           "allgather_bucket_size": 5000})
+    os.rename(path, os.path.join(directory, f"ds_stage{stage}.json"))
+    return ["--deepspeed", "--deepspeed_config", os.path.join(directory, f"ds_stage{stage}.json")]
+
+
+def _cp(size):
+    return ["--context-parallel-size", str(size)]
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    """The names' loss histories: references at C = 1 from one process, the rest from one launch of 4."""
+    directory = str(tmp_path_factory.mktemp("cp"))
+    zero = {stage: _zero(directory, stage) for stage in (0, 1, 2, 3)}
+    save = ["--save", os.path.join(directory, "ckpt"), "--train-iters", "3"]
+    load = ["--load", os.path.join(directory, "ckpt")]
+    one = {"ref": RUN, "ref llama": RUN + LLAMA, "ref zero": RUN + zero[2],
+           "zero2 cp2 saved, resumed at cp1": RUN + zero[2] + load}
+    four = {"cp4": RUN + _cp(4), "cp2 dp2": RUN + _cp(2),
+            "cp2 tp2 sp": RUN + _cp(2) + ["--model-parallel-size", "2", "--sequence-parallel"],
+            "cp2 pp2": RUN + _cp(2) + ["--pipeline-model-parallel-size", "2"],
+            "cp2 full recompute": RUN + _cp(2) + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+            "cp2 selective recompute": RUN + _cp(2) + ["--recompute-granularity", "selective"],
+            "llama cp2 dp2": RUN + LLAMA + _cp(2), "llama cp4": RUN + LLAMA + _cp(4),
+            **{f"zero{stage} cp2 dp2": RUN + zero[stage] + _cp(2) for stage in (0, 1, 3)},
+            "zero2 cp2 dp2": RUN + zero[2] + _cp(2), "zero2 cp2 dp2, 3 steps saved": RUN + zero[2] + _cp(2) + save}
+    histories = dict(zip(four, run_distributed(train_each, 4, args=(list(four.values()),))[0]))
+    histories.update(zip(one, run_distributed(train_each, 1, args=(list(one.values()),))[0]))
+    histories["zero2 cp2 saved, resumed at cp4"] = run_distributed(train_each, 4, args=([RUN + zero[2] + load +
+                                                                                          _cp(4)],))[0][0]
+    return histories
+
+
+@pytest.mark.parametrize("name,reference", [
+    ("cp4", "ref"), ("cp2 dp2", "ref"), ("cp2 tp2 sp", "ref"), ("cp2 pp2", "ref"), ("cp2 full recompute", "ref"),
+    ("cp2 selective recompute", "ref"), ("llama cp2 dp2", "ref llama"), ("llama cp4", "ref llama"),
+    ("zero0 cp2 dp2", "ref zero"), ("zero1 cp2 dp2", "ref zero"), ("zero2 cp2 dp2", "ref zero"),
+    ("zero3 cp2 dp2", "ref zero")])
+def test_training_losses_equal_one_process(training, name, reference):
+    losses, expected = training[name]["lm loss"], training[reference]["lm loss"]
+    assert len(losses) == STEPS and max_relative_difference(losses, expected) < TOLERANCE, (losses, expected)
+
+
+@pytest.mark.parametrize("name", ["zero2 cp2 saved, resumed at cp1", "zero2 cp2 saved, resumed at cp4"])
+def test_checkpoint_at_cp2_resumes_at_other_sizes(training, name):
+    history, expected = training[name], training["ref zero"]
+    assert history["iteration"] == [4, 5]
+    assert max_relative_difference(history["lm loss"], expected["lm loss"][3:]) < TOLERANCE
+
+
+def test_bad_lengths_and_dropout_are_one_line(capsys, monkeypatch):
+    from megatron.arguments import parse_args
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    line = parser_error(lambda argv: parse_args(args_list=argv),
+                        TINY + NO_DROPOUT + ["--seq-length", "20", "--context-parallel-size", "4"], capsys)
+    assert line.endswith("error: --seq-length (20) is not divisible by 2 x --context-parallel-size (8): each "
+                         "context-parallel rank holds 2 of 2C chunks; use a multiple of 8 (see --help)")
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + _cp(2), capsys)
+    assert line.endswith("error: --context-parallel-size 2 computes attention ring-style without dropout: pass "
+                         "--attention-dropout 0 (see --help)")
