@@ -19,7 +19,7 @@ from megatron.utils import print_rank_0, reduce_losses
 from megatron import zero
 from megatron.zero import ConfigError
 from megatron.checkpoint.layout import CheckpointError
-from megatron.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
+from megatron.data.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
 from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
 
 

@@ -119,8 +119,8 @@ def _merge(out, lse, block_out, block_lse, rows=None):
 
 
 def _block_backward(q, k, v, out, lse, grad_out, scale, causal):
-    """Gradients (dq, dk, dv) in accumulation_dtype of one block given the *final* out and lse of these query rows (the flash
-    attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
+    """Gradients (dq, dk, dv) in accumulation_dtype of one block given the *final* out and lse of these query rows
+    (the flash attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
     acc = accumulation_dtype(q.dtype)
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale

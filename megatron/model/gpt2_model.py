@@ -41,7 +41,7 @@ Context parallelism (mpu.get_context_parallel_world_size() = C > 1, --context-pa
 and position_ids hold this rank's 2 chunks of the sequence, [b, s/C] (mpu/context_parallel.py's layout; left out,
 position_ids are those chunks' global positions, so learned and rotary positions are the whole sequence's);
 attention runs ring-style over the context-parallel group, everything else per token; the per-token losses are
-this rank's [b, s/C] (megatron/context_parallel.py averages them over the whole sequence).
+this rank's [b, s/C] (megatron/data/context_parallel.py averages them over the whole sequence).
 
 A stage before the last returns its hidden states [b, s, h]; a stage after the first reads its input from
 set_input_tensor() (the pipeline schedule sets both).

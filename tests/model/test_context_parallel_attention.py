@@ -8,8 +8,8 @@ What is asserted:
   length not divisible by 2C refused in one line naming the fix;
 - ring attention at C = 2 and C = 4 (fp32, causal, grouped-query 4 query heads over 2 key/value heads, and plain
   multi-head): each rank's output and its q/k/v gradients equal the slices of plain full attention computed in
-  one process (torch SDPA, is_causal, in fp64) within 1e-6 relative (measured below 5e-7). A bug letting a token see the next
-  chunk (e.g. a wrong step plan at the chunk borders) changes outputs by ~1e-1 and fails.
+  one process (torch SDPA, is_causal, in fp64) within 1e-6 relative. A bug letting a token see the next chunk
+  (e.g. a wrong step plan at the chunk borders) changes outputs by ~1e-1 and fails.
 """
 import pytest
 import torch

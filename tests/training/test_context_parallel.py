@@ -1,4 +1,5 @@
-"""--context-parallel-size (mpu/context_parallel.py, megatron/context_parallel.py, pretrain_gpt.py's batch and loss).
+"""--context-parallel-size (mpu/context_parallel.py, megatron/data/context_parallel.py, pretrain_gpt.py's batch and
+loss).
 
 What is asserted (fp32, dropout off; the reference is the run at context-parallel size 1 in one process):
 - model level, 5 SGD steps of tiny GPT-2 (learned positions) and tiny Llama (rotary, GQA 2 of 4 heads, SwiGLU,
@@ -51,7 +52,7 @@ def _tokens(step):
 
 def _sgd_run(cp, llama):
     """STEPS SGD steps at context-parallel size cp: each step's whole-sequence loss and reduced gradients."""
-    from megatron.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
+    from megatron.data.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
     from megatron.model.distributed import DistributedDataParallel
     from megatron.model.gpt2_model import GPT2Model
     mpu.initialize_model_parallel(1, context_parallel_size=cp)
