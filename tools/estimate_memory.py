@@ -34,6 +34,9 @@ def build_parser():
     parser.add_argument("--model-parallel-size", type=int, default=1)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="activations: the replicated part split along the sequence too (needs mp > 1)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="activations: each rank holds 2 of 2C chunks of the sequence and ring attention keeps "
+                             "fp32 outputs; ZeRO partitions over data x context parallel ranks")
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="ZeRO stage (the --deepspeed path); omitted: the Megatron path (no partitioning)")
@@ -141,12 +144,14 @@ def estimate(args):
     config = None if args.zero_stage is None else \
         zero.load_config(ds_config(args.zero_stage, dtype, args.micro_batch_size, **zero_keys(args)),
                          args.data_parallel_size)
-    states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size,
+    states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size * args.context_parallel_size,
                                       parameter_sizes=[n for n, _ in sizes])
     layout = memory.ActivationLayout.for_run(args.device, 4 if dtype == "float32" else 2, args.attention_dropout,
                                              args.hidden_dropout,
-                                             sequence_parallel=args.sequence_parallel and args.model_parallel_size > 1)
-    activations = memory.activation_bytes(args.num_layers, args.seq_length, args.micro_batch_size, args.hidden_size,
+                                             sequence_parallel=args.sequence_parallel and args.model_parallel_size > 1,
+                                             context_parallel_size=args.context_parallel_size)
+    held_tokens = args.seq_length // args.context_parallel_size
+    activations = memory.activation_bytes(args.num_layers, held_tokens, args.micro_batch_size, args.hidden_size,
                                           args.num_attention_heads, args.model_parallel_size,
                                           recompute_config(args), layout)
     return sum(counts), counts, states, activations, padded_vocab, dtype
@@ -214,6 +219,9 @@ def main(argv=None):
                  f"estimate is the Megatron optimizer's, which has none of them)")
     if args.hidden_size % args.num_attention_heads or args.num_attention_heads % args.model_parallel_size:
         sys.exit("error: --hidden-size must divide by --num-attention-heads, and the heads by --model-parallel-size")
+    if args.context_parallel_size < 1 or args.seq_length % (2 * args.context_parallel_size):
+        sys.exit(f"error: --seq-length ({args.seq_length}) is not divisible by 2 x --context-parallel-size "
+                 f"({2 * args.context_parallel_size})")
     try:
         recompute = recompute_config(args)
     except ValueError as error:
@@ -225,7 +233,8 @@ def main(argv=None):
         total, counts, states, activations, padded_vocab, dtype = estimate(args)
     except zero.ConfigError as error:
         sys.exit(f"error: the ZeRO flags give an invalid config: {error}")
-    setting = (f"mp {args.model_parallel_size}, dp {args.data_parallel_size}, "
+    cp = f", cp {args.context_parallel_size}" if args.context_parallel_size > 1 else ""
+    setting = (f"mp {args.model_parallel_size}, dp {args.data_parallel_size}{cp}, "
                f"{'Megatron optimizer' if args.zero_stage is None else f'ZeRO stage {args.zero_stage}'}, {dtype}")
     print(f"parameters per model-parallel rank: {total} (weight decay {counts[0]}, no decay {counts[1]}; "
           f"padded vocabulary {padded_vocab})")

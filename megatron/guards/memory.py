@@ -207,15 +207,19 @@ class ActivationLayout:
     sequence_parallel: bool = False
     """--sequence-parallel: the replicated part (LayerNorms, their outputs, the hidden dropout masks) and a
     checkpointed group's input hold 1/t of the sequence per model-parallel rank."""
+    ring_attention: bool = False
+    """--context-parallel-size > 1: the attention core is mpu/context_parallel.py's ring attention, which keeps
+    its output and log-sum-exp in fp32 (4 sbh + 4 asb over the rank's s/C tokens), never the s x s scores."""
 
     @classmethod
     def for_run(cls, device_type, bytes_per_element, attention_dropout, hidden_dropout, partition_activations=False,
-                sequence_parallel=False):
+                sequence_parallel=False, context_parallel_size=1):
         """The layout of a run on `device_type` ("cuda" or "cpu") with these dropout probabilities."""
-        cuda = device_type == "cuda"
+        cuda, ring = device_type == "cuda", context_parallel_size > 1
         return cls(bytes_per_element=bytes_per_element, mask_bytes=1 if cuda else bytes_per_element,
-                   attention_scores=not cuda and attention_dropout > 0, hidden_dropout=hidden_dropout > 0,
-                   partition_activations=partition_activations, sequence_parallel=sequence_parallel)
+                   attention_scores=not cuda and attention_dropout > 0 and not ring, hidden_dropout=hidden_dropout > 0,
+                   partition_activations=partition_activations, sequence_parallel=sequence_parallel,
+                   ring_attention=ring)
 
 
 def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_attention_heads,
@@ -247,6 +251,8 @@ def activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_at
     Selective: the attention core's part is not kept (recomputed from q, k, v): sbh(4e + 2m + 12e/t) + 16sb, 34sbh
     at t = 1 in 16 bits. Full: a layer that starts a checkpointed group keeps its input e sbh (e sbh / t with
     partition_activations), the other layers of the group nothing; activation_bytes_saved sums the groups.
+    Context parallelism (C ranks, layout.ring_attention): every term above with s the rank's s/C tokens, and the
+    core kept by ring attention (fp32 output and log-sum-exp) 4(sbh + asb)/t: the callers pass s/C.
     Sequence parallelism (layout.sequence_parallel) divides the replicated part by t too, sbh(4e + 2m)/t + 16sb/t:
     Korthikanti's sbh(34 + 5as/h)/t (its column-parallel linears keep their input's sequence slice and all-gather
     it again in backward, mpu.layers._SequenceParallelLinear); and a checkpointed group's input is a slice, e sbh/t.
@@ -270,7 +276,9 @@ def _layer_parts(s, b, h, a, layout):
     e, m = layout.bytes_per_element, layout.mask_bytes
     replicated = s * b * h * (4 * e + (2 * m if layout.hidden_dropout else 0)) + 16 * s * b
     split = s * b * h * 12 * e
-    if layout.attention_scores:
+    if layout.ring_attention:
+        core = 4 * s * b * h + 4 * a * s * b
+    elif layout.attention_scores:
         # At micro batch 1 the math path's AV product keeps v as a view of the whole qkv output ([b heads, s, d]
         # is a view of it when b = 1), not a copy of v: 2e sbh more.
         core = a * s * s * b * (2 * e + m) + (2 * e * s * b * h if b == 1 else 0)

@@ -198,7 +198,8 @@ def write_jsonl_record(path, record):
 def memory_setting(args):
     zero_config = args.zero_config
     optimizer = 'Megatron optimizer' if zero_config is None else f'ZeRO stage {zero_config.zero_optimization.stage}'
-    return f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}, {optimizer}, {args.params_dtype}"
+    cp = f", cp {args.context_parallel_size}" if args.context_parallel_size > 1 else ""
+    return f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}{cp}, {optimizer}, {args.params_dtype}"
 
 
 def model_state_estimate(counts, args, module=None):
@@ -207,7 +208,9 @@ def model_state_estimate(counts, args, module=None):
     zero.initialize). `module`: the model, whose small parameters stage 3 keeps whole and whose frozen ones have
     parameters only."""
     parameters = list(module.parameters()) if module is not None else []
-    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config, args.data_parallel_size,
+    # ZeRO partitions over data x context parallel ranks (they all hold the same parameters)
+    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config,
+                                    args.data_parallel_size * args.context_parallel_size,
                                     parameter_sizes=[mpu.full_numel(p) for p in parameters],
                                     frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
 
@@ -225,15 +228,17 @@ def activation_estimate(args):
     partition = config is not None and config.partition_activations and args.model_parallel_size > 1
     layout = memory.ActivationLayout.for_run(mpu.get_device().type, 4 if args.params_dtype == "float32" else 2,
                                              args.attention_dropout, args.hidden_dropout, partition,
-                                             args.sequence_parallel)
+                                             args.sequence_parallel, args.context_parallel_size)
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     layers = args.num_layers // stages // chunks           # a model chunk's (the stage's without interleaving)
     in_flight = forwards_in_flight(stages, stage, args.num_micro_batches, chunks)
-    total = memory.activation_bytes(layers, args.seq_length, args.batch_size, args.hidden_size,
+    held_tokens = args.seq_length // args.context_parallel_size     # context parallel: this rank's 2 chunks
+    total = memory.activation_bytes(layers, held_tokens, args.batch_size, args.hidden_size,
                                     args.num_attention_heads, args.model_parallel_size, recompute, layout, in_flight)
     held = f"{in_flight} in flight, {layers} layers" if chunks == 1 else \
         f"{in_flight} chunk forwards in flight, {layers} layers a chunk"
-    return total, f"micro batch {args.batch_size} x {held}, recompute {recompute.describe()}"
+    tokens = f", {held_tokens} of {args.seq_length} tokens (context parallel)" if args.context_parallel_size > 1 else ""
+    return total, f"micro batch {args.batch_size} x {held}, recompute {recompute.describe()}{tokens}"
 
 
 def measured_model_state(model, optimizer, args):

@@ -99,3 +99,37 @@ def test_ring_attention_equals_full_attention(cp, heads, kv_heads):
         assert max_relative_difference(out, ref_out.index_select(2, index)) < 1e-6
         for got, ref in zip(grads, ref_grads):
             assert max_relative_difference(got, ref.index_select(2, index)) < 1e-6, rank
+
+
+# ---- the activation memory estimate (megatron/guards/memory.py) against what autograd keeps ------------------------
+
+MEASURE_LAYERS, MEASURE_SEQ, MEASURE_BATCH, HIDDEN, HEADS = 2, 64, 2, 32, 4
+MEASURE_MODES = {"none": mpu.RecomputeConfig(), "selective": mpu.RecomputeConfig("selective"),
+                 "full uniform 1": mpu.RecomputeConfig("full", "uniform", 1)}
+
+
+def _measured_activation_bytes(cp):
+    from tests.model.test_recompute import _saved_activation_bytes
+    mpu.initialize_model_parallel(1, context_parallel_size=cp)
+    mpu.model_parallel_cuda_manual_seed(1234)
+    stack = mpu.ParallelTransformer(MEASURE_LAYERS, HIDDEN, HEADS, 0.0, 0.0, final_layernorm=False)
+    x = torch.randn(MEASURE_BATCH, MEASURE_SEQ // cp, HIDDEN, generator=torch.Generator().manual_seed(7))
+    measured = {}
+    for name, config in MEASURE_MODES.items():
+        stack.recompute = config
+        measured[name] = _saved_activation_bytes(stack, x.to(mpu.get_device()))
+    return measured
+
+
+def test_saved_activation_bytes_match_the_context_parallel_formula():
+    """At C = 2 each rank keeps what the estimate says for its s/C tokens with ring attention's fp32 output and
+    log-sum-exp (memory.ActivationLayout.ring_attention), for no, selective and full recomputation; about half
+    of C = 1's (measured in one process with SDPA's fused CPU kernel)."""
+    from megatron.guards import memory
+    ring = memory.ActivationLayout.for_run("cpu", 4, 0.0, 0.0, context_parallel_size=2)
+    alone = run_distributed(_measured_activation_bytes, 1, args=(1,))[0]
+    for rank, result in enumerate(run_distributed(_measured_activation_bytes, 2, args=(2,))):
+        for mode, measured in result.items():
+            shape = (MEASURE_LAYERS, MEASURE_SEQ // 2, MEASURE_BATCH, HIDDEN, HEADS, 1)
+            assert measured == memory.activation_bytes_saved(*shape, MEASURE_MODES[mode], ring), (rank, mode)
+            assert 0.4 < measured / alone[mode] <= 0.55, (mode, measured, alone[mode])
