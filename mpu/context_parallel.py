@@ -107,6 +107,21 @@ def _block_forward(q, k, v, scale, causal):
     return out, lse
 
 
+SCORE_ELEMENTS = 2 ** 24   # a block's scores are computed a few heads at a time, at most this many (64 MiB fp32)
+
+
+def _by_heads(block_fn, *tensors, **kwargs):
+    """block_fn over slices of the heads (dim 1) of `tensors` ([b, n, s?, ...] each), results concatenated along
+    the heads: one block's transient s_q x s_k scores stay under SCORE_ELEMENTS however long the sequence."""
+    b, n, sq = tensors[0].shape[:3]
+    sk = tensors[1].size(2)
+    step = max(1, SCORE_ELEMENTS // max(1, b * sq * sk))
+    if step >= n:
+        return block_fn(*tensors, **kwargs)
+    pieces = [block_fn(*(t[:, start:start + step] for t in tensors), **kwargs) for start in range(0, n, step)]
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+
+
 def _merge(out, lse, block_out, block_lse, rows=None):
     """Online-softmax merge of a block's (out, lse) into the running (out, lse), in place, for query rows `rows`
     (a slice; None: all)."""
@@ -185,8 +200,8 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=0)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            block_out, block_lse = _block_forward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                                  _expand_kv(kv[1][:, :, cols], group), scale, causal)
+            block_out, block_lse = _by_heads(_block_forward, q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                             _expand_kv(kv[1][:, :, cols], group), scale=scale, causal=causal)
             _merge(out, lse, block_out, block_lse, rows)
             _wait(handles)
             if step < cp - 1:
@@ -210,9 +225,9 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=1)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            dq, dk, dv = _block_backward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                         _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
-                                         grad_output[:, :, rows], ctx.scale, causal)
+            dq, dk, dv = _by_heads(_block_backward, q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                   _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
+                                   grad_output[:, :, rows], scale=ctx.scale, causal=causal)
             grad_q[:, :, rows] += dq
             grad_kv[0][:, :, cols] += _fold_kv_grad(dk, group)
             grad_kv[1][:, :, cols] += _fold_kv_grad(dv, group)

@@ -65,7 +65,9 @@ def test_group_tables(tp, cp, tables):
         assert got["same_at_cp1"] == (cp == 1)
 
 
-def _ring(cp, heads, kv_heads, seq, dtype=torch.float32):
+def _ring(cp, heads, kv_heads, seq, score_elements, dtype=torch.float32):
+    import mpu.context_parallel
+    mpu.context_parallel.SCORE_ELEMENTS = score_elements
     mpu.initialize_model_parallel(1, context_parallel_size=cp)
     generator = torch.Generator().manual_seed(5)
     b, d = 2, 8
@@ -89,10 +91,11 @@ def _reference(q, k, v, grad):
     return out.detach(), [q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 2), (4, 4, 4)])
-def test_ring_attention_equals_full_attention(cp, heads, kv_heads):
+@pytest.mark.parametrize("cp,heads,kv_heads,score_elements", [(2, 4, 2, 2 ** 24), (4, 4, 4, 2 ** 24), (2, 4, 2, 1)])
+def test_ring_attention_equals_full_attention(cp, heads, kv_heads, score_elements):
+    """score_elements 1: each block's scores one head at a time (mpu.context_parallel._by_heads)."""
     seq = 8 * cp      # chunks of 4 tokens
-    results = run_distributed(_ring, cp, args=(cp, heads, kv_heads, seq))
+    results = run_distributed(_ring, cp, args=(cp, heads, kv_heads, seq, score_elements))
     ref_out, ref_grads = _reference(*results[0][2])
     for rank, (out, grads, _) in enumerate(results):
         index = held_positions(seq, cp, rank)
