@@ -94,32 +94,66 @@ def accumulation_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def _block_forward(q, k, v, scale, causal):
-    """One block: (out [b, n, sq, d], lse [b, n, sq], both in accumulation_dtype) of softmax(q k^T scale) v, causal
-    within the block (sq == sk, increasing positions) when asked."""
+def _scores(q, k, scale, causal, row_offset):
+    """q k^T scale [b, n, sq, sk] in accumulation_dtype; causal: query row i (at row_offset + i of the block)
+    sees keys 0 .. row_offset + i (the block's positions increase along both)."""
     acc = accumulation_dtype(q.dtype)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale              # [b, n, sq, sk]
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale)
     if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(row_offset + 1)
+        scores.masked_fill_(future, float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, scale, causal, row_offset=0):
+    """One block: (out [b, n, sq, d], lse [b, n, sq], both in accumulation_dtype) of softmax(q k^T scale) v."""
+    scores = _scores(q, k, scale, causal, row_offset)                               # [b, n, sq, sk]
     lse = torch.logsumexp(scores, dim=-1)                                            # [b, n, sq]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))              # [b, n, sq, d]
-    return out, lse
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()                                   # in place: one s x s buffer
+    return torch.matmul(probs, v.to(probs.dtype)), lse                              # [b, n, sq, d]
 
 
-SCORE_ELEMENTS = 2 ** 24   # a block's scores are computed a few heads at a time, at most this many (64 MiB fp32)
+def _block_backward(q, k, v, out, lse, grad_out, scale, causal, row_offset=0):
+    """Gradients (dq, dk, dv) in accumulation_dtype of one block given the *final* out and lse of these query rows
+    (the flash attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
+    probs = _scores(q, k, scale, causal, row_offset).sub_(lse.unsqueeze(-1)).exp_()  # [b, n, sq, sk]
+    acc = probs.dtype
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)                         # [b, n, sk, d]
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)                               # [b, n, sq, 1]
+    grad_scores = torch.matmul(grad_out, vf.transpose(-1, -2)).sub_(delta).mul_(probs).mul_(scale)
+    del probs
+    return torch.matmul(grad_scores, kf), torch.matmul(grad_scores.transpose(-1, -2), qf), grad_v
 
 
-def _by_heads(block_fn, *tensors, **kwargs):
-    """block_fn over slices of the heads (dim 1) of `tensors` ([b, n, s?, ...] each), results concatenated along
-    the heads: one block's transient s_q x s_k scores stay under SCORE_ELEMENTS however long the sequence."""
-    b, n, sq = tensors[0].shape[:3]
-    sk = tensors[1].size(2)
-    step = max(1, SCORE_ELEMENTS // max(1, b * sq * sk))
-    if step >= n:
-        return block_fn(*tensors, **kwargs)
-    pieces = [block_fn(*(t[:, start:start + step] for t in tensors), **kwargs) for start in range(0, n, step)]
-    return tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+SCORE_ELEMENTS = 2 ** 22    # a block's scores are computed a few query rows at a time, at most this many (16 MiB)
+
+
+def _rows_per_piece(q, k):
+    b, n, _, _ = q.shape
+    return max(1, SCORE_ELEMENTS // max(1, b * n * k.size(2)))
+
+
+def _forward_by_rows(q, k, v, scale, causal):
+    """_block_forward over pieces of the query rows, so one block's transient scores stay under SCORE_ELEMENTS
+    however long the sequence (rows are independent in forward)."""
+    rows = _rows_per_piece(q, k)
+    pieces = [_block_forward(q[:, :, start:start + rows], k, v, scale, causal, start)
+              for start in range(0, q.size(2), rows)]
+    return tuple(torch.cat(parts, dim=2) for parts in zip(*pieces))
+
+
+def _backward_by_rows(q, k, v, out, lse, grad_out, scale, causal):
+    """_block_backward over pieces of the query rows: dq by rows, dk and dv summed over the pieces."""
+    rows = _rows_per_piece(q, k)
+    grad_q, grad_k, grad_v = [], None, None
+    for start in range(0, q.size(2), rows):
+        piece = slice(start, start + rows)
+        dq, dk, dv = _block_backward(q[:, :, piece], k, v, out[:, :, piece], lse[:, :, piece],
+                                     grad_out[:, :, piece], scale, causal, start)
+        grad_q.append(dq)
+        grad_k, grad_v = (dk, dv) if grad_k is None else (grad_k.add_(dk), grad_v.add_(dv))
+    return torch.cat(grad_q, dim=2), grad_k, grad_v
 
 
 def _merge(out, lse, block_out, block_lse, rows=None):
@@ -131,23 +165,6 @@ def _merge(out, lse, block_out, block_lse, rows=None):
     out[:, :, rows] = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + \
         block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
     lse[:, :, rows] = new_lse
-
-
-def _block_backward(q, k, v, out, lse, grad_out, scale, causal):
-    """Gradients (dq, dk, dv) in accumulation_dtype of one block given the *final* out and lse of these query rows
-    (the flash attention backward: P = exp(q k^T scale - lse), dS = P (dO V^T - rowsum(dO O)))."""
-    acc = accumulation_dtype(q.dtype)
-    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))                                   # [b, n, sq, sk]
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)                         # [b, n, sk, d]
-    grad_probs = torch.matmul(grad_out, vf.transpose(-1, -2))                        # [b, n, sq, sk]
-    delta = (grad_out * out).sum(dim=-1, keepdim=True)                               # [b, n, sq, 1]
-    grad_scores = probs * (grad_probs - delta) * scale
-    return torch.matmul(grad_scores, kf), torch.matmul(grad_scores.transpose(-1, -2), qf), grad_v
 
 
 def _step_plan(step, rank, cp, chunk):
@@ -200,8 +217,8 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=0)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            block_out, block_lse = _by_heads(_block_forward, q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                             _expand_kv(kv[1][:, :, cols], group), scale=scale, causal=causal)
+            block_out, block_lse = _forward_by_rows(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                                    _expand_kv(kv[1][:, :, cols], group), scale, causal)
             _merge(out, lse, block_out, block_lse, rows)
             _wait(handles)
             if step < cp - 1:
@@ -225,9 +242,9 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=1)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            dq, dk, dv = _by_heads(_block_backward, q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                   _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
-                                   grad_output[:, :, rows], scale=ctx.scale, causal=causal)
+            dq, dk, dv = _backward_by_rows(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                           _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
+                                           grad_output[:, :, rows], ctx.scale, causal)
             grad_q[:, :, rows] += dq
             grad_kv[0][:, :, cols] += _fold_kv_grad(dk, group)
             grad_kv[1][:, :, cols] += _fold_kv_grad(dv, group)

@@ -93,7 +93,7 @@ def _reference(q, k, v, grad):
 
 @pytest.mark.parametrize("cp,heads,kv_heads,score_elements", [(2, 4, 2, 2 ** 24), (4, 4, 4, 2 ** 24), (2, 4, 2, 1)])
 def test_ring_attention_equals_full_attention(cp, heads, kv_heads, score_elements):
-    """score_elements 1: each block's scores one head at a time (mpu.context_parallel._by_heads)."""
+    """score_elements 1: each block's scores one query row at a time (mpu.context_parallel._forward_by_rows)."""
     seq = 8 * cp      # chunks of 4 tokens
     results = run_distributed(_ring, cp, args=(cp, heads, kv_heads, seq, score_elements))
     ref_out, ref_grads = _reference(*results[0][2])
