@@ -195,11 +195,17 @@ def write_jsonl_record(path, record):
         handle.flush()
 
 
+def context_parallel_size(args):
+    """--context-parallel-size (1 for an argument namespace built without it)."""
+    return getattr(args, "context_parallel_size", 1)
+
+
 def memory_setting(args):
     zero_config = args.zero_config
     optimizer = 'Megatron optimizer' if zero_config is None else f'ZeRO stage {zero_config.zero_optimization.stage}'
-    cp = f", cp {args.context_parallel_size}" if args.context_parallel_size > 1 else ""
-    return f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}{cp}, {optimizer}, {args.params_dtype}"
+    cp = f", cp {context_parallel_size(args)}" if context_parallel_size(args) > 1 else ""
+    return (f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}{cp}, {optimizer}, "
+            f"{args.params_dtype}")
 
 
 def model_state_estimate(counts, args, module=None):
@@ -210,7 +216,7 @@ def model_state_estimate(counts, args, module=None):
     parameters = list(module.parameters()) if module is not None else []
     # ZeRO partitions over data x context parallel ranks (they all hold the same parameters)
     return memory.model_state_bytes(counts, args.params_dtype, args.zero_config,
-                                    args.data_parallel_size * args.context_parallel_size,
+                                    args.data_parallel_size * context_parallel_size(args),
                                     parameter_sizes=[mpu.full_numel(p) for p in parameters],
                                     frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
 
@@ -228,16 +234,16 @@ def activation_estimate(args):
     partition = config is not None and config.partition_activations and args.model_parallel_size > 1
     layout = memory.ActivationLayout.for_run(mpu.get_device().type, 4 if args.params_dtype == "float32" else 2,
                                              args.attention_dropout, args.hidden_dropout, partition,
-                                             args.sequence_parallel, args.context_parallel_size)
+                                             args.sequence_parallel, context_parallel_size(args))
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     layers = args.num_layers // stages // chunks           # a model chunk's (the stage's without interleaving)
     in_flight = forwards_in_flight(stages, stage, args.num_micro_batches, chunks)
-    held_tokens = args.seq_length // args.context_parallel_size     # context parallel: this rank's 2 chunks
+    held_tokens = args.seq_length // context_parallel_size(args)      # context parallel: this rank's 2 chunks
     total = memory.activation_bytes(layers, held_tokens, args.batch_size, args.hidden_size,
                                     args.num_attention_heads, args.model_parallel_size, recompute, layout, in_flight)
     held = f"{in_flight} in flight, {layers} layers" if chunks == 1 else \
         f"{in_flight} chunk forwards in flight, {layers} layers a chunk"
-    tokens = f", {held_tokens} of {args.seq_length} tokens (context parallel)" if args.context_parallel_size > 1 else ""
+    tokens = f", {held_tokens} of {args.seq_length} tokens (context parallel)" if held_tokens < args.seq_length else ""
     return total, f"micro batch {args.batch_size} x {held}, recompute {recompute.describe()}{tokens}"
 
 
