@@ -185,3 +185,41 @@ def test_bad_lengths_and_dropout_are_one_line(capsys, monkeypatch):
     line = parser_error(lambda argv: parse_args(args_list=argv), TINY + _cp(2), capsys)
     assert line.endswith("error: --context-parallel-size 2 computes attention ring-style without dropout: pass "
                          "--attention-dropout 0 (see --help)")
+
+
+def test_start_up_estimates_know_the_context_parallel_size():
+    """operations.activation_estimate as training calls it at C = 4: the layers of s/C = 32 of 128 tokens with ring
+    attention's fp32 output (a hand-computed per-layer count), and ZeRO-2's partitions over dp x C = 8 ranks."""
+    import argparse
+    from megatron import zero
+    from megatron.guards import memory, operations
+    args = argparse.Namespace(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                              pipeline_model_parallel_size=1, num_micro_batches=1, params_dtype="float32",
+                              attention_dropout=0.0, hidden_dropout=0.0, num_layers=2, seq_length=128, batch_size=2,
+                              hidden_size=64, num_attention_heads=4, model_parallel_size=1, sequence_parallel=False,
+                              context_parallel_size=4, data_parallel_size=2)
+    total, setting = operations.activation_estimate(args)
+    s, b, h, a = 32, 2, 64, 4
+    per_layer = s * b * h * 16 + 16 * s * b + s * b * h * 48 + 4 * (s * b * h + a * s * b)   # fp32, no dropout
+    assert total == 2 * per_layer
+    assert setting.endswith(", 32 of 128 tokens (context parallel)")
+    args.zero_config = zero.load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, 2)
+    assert operations.model_state_estimate([1000, 24], args) == \
+        memory.model_state_bytes([1000, 24], "float32", args.zero_config, 8)
+
+
+def test_estimate_memory_tool_knows_the_context_parallel_size():
+    """tools/estimate_memory.py --context-parallel-size 4: activations of s/C tokens with the ring layout, model
+    states partitioned over dp x C, and a length not divisible by 2C refused."""
+    import estimate_memory
+    from megatron.guards import memory
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+             "--vocab-size", "100", "--micro-batch-size", "2", "--zero-stage", "2", "--data-parallel-size", "2"]
+    with_cp = estimate_memory.estimate(estimate_memory.build_parser().parse_args(flags + _cp(4)))
+    wide = estimate_memory.estimate(estimate_memory.build_parser().parse_args(
+        [f if f != "2" or flags[i - 1] != "--data-parallel-size" else "8" for i, f in enumerate(flags)]))
+    layout = memory.ActivationLayout.for_run("cuda", 4, 0.1, 0.1, context_parallel_size=4)
+    assert with_cp[3] == memory.activation_bytes(2, 32, 2, 64, 4, 1, None, layout)
+    assert with_cp[2] == wide[2]                          # ZeRO-2 at dp 2 x C 4 partitions like dp 8
+    with pytest.raises(SystemExit, match=r"--seq-length \(100\) is not divisible by 2 x --context-parallel-size"):
+        estimate_memory.main(flags[:7] + ["100"] + flags[8:] + _cp(4))
