@@ -15,6 +15,10 @@ def parse_args(extra_args_provider=None, args_list=None):
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(args_list)
     validate_args(args, parser)
+    if extra_args_provider is not None and args.context_parallel_size > 1:
+        # the post-training, evaluation and generation entry points read whole sequences
+        parser.error(f"--context-parallel-size {args.context_parallel_size} is for pretrain_gpt.py: this entry "
+                     "point reads whole sequences; use --context-parallel-size 1 (checkpoints load at any C)")
     return args
 
 
