@@ -3,7 +3,8 @@ loss).
 
 What is asserted (fp32, dropout off; the reference is the run at context-parallel size 1 in one process):
 - model level, 5 SGD steps of tiny GPT-2 (learned positions) and tiny Llama (rotary, GQA 2 of 4 heads, SwiGLU,
-  RMSNorm, untied head) at C = 2 and C = 4: every step's whole-sequence loss and every parameter's gradient after
+  RMSNorm, untied head) at C = 4, C = 2 x dp 2 and C = 2 x TP 2 with sequence parallelism (gradients gathered to
+  full size): every step's whole-sequence loss and every parameter's gradient after
   the data-parallel wrapper's reduction over data x context ranks equal C = 1 within 1e-6 (the largest difference
   over all gradients relative to the largest gradient). The sequence is
   16 tokens, so C = 4 has chunks of 2 and every chunk border matters: a token seeing its successor in the next
@@ -13,8 +14,8 @@ What is asserted (fp32, dropout off; the reference is the run at context-paralle
   within 1e-6 relative: the Megatron path at C = 4, C = 2 x data parallel 2 (the loader's samples), C = 2 x TP 2
   with sequence parallelism, C = 2 x pipeline 2, C = 2 with full and with selective recomputation, tiny Llama at
   C = 2 x dp 2 and C = 4; the ZeRO engine (--deepspeed) at stages 0-3 with C = 2 x dp 2 against the ZeRO run at C = 1;
-- a ZeRO-2 checkpoint written at C = 2 (after 3 steps) resumes at C = 1 and at C = 4, and steps 4-5 equal the
-  straight C = 1 run's (C holds no parameters: a topology change like dp);
+- a ZeRO-2 checkpoint written at C = 2 x dp 2 (after 3 steps) resumes at C = 1 and at C = 4, and a Megatron-path
+  one at C = 1, and steps 4-5 equal the straight C = 1 run's (C holds no parameters: a topology change like dp);
 - a --seq-length not divisible by 2C, attention dropout with C > 1, and C > 1 for an entry point other than
   pretrain_gpt.py (they read whole sequences) are refused in one line naming the fix.
 """
@@ -26,7 +27,8 @@ import torch
 
 import mpu
 from megatron.spawn import run_distributed
-from tests.helpers import (max_relative_difference, NO_DROPOUT, parser_error, TINY, train_each, write_config)
+from tests.helpers import (gathered_model_parallel, max_relative_difference, NO_DROPOUT, parser_error, TINY,
+                           train_each, write_config)
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB, STEPS, LR = 2, 32, 4, 16, 2, 64, 5, 0.5
 TOLERANCE = 1e-6
@@ -34,10 +36,10 @@ TOLERANCE = 1e-6
 
 # ---- model level: losses and gradients ----------------------------------------------------------------------------
 
-def _config(llama):
+def _config(llama, sequence_parallel=False):
     from megatron.model.gpt2_model import GPT2ModelConfig
     config = GPT2ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                             max_sequence_length=SEQ)
+                             max_sequence_length=SEQ, sequence_parallel=sequence_parallel)
     if llama:
         config = dataclasses.replace(config, num_key_value_heads=2, swiglu=True, ffn_hidden_size=48,
                                      normalization="rmsnorm", add_bias_linear=False,
@@ -52,14 +54,15 @@ def _tokens(step):
     return text[:, :-1], text[:, 1:]
 
 
-def _sgd_run(cp, llama):
-    """STEPS SGD steps at context-parallel size cp: each step's whole-sequence loss and reduced gradients."""
+def _sgd_run(cp, llama, tp=1):
+    """STEPS SGD steps at context-parallel size cp (x tensor parallel tp with sequence parallelism): each step's
+    whole-sequence loss and reduced gradients (full size)."""
     from megatron.data.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
     from megatron.model.distributed import DistributedDataParallel
     from megatron.model.gpt2_model import GPT2Model
-    mpu.initialize_model_parallel(1, context_parallel_size=cp)
+    mpu.initialize_model_parallel(tp, context_parallel_size=cp)
     mpu.model_parallel_cuda_manual_seed(1234)
-    model = DistributedDataParallel(GPT2Model(_config(llama)))
+    model = DistributedDataParallel(GPT2Model(_config(llama, sequence_parallel=tp > 1)))
     losses, grads = [], []
     for step in range(STEPS):
         model.zero_grad(set_to_none=True)
@@ -71,7 +74,7 @@ def _sgd_run(cp, llama):
         loss.backward()
         model.allreduce_params(reduce_after=False)
         losses.append(float(whole.detach()))
-        grads.append({name: p.grad.clone() for name, p in model.module.named_parameters()})
+        grads.append(_full_gradients(model.module))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-LR)
@@ -79,28 +82,64 @@ def _sgd_run(cp, llama):
     return losses, grads
 
 
-def _sgd_runs(cps, llama):
-    return [_sgd_run(cp, llama) for cp in cps]
+def _full_gradients(module):
+    """Every gradient at full size: gathered_model_parallel, and for a grouped-query q/k/v (rank r holds
+    [q_r; k_r; v_r], split) the pieces' q, k and v blocks joined in turn."""
+    import torch.distributed as dist
+    full = gathered_model_parallel(_NotGrouped(module), grads=True)
+    world = mpu.get_model_parallel_world_size()
+    for name, param in module.named_parameters():
+        if not isinstance(getattr(param, "partition_stride", None), mpu.GroupedQKVStride):
+            continue
+        if world == 1:
+            full[name] = param.grad.clone()
+        else:
+            pieces = [torch.empty_like(param.grad) for _ in range(world)]
+            dist.all_gather(pieces, param.grad.contiguous(), group=mpu.get_model_parallel_group())
+            stride = param.partition_stride
+            sizes = [stride.query_rows // world, stride.kv_rows // world, stride.kv_rows // world]
+            blocks = [piece.split(sizes) for piece in pieces]
+            full[name] = torch.cat([blocks[r][j] for j in range(3) for r in range(world)])
+    return full
+
+
+class _NotGrouped(torch.nn.Module):
+    """named_parameters() of `model` without the grouped-query q/k/v weights (_full_gradients joins those)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def named_parameters(self, *args, **kwargs):
+        return [(name, p) for name, p in self.model.named_parameters()
+                if not isinstance(getattr(p, "partition_stride", None), mpu.GroupedQKVStride)]
+
+
+def _sgd_runs(layouts, llama):
+    return [_sgd_run(cp, llama, tp) for cp, tp in layouts]
+
+
+LAYOUTS = [(4, 1), (2, 1), (2, 2)]     # (C, tp) in a world of 4: C 4; C 2 x dp 2; C 2 x tp 2 + sequence parallel
 
 
 @pytest.fixture(scope="module")
 def sgd_results():
-    """{(model, C): (losses, grads)} with C = 1 from one process, C = 4 then C = 2 (x dp 2) from one launch of 4."""
+    """{(model, C, tp, rank): (losses, grads)}: C = 1 from one process, LAYOUTS from one launch of 4."""
     results = {}
     for llama in (False, True):
-        results[llama, 1] = run_distributed(_sgd_runs, 1, args=([1], llama))[0][0]
-        runs = run_distributed(_sgd_runs, 4, args=([4, 2], llama))
-        for rank, (cp4, cp2) in enumerate(runs):
-            results[llama, 4, rank], results[llama, 2, rank] = cp4, cp2
+        results[llama, 1, 1, 0] = run_distributed(_sgd_runs, 1, args=([(1, 1)], llama))[0][0]
+        for rank, runs in enumerate(run_distributed(_sgd_runs, 4, args=(LAYOUTS, llama))):
+            for (cp, tp), run in zip(LAYOUTS, runs):
+                results[llama, cp, tp, rank] = run
     return results
 
 
 @pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
-@pytest.mark.parametrize("cp", [2, 4])
-def test_losses_and_gradients_equal_one_process(sgd_results, llama, cp):
-    ref_losses, ref_grads = sgd_results[llama, 1]
+@pytest.mark.parametrize("cp,tp", LAYOUTS, ids=["cp4", "cp2-dp2", "cp2-tp2-sp"])
+def test_losses_and_gradients_equal_one_process(sgd_results, llama, cp, tp):
+    ref_losses, ref_grads = sgd_results[llama, 1, 1, 0]
     for rank in range(4):
-        losses, grads = sgd_results[llama, cp, rank]
+        losses, grads = sgd_results[llama, cp, tp, rank]
         assert max_relative_difference(losses, ref_losses) < TOLERANCE, (rank, losses, ref_losses)
         for step in range(STEPS):
             assert _gradient_difference(grads[step], ref_grads[step]) < TOLERANCE, (rank, step)
@@ -109,7 +148,7 @@ def test_losses_and_gradients_equal_one_process(sgd_results, llama, cp):
 def _gradient_difference(grads, reference):
     """max |g - ref| over every parameter's gradient / max |ref| over them all (one step's gradient as one vector:
     a per-tensor ratio of a tensor of tiny gradients, like a LayerNorm bias's ~1e-5, reads fp32 summation order)."""
-    assert grads.keys() == reference.keys()
+    assert set(grads) == set(reference)
     worst = max(float((grads[name].double() - ref.double()).abs().max()) for name, ref in reference.items())
     return worst / max(float(ref.abs().max()) for ref in reference.values())
 
@@ -142,8 +181,11 @@ def training(tmp_path_factory):
     zero = {stage: _zero(directory, stage) for stage in (0, 1, 2, 3)}
     save = ["--save", os.path.join(directory, "ckpt"), "--train-iters", "3"]
     load = ["--load", os.path.join(directory, "ckpt")]
+    megatron_save = ["--save", os.path.join(directory, "megatron"), "--train-iters", "3"]
+    megatron_load = ["--load", os.path.join(directory, "megatron")]
     one = {"ref": RUN, "ref llama": RUN + LLAMA, "ref zero": RUN + zero[2],
-           "zero2 cp2 saved, resumed at cp1": RUN + zero[2] + load}
+           "zero2 cp2 saved, resumed at cp1": RUN + zero[2] + load,
+           "megatron cp2 saved, resumed at cp1": RUN + megatron_load}
     four = {"cp4": RUN + _cp(4), "cp2 dp2": RUN + _cp(2),
             "cp2 tp2 sp": RUN + _cp(2) + ["--model-parallel-size", "2", "--sequence-parallel"],
             "cp2 pp2": RUN + _cp(2) + ["--pipeline-model-parallel-size", "2"],
@@ -151,7 +193,8 @@ def training(tmp_path_factory):
             "cp2 selective recompute": RUN + _cp(2) + ["--recompute-granularity", "selective"],
             "llama cp2 dp2": RUN + LLAMA + _cp(2), "llama cp4": RUN + LLAMA + _cp(4),
             **{f"zero{stage} cp2 dp2": RUN + zero[stage] + _cp(2) for stage in (0, 1, 3)},
-            "zero2 cp2 dp2": RUN + zero[2] + _cp(2), "zero2 cp2 dp2, 3 steps saved": RUN + zero[2] + _cp(2) + save}
+            "zero2 cp2 dp2": RUN + zero[2] + _cp(2), "zero2 cp2 dp2, 3 steps saved": RUN + zero[2] + _cp(2) + save,
+            "megatron cp2 dp2, 3 steps saved": RUN + _cp(2) + megatron_save}
     histories = dict(zip(four, run_distributed(train_each, 4, args=(list(four.values()),))[0]))
     histories.update(zip(one, run_distributed(train_each, 1, args=(list(one.values()),))[0]))
     histories["zero2 cp2 saved, resumed at cp4"] = run_distributed(train_each, 4, args=([RUN + zero[2] + load +
@@ -169,9 +212,11 @@ def test_training_losses_equal_one_process(training, name, reference):
     assert len(losses) == STEPS and max_relative_difference(losses, expected) < TOLERANCE, (losses, expected)
 
 
-@pytest.mark.parametrize("name", ["zero2 cp2 saved, resumed at cp1", "zero2 cp2 saved, resumed at cp4"])
-def test_checkpoint_at_cp2_resumes_at_other_sizes(training, name):
-    history, expected = training[name], training["ref zero"]
+@pytest.mark.parametrize("name,reference", [("zero2 cp2 saved, resumed at cp1", "ref zero"),
+                                            ("zero2 cp2 saved, resumed at cp4", "ref zero"),
+                                            ("megatron cp2 saved, resumed at cp1", "ref")])
+def test_checkpoint_at_cp2_resumes_at_other_sizes(training, name, reference):
+    history, expected = training[name], training[reference]
     assert history["iteration"] == [4, 5]
     assert max_relative_difference(history["lm loss"], expected["lm loss"][3:]) < TOLERANCE
 
