@@ -118,12 +118,11 @@ def estimate(args, cp):
 
 
 def main(argv=None):
-    if argv is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # a fixed glibc threshold: large blocks are mapped and unmapped, never kept in the heap, so a process's
-        # peak resident set is its peak of live allocations (the dynamic threshold lets 32 MiB blocks pile up)
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
     args = parse_args(argv)
+    # The ranks' processes (megatron.spawn's fork server, started with this environment) get a fixed glibc mmap
+    # threshold: large blocks are mapped and unmapped, never kept in the heap, so a rank's peak resident set is its
+    # peak of live allocations (the dynamic threshold lets blocks of up to 32 MiB pile up in the heap).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     for cp in args.sizes:
         if args.seq_length % (2 * cp):
             sys.exit(f"error: --seq-length ({args.seq_length}) is not divisible by 2 x C ({2 * cp})")
