@@ -156,6 +156,32 @@ def _backward_by_rows(q, k, v, out, lse, grad_out, scale, causal):
     return torch.cat(grad_q, dim=2), grad_k, grad_v
 
 
+def _cpu_kernel_forward(q, k, v, scale, causal):
+    """One block through SDPA's fused CPU flash kernel, which returns the log-sum-exp too (no s x s scores)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    acc = accumulation_dtype(q.dtype)
+    return out.to(acc), lse.to(acc)
+
+
+def _cpu_kernel_backward(q, k, v, out, lse, grad_out, scale, causal):
+    """The fused CPU kernel's backward of one block, given the final out and lse of these rows (as the math path)."""
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), 0.0, causal, scale=scale)
+    return tuple(grad.to(accumulation_dtype(q.dtype)) for grad in grads)
+
+
+CPU_FUSED_KERNEL = True     # False: the math path on the CPU too (the tests run both)
+
+
+def _block_kernels(device):
+    """(forward, backward) of one block: SDPA's fused flash kernel on the CPU, where torch has it; elsewhere the
+    math path in pieces of query rows (a fused kernel that returns the log-sum-exp is device-specific)."""
+    if CPU_FUSED_KERNEL and device.type == "cpu" and \
+            hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return _cpu_kernel_forward, _cpu_kernel_backward
+    return _forward_by_rows, _backward_by_rows
+
+
 def _merge(out, lse, block_out, block_lse, rows=None):
     """Online-softmax merge of a block's (out, lse) into the running (out, lse), in place, for query rows `rows`
     (a slice; None: all)."""
@@ -188,10 +214,12 @@ class _Ring:
         self.next, self.prev = ranks[(rank + 1) % len(ranks)], ranks[(rank - 1) % len(ranks)]
 
     def start(self, send, tag):
-        """Send `send` on and receive a tensor of its shape from behind; returns (received, handles)."""
+        """Send `send` on and receive a tensor of its shape from behind; returns (received, handles). One batch
+        (batch_isend_irecv, as Megatron-LM's ring): at C = 2 next and previous are the same rank, and NCCL
+        deadlocks on a send and a receive to one peer posted one after the other on both sides."""
         received = torch.empty_like(send)
-        handles = [dist.isend(send, self.next, group=self.group, tag=tag),
-                   dist.irecv(received, self.prev, group=self.group, tag=tag)]
+        handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
+                                          dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
         return received, handles
 
 
@@ -212,13 +240,14 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()                                        # [2, b, n_kv, 2T, d]
+        block_forward, _ = _block_kernels(q.device)
         for step in range(cp):
             handles = []
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=0)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            block_out, block_lse = _forward_by_rows(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                                    _expand_kv(kv[1][:, :, cols], group), scale, causal)
+            block_out, block_lse = block_forward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                                 _expand_kv(kv[1][:, :, cols], group), scale, causal)
             _merge(out, lse, block_out, block_lse, rows)
             _wait(handles)
             if step < cp - 1:
@@ -237,14 +266,15 @@ class RingAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         grad_kv = torch.zeros(kv.shape, dtype=acc, device=q.device)                # of the block held now
+        _, block_backward = _block_kernels(q.device)
         for step in range(cp):
             handles = []
             if step < cp - 1:
                 next_kv, handles = ring.start(kv, tag=1)
             rows, cols, causal = _step_plan(step, rank, cp, chunk)
-            dq, dk, dv = _backward_by_rows(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
-                                           _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
-                                           grad_output[:, :, rows], ctx.scale, causal)
+            dq, dk, dv = block_backward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], group),
+                                        _expand_kv(kv[1][:, :, cols], group), out[:, :, rows], lse[:, :, rows],
+                                        grad_output[:, :, rows], ctx.scale, causal)
             grad_q[:, :, rows] += dq
             grad_kv[0][:, :, cols] += _fold_kv_grad(dk, group)
             grad_kv[1][:, :, cols] += _fold_kv_grad(dv, group)

@@ -7,7 +7,7 @@ What is asserted:
 - the held positions of the load-balanced layout (chunks i and 2C - 1 - i) against a hand-written table, and a
   length not divisible by 2C refused in one line naming the fix;
 - ring attention at C = 2 and C = 4 (fp32, causal, grouped-query 4 query heads over 2 key/value heads, and plain
-  multi-head): each rank's output and its q/k/v gradients equal the slices of plain full attention computed in
+  multi-head; blocks through the fused CPU kernel and through the math path, whole and one query row at a time): each rank's output and its q/k/v gradients equal the slices of plain full attention computed in
   one process (torch SDPA, is_causal, in fp64) within 1e-6 relative. A bug letting a token see the next chunk
   (e.g. a wrong step plan at the chunk borders) changes outputs by ~1e-1 and fails.
 """
@@ -65,9 +65,10 @@ def test_group_tables(tp, cp, tables):
         assert got["same_at_cp1"] == (cp == 1)
 
 
-def _ring(cp, heads, kv_heads, seq, score_elements, dtype=torch.float32):
+def _ring(cp, heads, kv_heads, seq, kernel, dtype=torch.float32):
     import mpu.context_parallel
-    mpu.context_parallel.SCORE_ELEMENTS = score_elements
+    mpu.context_parallel.CPU_FUSED_KERNEL = kernel == "fused"
+    mpu.context_parallel.SCORE_ELEMENTS = {"fused": 2 ** 22, "math": 2 ** 22, "math by rows": 1}[kernel]
     mpu.initialize_model_parallel(1, context_parallel_size=cp)
     generator = torch.Generator().manual_seed(5)
     b, d = 2, 8
@@ -91,11 +92,13 @@ def _reference(q, k, v, grad):
     return out.detach(), [q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads,score_elements", [(2, 4, 2, 2 ** 24), (4, 4, 4, 2 ** 24), (2, 4, 2, 1)])
-def test_ring_attention_equals_full_attention(cp, heads, kv_heads, score_elements):
-    """score_elements 1: each block's scores one query row at a time (mpu.context_parallel._forward_by_rows)."""
+@pytest.mark.parametrize("kernel", ["fused", "math", "math by rows"])
+@pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 2), (4, 4, 4)])
+def test_ring_attention_equals_full_attention(cp, heads, kv_heads, kernel):
+    """kernel: the blocks through SDPA's fused CPU kernel (the CPU's default), through the math path (other
+    devices'), or the math path one query row at a time (mpu.context_parallel._forward_by_rows, SCORE_ELEMENTS)."""
     seq = 8 * cp      # chunks of 4 tokens
-    results = run_distributed(_ring, cp, args=(cp, heads, kv_heads, seq, score_elements))
+    results = run_distributed(_ring, cp, args=(cp, heads, kv_heads, seq, kernel))
     ref_out, ref_grads = _reference(*results[0][2])
     for rank, (out, grads, _) in enumerate(results):
         index = held_positions(seq, cp, rank)
