@@ -7,9 +7,12 @@ What is asserted:
 - the held positions of the load-balanced layout (chunks i and 2C - 1 - i) against a hand-written table, and a
   length not divisible by 2C refused in one line naming the fix;
 - ring attention at C = 2 and C = 4 (fp32, causal, grouped-query 4 query heads over 2 key/value heads, and plain
-  multi-head; blocks through the fused CPU kernel and through the math path, whole and one query row at a time): each rank's output and its q/k/v gradients equal the slices of plain full attention computed in
-  one process (torch SDPA, is_causal, in fp64) within 1e-6 relative. A bug letting a token see the next chunk
-  (e.g. a wrong step plan at the chunk borders) changes outputs by ~1e-1 and fails.
+  multi-head; blocks through the fused CPU kernel and through the math path, whole and one query row at a time):
+  each rank's output and its q/k/v gradients equal the slices of plain full attention computed in one process
+  (torch SDPA, is_causal, in fp64) within 1e-6 relative. A bug letting a token see the next chunk (a wrong step
+  plan at the chunk borders, a causal mask one off) changes outputs by ~1e-1 and fails;
+- the activation bytes autograd keeps per rank at C = 2 equal memory.activation_bytes_saved for s/C tokens with
+  ring attention's layout, for no, selective and full recomputation, about half of C = 1's.
 """
 import pytest
 import torch
