@@ -23,6 +23,7 @@ from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, 
                          PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
 from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
+from .muon import Muon, MuonError, partition_update
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
 from .partition import FlatGroup
@@ -53,12 +54,19 @@ class ZeroOptimizer:
         self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
                                                           for g in optimizer.param_groups]
         offload = zero_config.offload_optimizer
+        # Muon halves: orthogonalized here (partition_update) from whole matrices, their flat masters never tiled
+        self.muon_groups = [bool(g.get("use_muon")) for g in optimizer.param_groups] \
+            if isinstance(optimizer, Muon) else [False] * len(optimizer.param_groups)
+        if any(self.muon_groups) and offload.enabled:
+            raise MuonError("Muon with zero_optimization.offload_optimizer is not supported: remove the offload "
+                            "block, or use the AdamW optimizer")
         self.host = offload_memory.HOST if offload.enabled else None
         self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
         optimizer.state.clear()
         # the inner optimizer steps each master in tiles of at most sub_group_size elements (views of it)
-        self.tiles = [list(m.split(zero_config.sub_group_size)) if m.numel() > zero_config.sub_group_size else [m]
-                      for m in self.masters]
+        self.tiles = [list(m.split(zero_config.sub_group_size))
+                      if m.numel() > zero_config.sub_group_size and not muon else [m]
+                      for m, muon in zip(self.masters, self.muon_groups)]
         for group, tiles in zip(optimizer.param_groups, self.tiles):
             group["params"] = tiles
             if self.host is not None and not group.get("fused") and group.get("foreach") is None:
@@ -87,8 +95,8 @@ class ZeroOptimizer:
         partition = group.own_partition()
         if host is not None:                       # offload: always a host copy, even of an fp32 host partition
             return offload_memory.host_copy(partition, torch.float32, pin_memory)
-        if partition.dtype == torch.float32:
-            return partition                       # fp32: the parameters' own slice is the master
+        if partition.dtype in (torch.float32, torch.float64):
+            return partition                       # fp32 (fp64): the parameters' own slice is the master
         return partition.detach().float()
 
     # ---- DeepSpeed-style accessors -------------------------------------------------------------------------
@@ -160,10 +168,12 @@ class ZeroOptimizer:
             self.reducer.zero()
             return False
         factor = clip_coefficient(norm, self.gradient_clipping) / scale
-        for master, tiles, grad in zip(self.masters, self.tiles, partition_grads):
-            grad = grad.to(master.device, torch.float32)   # itself when already fp32 there
+        for index, (master, tiles, grad) in enumerate(zip(self.masters, self.tiles, partition_grads)):
+            grad = grad.to(master.device, master.dtype)   # itself when already fp32 (fp64) there
             if factor != 1.0:
                 grad.mul_(factor)
+            if self.muon_groups[index]:
+                grad = self._muon_update(index, master, grad)
             for tile, piece in zip(tiles, grad.split(tiles[0].numel()) if len(tiles) > 1 else [grad]):
                 tile.grad = piece
         self.optimizer.step()
@@ -178,6 +188,15 @@ class ZeroOptimizer:
             self.param_gather.wait_all()
         self.reducer.zero()
         return True
+
+    def _muon_update(self, index, master, grad):
+        """The orthogonalized update of Muon half `index` (its momentum partitioned like Adam's moments)."""
+        state = self.optimizer.state.setdefault(master, {})
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(master)
+        model_parallel = (self.ctx.model_parallel_group, self.ctx.model_parallel_rank, self.ctx.model_parallel_size)
+        return partition_update(grad, state["momentum_buffer"], self.groups[index], self.optimizer.param_groups[index],
+                                self.ctx.data_parallel_group, model_parallel)
 
     def _first_nonfinite_param(self, partition_grads):
         for group, grad in zip(self.groups, partition_grads):
