@@ -74,6 +74,14 @@ def _add_regularization_args(parser):
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
                        help="use torch's default AdamW kernel instead of its fused one (fused where torch runs it)")
+    group.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                       help="adam: AdamW; muon: Muon for the hidden matrices, AdamW (at --lr) for embeddings, head, "
+                            "norms and biases (megatron/zero/muon.py)")
+    group.add_argument("--muon-lr", type=float, default=0.02,
+                       help="Muon's peak learning rate (the schedule of --lr, scaled by --muon-lr / --lr)")
+    group.add_argument("--muon-momentum", type=float, default=0.95)
+    group.add_argument("--muon-ns-method", choices=("standard", "gram"), default="standard",
+                       help="Newton-Schulz as published (standard) or on the Gram matrix (DeepSpeed's default)")
     return parser
 
 
@@ -360,6 +368,10 @@ def validate_args(args, parser):
         parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
                      f"({args.max_position_embeddings})")
     args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
+    if args.optimizer == "muon" and args.zero_config is not None and \
+            args.zero_config.zero_optimization.offload_optimizer.enabled:
+        parser.error("--optimizer muon with zero_optimization.offload_optimizer is not supported: remove the "
+                     "offload block from the --deepspeed_config JSON, or use --optimizer adam")
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
@@ -499,8 +511,8 @@ def _reconcile_with_deepspeed_config(args, parser):
     shared += [("zero_stage", "--zero-stage", config.zero_optimization.stage, "zero_optimization.stage"),
                ("remote_device", "--remote-device", config.zero_optimization.offload_param.device,
                 "zero_optimization.offload_param.device")]
-    if config.optimizer is not None and "lr" in config.optimizer.params:
-        shared.append(("lr", "--lr", config.optimizer.params["lr"], "optimizer.params.lr"))
+    if config.optimizer is not None:
+        shared += _optimizer_flags(config.optimizer)
     for dest, flag, json_value, key in shared:
         value = getattr(args, dest)
         if value != parser.get_default(dest) and value != json_value:
@@ -515,6 +527,22 @@ def _reconcile_with_deepspeed_config(args, parser):
     # "auto" values are resolved in one place, zero.initialize (from the model's hidden size), which prints them
     ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
     if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "
-              f"--lr-decay-style schedule (only optimizer.params.lr is checked against --lr)", flush=True)
+        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's optimizer "
+              f"(--optimizer and its flags, set from the JSON's type, lr, muon_lr, adam_lr, momentum, ns_method) and "
+              f"--lr-decay-style schedule", flush=True)
     return config
+
+
+def _optimizer_flags(optimizer):
+    """(dest, flag, JSON value, JSON key) of the Megatron flags a JSON "optimizer" block sets: its type, and the lr
+    (adam_lr over lr for Muon: --lr is the AdamW half's), muon_lr, momentum, ns_method."""
+    params, muon = optimizer.params, optimizer.type == "Muon"
+    flags = [("optimizer", "--optimizer", "muon" if muon else "adam", "optimizer.type")]
+    lr_key = "adam_lr" if muon and "adam_lr" in params else "lr"
+    if lr_key in params:
+        flags.append(("lr", "--lr", params[lr_key], f"optimizer.params.{lr_key}"))
+    muon_lr = "muon_lr" if "muon_lr" in params else "lr"     # DeepSpeed: the shared lr when muon_lr is absent
+    for key, dest in ((muon_lr, "muon_lr"), ("momentum", "muon_momentum"), ("ns_method", "muon_ns_method")):
+        if muon and key in params:
+            flags.append((dest, "--" + dest.replace("_", "-"), params[key], f"optimizer.params.{key}"))
+    return flags

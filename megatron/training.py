@@ -99,8 +99,14 @@ def get_optimizer(model, lr=None):
     groups = param_groups_for_weight_decay(unwrap_model(model))
     # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
     kernel = zero.adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
+    adam = {"lr": lr, "weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_eps}
+    if args.optimizer == "muon":
+        muon = {"lr": args.muon_lr * lr / args.lr, "momentum": args.muon_momentum, "weight_decay": args.weight_decay,
+                "nesterov": True, "ns_steps": 5, "ns_method": args.muon_ns_method}
+        optimizer = zero.Muon(zero.split_param_groups(unwrap_model(model), groups, muon, adam), adam_kernel=kernel)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adam, **kernel)
     if args.deepspeed:
         return optimizer  # the engine adds master weights and loss scaling itself
     if args.fp16:

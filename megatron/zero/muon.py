@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from mpu.utils import full_shape
 
+from .config import ConfigError
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -135,7 +137,7 @@ def muon_settings(params):
     return muon, adam
 
 
-class MuonError(ValueError):
+class MuonError(ConfigError):
     """A Muon setting or combination this codebase does not support (said in one line)."""
 
 

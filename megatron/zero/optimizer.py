@@ -297,6 +297,9 @@ class ZeroOptimizer:
         model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
         (None: not saved). Only the parameters that overlap this rank's range are asked for."""
         self.param_gather.wait_all()   # as in load_partitioned_state_dicts
+        if any(self.muon_groups):
+            raise MuonError("a Muon checkpoint loads at its own tensor- and pipeline-parallel sizes (any data-"
+                            "parallel size): this load would reshard, and Muon's momentum is not resharded yet")
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
             held = self._master_state(index)   # reuse this rank's moment buffers when they exist

@@ -179,3 +179,56 @@ def test_scheduled_lr_keeps_the_muon_to_adam_ratio():
     AnnealingLR(optimizer, max_lr=0.002, min_lr=0.0, warmup_iter=0, decay_iters=10, decay_style="linear",
                 num_iters=5)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.025, 0.001], rel=1e-12)
+
+
+# ---- checkpoints: bitwise resume, and a data-parallel-2 checkpoint loaded at data parallel 1 ---------------------
+def _train(engine, first, last):
+    import mpu
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    micro = engine.train_micro_batch_size_per_gpu()
+    for step in range(first, last):
+        tokens, labels = _tokens(step)
+        for k in range(engine.gradient_accumulation_steps()):
+            rows = slice((dp_rank * engine.gradient_accumulation_steps() + k) * micro, None)
+            loss = engine(tokens[rows][:micro], labels=labels[rows][:micro]).mean()
+            engine.backward(loss)
+            engine.step()
+
+
+def _engine(stage, accumulation=1):
+    import mpu
+    from megatron import zero
+    dp = mpu.get_data_parallel_world_size()
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": accumulation,
+              "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp // accumulation, "gradient_clipping": 1.0,
+              "steps_per_print": 10 ** 6, "optimizer": OPTIMIZER, "zero_optimization": {"stage": stage}}
+    return zero.initialize(model=_model(), config=config, mpu=mpu, dist_init_required=False)[0]
+
+
+def _save_and_resume(stage, directory):
+    engine = _engine(stage)
+    _train(engine, 0, 3)
+    engine.save_checkpoint(directory, tag="step3")
+    _train(engine, 3, STEPS)
+    uninterrupted = _full_state(engine.module, stage)
+    resumed = _engine(stage)
+    resumed.load_checkpoint(directory, tag="step3")
+    _train(resumed, 3, STEPS)
+    return uninterrupted, _full_state(resumed.module, stage)
+
+
+def _load_at_dp1(stage, directory):
+    engine = _engine(stage, accumulation=2)       # the same two half-batch gradients as data parallel 2
+    engine.load_checkpoint(directory, tag="step3")
+    _train(engine, 3, STEPS)
+    return _full_state(engine.module, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_resumes_bitwise_and_loads_at_another_data_parallel_size(tmp_path, stage):
+    results = run_distributed(_save_and_resume, 2, args=(stage, str(tmp_path)), model_parallel_size=1)
+    uninterrupted, resumed = results[0]
+    for name in uninterrupted:
+        assert torch.equal(uninterrupted[name], resumed[name]), name
+    at_dp1 = run_distributed(_load_at_dp1, 1, args=(stage, str(tmp_path)), model_parallel_size=1)[0]
+    assert max_relative_difference(at_dp1, uninterrupted) <= 1e-6

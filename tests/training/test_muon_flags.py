@@ -1,0 +1,60 @@
+"""Muon on Megatron's command line: `--optimizer muon` (and a DeepSpeed JSON whose optimizer type is Muon, which sets
+it) trains through pretrain_gpt.py on the Megatron path and on the --deepspeed path alike; combinations that are not
+supported stop in one line."""
+import json
+
+from megatron.spawn import run_distributed
+from tests.helpers import NO_DROPOUT, parser_error, TINY, train, write_config
+
+MUON = ["--optimizer", "muon", "--muon-lr", "0.02"]
+
+
+def _parse_error(argv, capsys):
+    from megatron.arguments import parse_args
+    return parser_error(lambda flags: parse_args(args_list=["--mock-data"] + flags), argv, capsys)
+
+
+def test_muon_on_the_megatron_path_equals_the_deepspeed_path_and_trains(tmp_path):
+    """dp 2: the Megatron path (DDP all-reduce, Muon on whole matrices) and ZeRO-2 (partitioned momentum, gathered
+    updates) give the same losses; Muon's first steps move the loss more than AdamW's at the same --lr."""
+    config = write_config(str(tmp_path))
+    common = TINY + NO_DROPOUT + ["--clip-grad", "1.0"]
+    megatron = run_distributed(train, 2, args=(common + MUON + ["--batch-size", "2"],))[0]["lm loss"]
+    zero2 = run_distributed(train, 2, args=(common + MUON + ["--deepspeed", "--deepspeed_config", config],))[0]
+    adamw = run_distributed(train, 2, args=(common + ["--batch-size", "2"],))[0]["lm loss"]
+    assert len(zero2["lm loss"]) == 10
+    assert max(abs(a - b) for a, b in zip(megatron, zero2["lm loss"])) <= 1e-5, (megatron, zero2["lm loss"])
+    assert megatron[-1] < adamw[-1] - 0.05, (megatron, adamw)
+
+
+def test_a_muon_json_sets_the_optimizer_flags(tmp_path):
+    from megatron.arguments import parse_args
+    config = write_config(str(tmp_path), optimizer={"type": "Muon", "params": {"lr": 0.03, "adam_lr": 0.001,
+                                                                               "momentum": 0.9}})
+    args = parse_args(args_list=["--mock-data", "--deepspeed", "--deepspeed_config", config])
+    assert (args.optimizer, args.lr, args.muon_lr, args.muon_momentum) == ("muon", 0.001, 0.03, 0.9)
+
+
+def test_unsupported_muon_combinations_stop_in_one_line(tmp_path, capsys):
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    config = write_config(str(tmp_path), optimizer={"type": "Muon"}, zero_optimization=offload)
+    line = _parse_error(["--deepspeed", "--deepspeed_config", config], capsys)
+    assert "Muon" in line and "offload_optimizer" in line
+    config = write_config(str(tmp_path), optimizer={"type": "Muon", "params": {"per_head_muon": True}})
+    assert "per_head_muon" in _parse_error(["--deepspeed", "--deepspeed_config", config], capsys)
+    config = write_config(str(tmp_path), zero_optimization=offload)
+    line = _parse_error(["--deepspeed", "--deepspeed_config", config] + MUON, capsys)
+    assert "--optimizer muon" in line and "offload_optimizer" in line
+
+
+def test_a_muon_checkpoint_at_another_tensor_parallel_size_is_refused(tmp_path):
+    """Muon's momentum is not resharded: loading it at another tensor-parallel size must stop, never train on with
+    the momentum silently zeroed (at another data-parallel size it loads: tests/zero/test_muon.py)."""
+    import pytest
+    config = write_config(str(tmp_path))
+    save = TINY + NO_DROPOUT + MUON + ["--deepspeed", "--deepspeed_config", config, "--save", str(tmp_path / "ck"),
+                                       "--train-iters", "2"]
+    run_distributed(train, 1, args=(save,))
+    load = save[:-2] + ["--train-iters", "4", "--load", str(tmp_path / "ck"), "--model-parallel-size", "2"]
+    with pytest.raises(RuntimeError, match="a Muon checkpoint loads at its own tensor- and pipeline-parallel sizes"):
+        run_distributed(train, 2, args=(load,))
