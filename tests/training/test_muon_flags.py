@@ -58,3 +58,12 @@ def test_a_muon_checkpoint_at_another_tensor_parallel_size_is_refused(tmp_path):
     load = save[:-2] + ["--train-iters", "4", "--load", str(tmp_path / "ck"), "--model-parallel-size", "2"]
     with pytest.raises(RuntimeError, match="a Muon checkpoint loads at its own tensor- and pipeline-parallel sizes"):
         run_distributed(train, 2, args=(load,))
+
+
+def test_muon_under_pipeline_parallelism_equals_one_stage():
+    """pp 2 (each stage orthogonalizes its own matrices; the tied embedding's copies stay AdamW's) equals pp 1."""
+    common = TINY + NO_DROPOUT + MUON + ["--batch-size", "2", "--global-batch-size", "4"]
+    one = run_distributed(train, 1, args=(common,))[0]["lm loss"]
+    two = run_distributed(train, 2, args=(common + ["--pipeline-model-parallel-size", "2"],))
+    piped = next(history for history in two if history.get("lm loss"))["lm loss"]
+    assert max(abs(a - b) for a, b in zip(one, piped)) <= 1e-5, (one, piped)
