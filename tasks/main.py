@@ -18,14 +18,14 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
-from megatron.checkpoint.layout import CheckpointError  # noqa: E402
+from megatron.cli import UserError  # noqa: E402
 from megatron.text_generation import InferenceInputError, load_inference_model  # noqa: E402
 from tasks import zeroshot_gpt  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """Bad input: reported as one line, exit status 1."""
 
 
@@ -75,4 +75,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    run_main(main, (CheckpointError, ValueError))
+    run_main(main)
