@@ -146,31 +146,59 @@ def _report_reward(args, config, roles, valid_prompts, prompts_per_rank, when, i
     return reward
 
 
+@dataclasses.dataclass
+class Trainee:
+    """A model the loop trains (the actor; PPO's critic), with its optimizer, lr schedule and checkpoint options."""
+    model: object
+    optimizer: object
+    lr_scheduler: object
+    options: CheckpointOptions
+
+    def step(self, forward_step, micro_batches, train_state):
+        """One optimizer step over the micro-batches: ({metric: value}, skipped, grad norm)."""
+        return _step(forward_step, micro_batches, self.model, self.optimizer, self.lr_scheduler, train_state)
+
+    def save(self, train_state):
+        save_checkpoint(train_state, self.model, self.optimizer, self.lr_scheduler, self.options)
+
+
+def _prompts_per_rank(args, config):
+    rows_per_rank = args.global_batch_size // args.data_parallel_size
+    if rows_per_rank % config.num_generations:
+        raise rlhf.RLHFError(f"--global-batch-size ({args.global_batch_size}) / data-parallel size "
+                             f"({args.data_parallel_size}) = {rows_per_rank} completions per rank: not whole groups "
+                             f"of --num-generations ({config.num_generations})")
+    return rows_per_rank // config.num_generations
+
+
+def _trainees(args, config):
+    """(actor, critic or None, train state, EMA actor or None, its checkpoint options, PTX iterator or None), built
+    in this order (the critic's initialisation draws after the actor's)."""
+    model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's actor
+        language_model_provider, accumulation=1 if config.unsup_coef is None else 2)  # accumulates twice as many
+    ema, ema_options = _ema_actor(args, model, train_state)
+    ptx_data = _ptx_iterator(args, train_state) if config.unsup_coef is not None else None
+    actor = Trainee(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
+    critic = None
+    if config.algorithm == "ppo":
+        critic_options = dataclasses.replace(actor.options, load=args.critic_load, save=critic_save_dir(args))
+        model, optimizer, lr_scheduler, _ = setup_model_and_optimizer(reward_model_provider, critic_options,
+                                                                      args.critic_lr)
+        critic = Trainee(model, optimizer, lr_scheduler, critic_options)
+    return actor, critic, train_state, ema, ema_options, ptx_data
+
+
 def main(args_list):
     """RLHF from the command line `args_list`; returns the history (losses per iteration, the first and last
     rollouts of this rank, the rewards before and after)."""
     args_list = starting_point(args_list)
     args = initialize_megatron(add_rlhf_args, args_list)
     fill_defaults(args)
-    config, tokenizer = rlhf_config(args), get_tokenizer()
-    rows_per_rank = args.global_batch_size // args.data_parallel_size
-    if rows_per_rank % config.num_generations:
-        raise rlhf.RLHFError(f"--global-batch-size ({args.global_batch_size}) / data-parallel size "
-                             f"({args.data_parallel_size}) = {rows_per_rank} completions per rank: not whole groups "
-                             f"of --num-generations ({config.num_generations})")
-    prompts_per_rank = rows_per_rank // config.num_generations
-    actor, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's actor
-        language_model_provider, accumulation=1 if config.unsup_coef is None else 2)  # accumulates twice as many
-    ema, ema_options = _ema_actor(args, actor, train_state)
-    ptx_data = _ptx_iterator(args, train_state) if config.unsup_coef is not None else None
-    critic = None
-    actor_options = CheckpointOptions.from_args(args)
-    critic_options = dataclasses.replace(actor_options, load=args.critic_load, save=critic_save_dir(args))
-    if config.algorithm == "ppo":
-        critic, critic_optimizer, critic_scheduler, _ = setup_model_and_optimizer(
-            reward_model_provider, critic_options, args.critic_lr)
-    roles = _build_roles(args, actor)
-    roles.critic = critic
+    config = rlhf_config(args)
+    prompts_per_rank = _prompts_per_rank(args, config)
+    actor, critic, train_state, ema, ema_options, ptx_data = _trainees(args, config)
+    roles = _build_roles(args, actor.model)
+    roles.critic = None if critic is None else critic.model
     (train_prompts, valid_prompts), has_valid = _prompt_iterators(args, train_state, prompts_per_rank)
     evaluate = has_valid and args.eval_iters > 0
     valid_batches = [rlhf.broadcast_prompts(valid_prompts) for _ in range(args.eval_iters)] if evaluate else []
@@ -180,69 +208,39 @@ def main(args_list):
     if evaluate:
         history["reward_before"] = _report_reward(args, config, roles, valid_batches, prompts_per_rank, "before",
                                                   train_state.iteration)
-    actor.train()
-    if critic is not None:
-        critic.train()
-    experience, rollout_metrics, interval, interval_start = None, {}, {}, time.time()
-    seconds = {"generation": 0.0, "scoring": 0.0, "training": 0.0}
+    for trainee in (actor, critic):
+        if trainee is not None:
+            trainee.model.train()
+    experience, rollout_metrics, log = None, {}, IntervalLog(args)
     while train_state.iteration < args.train_iters:
         if train_state.iteration % config.ppo_epochs == 0 or experience is None:
             prompts = rlhf.broadcast_prompts(train_prompts)
             experience, rollout_metrics = rlhf.make_experience(
-                config, roles, prompts, _seed(args, train_state.iteration // config.ppo_epochs), tokenizer,
+                config, roles, prompts, _seed(args, train_state.iteration // config.ppo_epochs), get_tokenizer(),
                 args.batch_size, args.max_position_embeddings)
             train_state.consumed_train_samples += prompts_per_rank * args.data_parallel_size
-            for key in ("generation", "scoring"):
-                seconds[key] += experience.seconds[key]
-            history["last_rollout"] = {"prompts": experience.prompts, "completions": experience.completions,
-                                       "scores": experience.scores, "seconds": experience.seconds}   # this rank's
-            history["first_rollout"] = history["first_rollout"] or history["last_rollout"]
-            actor_batches = experience.micro_batches
-            if config.unsup_coef is not None:
-                ptx = rlhf.ptx_micro_batches(ptx_data, len(experience.micro_batches))
-                history["ptx"].append([batch.tolist() for batch in ptx])                      # this rank's
-                actor_batches = rlhf.interleave(experience.micro_batches, ptx)
+            log.add_rollout(experience.seconds)
+            actor_batches = _record_rollout(history, experience, config, ptx_data)
         started = time.perf_counter()
-        if config.algorithm == "ppo":
-            step = functools.partial(rlhf.ppo_actor_forward_step, config)
-        else:
-            step = functools.partial(rlhf.grpo_forward_step, config, experience.totals)
-        if config.unsup_coef is not None:
-            step = functools.partial(rlhf.with_ptx, step, config.unsup_coef)
-        losses, skipped, grad_norm = _step(step, actor_batches, actor, optimizer, lr_scheduler, train_state)
+        losses, skipped, grad_norm = actor.step(_actor_step(config, experience), actor_batches, train_state)
         if critic is not None:
-            critic_losses, _, _ = _step(functools.partial(rlhf.ppo_critic_forward_step, config),
-                                        experience.micro_batches, critic, critic_optimizer, critic_scheduler,
-                                        train_state)
+            critic_losses, _, _ = critic.step(functools.partial(rlhf.ppo_critic_forward_step, config),
+                                              experience.micro_batches, train_state)
             losses.update(critic_losses)
         if ema is not None:
             ema.update()                        # after every actor step (DeepSpeed-Chat's moving_average)
-        seconds["training"] += time.perf_counter() - started
+        log.seconds["training"] += time.perf_counter() - started
         losses.update(rollout_metrics)
         train_state.iteration += 1
         train_state.skipped_iterations += skipped
         history["iteration"].append(train_state.iteration)
         history["losses"].append(dict(losses))
-        for key, value in losses.items():
-            interval[key] = interval.get(key, 0.0) + value
-        if train_state.iteration % args.log_interval == 0:
-            elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
-            loss_scale = getattr(optimizer, "cur_scale", 1.0)      # the ZeRO and fp16 wrappers both name it so
-            record = training_log({key: value / args.log_interval for key, value in interval.items()}, train_state,
-                                  optimizer.param_groups[0]["lr"], loss_scale, grad_norm, elapsed_ms,
-                                  get_tensorboard_writer())
-            phases = {key: 1000.0 * value / args.log_interval for key, value in seconds.items()}
-            print_rank_0(" rlhf ms per iteration: " + " | ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-            if args.log_jsonl and args.rank == 0:
-                operations.write_jsonl_record(args.log_jsonl, {**record, "rlhf_ms": phases,
-                                                               "memory": operations.memory_now()})
-            interval, interval_start = {}, time.time()
-            seconds = dict.fromkeys(seconds, 0.0)
+        log.add(losses, train_state, actor.optimizer, grad_norm)
         if args.save and (train_state.iteration == args.train_iters or
                           args.save_interval and train_state.iteration % args.save_interval == 0):
-            save_checkpoint(train_state, actor, optimizer, lr_scheduler, actor_options)
-            if critic is not None:
-                save_checkpoint(train_state, critic, critic_optimizer, critic_scheduler, critic_options)
+            for trainee in (actor, critic):
+                if trainee is not None:
+                    trainee.save(train_state)
             if ema is not None:
                 ema.save(train_state, ema_options)
     finalize_async_save()
@@ -250,6 +248,62 @@ def main(args_list):
         history["reward_after"] = _report_reward(args, config, roles, valid_batches, prompts_per_rank, "after",
                                                  train_state.iteration)
     return history
+
+
+def _record_rollout(history, experience, config, ptx_data):
+    """Keep this rank's rollout in the history; the actor's micro-batches (with PTX: interleaved with as many
+    pretraining micro-batches, kept too)."""
+    history["last_rollout"] = {"prompts": experience.prompts, "completions": experience.completions,
+                               "scores": experience.scores, "seconds": experience.seconds}   # this rank's
+    history["first_rollout"] = history["first_rollout"] or history["last_rollout"]
+    if config.unsup_coef is None:
+        return experience.micro_batches
+    ptx = rlhf.ptx_micro_batches(ptx_data, len(experience.micro_batches))
+    history["ptx"].append([batch.tolist() for batch in ptx])                      # this rank's
+    return rlhf.interleave(experience.micro_batches, ptx)
+
+
+def _actor_step(config, experience):
+    """The actor's forward step: PPO's clipped policy loss or GRPO's (with PTX: plus the weighted LM loss)."""
+    if config.algorithm == "ppo":
+        step = functools.partial(rlhf.ppo_actor_forward_step, config)
+    else:
+        step = functools.partial(rlhf.grpo_forward_step, config, experience.totals)
+    if config.unsup_coef is not None:
+        step = functools.partial(rlhf.with_ptx, step, config.unsup_coef)
+    return step
+
+
+class IntervalLog:
+    """Every --log-interval iterations: the training log line of the interval's mean metrics, the milliseconds per
+    iteration of generation, scoring and training, and (--log-jsonl) one record of them."""
+
+    def __init__(self, args):
+        self.args, self.metrics, self.start = args, {}, time.time()
+        self.seconds = {"generation": 0.0, "scoring": 0.0, "training": 0.0}
+
+    def add_rollout(self, seconds):
+        for key in ("generation", "scoring"):
+            self.seconds[key] += seconds[key]
+
+    def add(self, losses, train_state, optimizer, grad_norm):
+        args = self.args
+        for key, value in losses.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+        if train_state.iteration % args.log_interval:
+            return
+        elapsed_ms = (time.time() - self.start) * 1000.0 / args.log_interval
+        loss_scale = getattr(optimizer, "cur_scale", 1.0)      # the ZeRO and fp16 wrappers both name it so
+        record = training_log({key: value / args.log_interval for key, value in self.metrics.items()}, train_state,
+                              optimizer.param_groups[0]["lr"], loss_scale, grad_norm, elapsed_ms,
+                              get_tensorboard_writer())
+        phases = {key: 1000.0 * value / args.log_interval for key, value in self.seconds.items()}
+        print_rank_0(" rlhf ms per iteration: " + " | ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+        if args.log_jsonl and args.rank == 0:
+            operations.write_jsonl_record(args.log_jsonl, {**record, "rlhf_ms": phases,
+                                                           "memory": operations.memory_now()})
+        self.metrics, self.start = {}, time.time()
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
 
 
 def _step(forward_step, micro_batches, model, optimizer, lr_scheduler, train_state):
