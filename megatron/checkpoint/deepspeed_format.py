@@ -15,8 +15,8 @@ parameters a (5 elements) and b (3) at data-parallel size 2:
                 empty tensors for the parameters
 
 Writing (DeepSpeed's keys and layouts added to our files, so DeepSpeed reads them): deepspeed_writing.py, its
-functions re-exported here. Reading (load_model_states, load_optim_states): either writer's files as our contents, so the engine, the
-any-topology loader and the tools read DeepSpeed's checkpoints as their own. A DeepSpeed stage-3 rank's pieces
+functions re-exported here. Reading (load_model_states, load_optim_states): either writer's files as our
+contents, so the engine, the any-topology loader and the tools read DeepSpeed's checkpoints as their own. A DeepSpeed stage-3 rank's pieces
 are not contiguous in the group: they become several of our slices ("virtual" optimizer files), which every
 reader of ours already merges by [start, end).
 

@@ -9,8 +9,9 @@ module is built).
 import dataclasses
 
 import mpu
+import megatron.model
 from megatron import print_rank_0, zero
-from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
+from megatron.model.gpt2_model import GPT2ModelConfig
 
 
 def set_deepspeed_activation_checkpointing(args):
@@ -30,4 +31,7 @@ def gpt_model(args, reward_head=False):
         config = dataclasses.replace(config, reward_head=True)
     with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
                    enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
-        return GPT2Model(config, num_tokentypes=0, parallel_output=True)
+        # the class is looked up on megatron.model when called, as the seed's pretrain_gpt.py imported it from there:
+        # a caller that replaces megatron.model.GPT2Model (tests/training/test_nonfinite.py poisons a gradient so)
+        # gets its own class
+        return megatron.model.GPT2Model(config, num_tokentypes=0, parallel_output=True)

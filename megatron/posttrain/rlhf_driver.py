@@ -46,7 +46,7 @@ from megatron.guards import operations
 from megatron.guards.operations import NonFiniteError
 from megatron.initialize import initialize_megatron
 from megatron.train_state import CheckpointOptions
-from megatron.training import setup_model_and_optimizer, train_step, training_log
+from megatron import training   # its functions looked up when called (tests wrap training.train_step)
 from megatron.utils import print_rank_0
 
 from . import dpo, rlhf
@@ -174,16 +174,16 @@ def _prompts_per_rank(args, config):
 def _trainees(args, config):
     """(actor, critic or None, train state, EMA actor or None, its checkpoint options, PTX iterator or None), built
     in this order (the critic's initialisation draws after the actor's)."""
-    model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's actor
-        language_model_provider, accumulation=1 if config.unsup_coef is None else 2)  # accumulates twice as many
+    model, optimizer, lr_scheduler, train_state = training.setup_model_and_optimizer(   # PTX: DeepSpeed-Chat's
+        language_model_provider, accumulation=1 if config.unsup_coef is None else 2)  # actor accumulates twice as many
     ema, ema_options = _ema_actor(args, model, train_state)
     ptx_data = _ptx_iterator(args, train_state) if config.unsup_coef is not None else None
     actor = Trainee(model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
     critic = None
     if config.algorithm == "ppo":
         critic_options = dataclasses.replace(actor.options, load=args.critic_load, save=critic_save_dir(args))
-        model, optimizer, lr_scheduler, _ = setup_model_and_optimizer(reward_model_provider, critic_options,
-                                                                      args.critic_lr)
+        model, optimizer, lr_scheduler, _ = training.setup_model_and_optimizer(reward_model_provider, critic_options,
+                                                                               args.critic_lr)
         critic = Trainee(model, optimizer, lr_scheduler, critic_options)
     return actor, critic, train_state, ema, ema_options, ptx_data
 
@@ -294,9 +294,9 @@ class IntervalLog:
             return
         elapsed_ms = (time.time() - self.start) * 1000.0 / args.log_interval
         loss_scale = getattr(optimizer, "cur_scale", 1.0)      # the ZeRO and fp16 wrappers both name it so
-        record = training_log({key: value / args.log_interval for key, value in self.metrics.items()}, train_state,
-                              optimizer.param_groups[0]["lr"], loss_scale, grad_norm, elapsed_ms,
-                              get_tensorboard_writer())
+        means = {key: value / args.log_interval for key, value in self.metrics.items()}
+        record = training.training_log(means, train_state, optimizer.param_groups[0]["lr"], loss_scale, grad_norm,
+                                       elapsed_ms, get_tensorboard_writer())
         phases = {key: 1000.0 * value / args.log_interval for key, value in self.seconds.items()}
         print_rank_0(" rlhf ms per iteration: " + " | ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         if args.log_jsonl and args.rank == 0:
@@ -309,7 +309,7 @@ class IntervalLog:
 def _step(forward_step, micro_batches, model, optimizer, lr_scheduler, train_state):
     """One optimizer step over the rollout's micro-batches: ({metric: value}, skipped, grad norm)."""
     try:
-        return train_step(forward_step, iter(micro_batches), model, optimizer, lr_scheduler,
-                          num_micro_batches=len(micro_batches))
+        return training.train_step(forward_step, iter(micro_batches), model, optimizer, lr_scheduler,
+                                   num_micro_batches=len(micro_batches))
     except operations.NonFiniteStep as step:
         raise NonFiniteError(step.describe(train_state.iteration + 1) + "; stopping without saving") from None
