@@ -30,7 +30,7 @@ PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.j
 INSTALL_HINT = "pip install safetensors (or: pip install -r requirements-test.txt)"
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """Bad input; the message is one line."""
 
 

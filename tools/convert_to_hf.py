@@ -62,7 +62,7 @@ INSTALL_HINT = "pip install transformers safetensors (or: pip install -r require
 _PROBE = "Hello world! It's a test: def f(x): return x**2  東京 😀 e\u0301\n\n  end."
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """Bad input for a conversion tool; the message is one line."""
 
 

@@ -35,6 +35,7 @@ import re
 import torch
 
 from megatron.checkpoint import manifest
+from megatron.cli import UserError
 from megatron.checkpoint.deepspeed_classes import NUMPY_GLOBALS, SAFE_GLOBALS, STAND_INS
 from megatron.checkpoint.deepspeed_classes import pickle_module as deepspeed_pickle_module
 from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_torch_save
@@ -141,7 +142,7 @@ def iteration_dir_name(iteration):
     return f"iter_{iteration:07d}"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint file is missing, unreadable, or holds objects that weights_only loading refuses."""
 
 

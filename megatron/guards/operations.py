@@ -10,12 +10,13 @@ import os
 import torch
 
 import mpu
+from megatron.cli import UserError
 from megatron.guards import memory
 from megatron.utils import unwrap_model
 
 
 # ---- non-finite values in fp32/bf16 ------------------------------------------------------------------------
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """The run stops: a NaN/inf loss or gradient norm in fp32/bf16 (without --skip-nonfinite-steps)."""
 
 

@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron.cli import UserError
 from megatron.fp16.loss_scaler import LossScalerConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A problem with the ZeRO/DeepSpeed JSON config; the message names the key and value."""
 
 
