@@ -3,6 +3,8 @@ it) trains through pretrain_gpt.py on the Megatron path and on the --deepspeed p
 supported stop in one line."""
 import json
 
+import pytest
+
 from megatron.spawn import run_distributed
 from tests.helpers import NO_DROPOUT, parser_error, TINY, train, write_config
 
@@ -50,7 +52,7 @@ def test_unsupported_muon_combinations_stop_in_one_line(tmp_path, capsys):
 def test_a_muon_checkpoint_at_another_tensor_parallel_size_is_refused(tmp_path):
     """Muon's momentum is not resharded: loading it at another tensor-parallel size must stop, never train on with
     the momentum silently zeroed (at another data-parallel size it loads: tests/zero/test_muon.py)."""
-    import pytest
+
     config = write_config(str(tmp_path))
     save = TINY + NO_DROPOUT + MUON + ["--deepspeed", "--deepspeed_config", config, "--save", str(tmp_path / "ck"),
                                        "--train-iters", "2"]
@@ -67,3 +69,17 @@ def test_muon_under_pipeline_parallelism_equals_one_stage():
     two = run_distributed(train, 2, args=(common + ["--pipeline-model-parallel-size", "2"],))
     piped = next(history for history in two if history.get("lm loss"))["lm loss"]
     assert max(abs(a - b) for a, b in zip(one, piped)) <= 1e-5, (one, piped)
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_muon_resumes_exactly_through_pretrain_gpt(tmp_path, deepspeed):
+    """dp 2, a checkpoint mid-run: the resumed run's losses, learning rates and validation losses equal the straight
+    run's bitwise, on the Megatron path (Muon's momentum in the optimizer's state) and on the ZeRO-2 path."""
+    from tests.checkpoint.test_checkpoint import MOCK, MODEL, N, _assert_continues, _run
+    from tests.helpers import set_tracker
+    extra = MOCK + MUON + (["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))] if deepspeed else [])
+    straight_dir = str(tmp_path / "straight")
+    straight = _run(2, MODEL + extra + ["--save", straight_dir, "--save-interval", str(N)])
+    set_tracker(straight_dir, N)
+    resumed = _run(2, MODEL + extra + ["--load", straight_dir, "--save", str(tmp_path / "resumed")])
+    _assert_continues(straight, resumed, N + 1)
