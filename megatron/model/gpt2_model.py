@@ -116,6 +116,8 @@ class GPT2ModelConfig:
     sequence_parallel: bool = False
     """--sequence-parallel: the LayerNorm, dropout and residual regions hold a slice of the sequence per
     model-parallel rank (see the module docstring); the same parameters and results as without."""
+    moe: Optional[mpu.MoEConfig] = None
+    """--num-experts and the --moe-* flags: mixture-of-experts MLPs (mpu/moe.py); None: dense MLPs."""
     reward_head: bool = False
     """A reward model (train_reward_model.py): a scalar head `score` (Linear(h, 1) without bias, HF
     GPT2ForSequenceClassification's) on the final LayerNorm's output instead of the LM head; forward returns one
@@ -136,14 +138,14 @@ class GPT2ModelConfig:
                    learned_position_embeddings=not args.no_position_embedding,
                    rotary=args.use_rotary_position_embeddings, rotary_theta=args.rotary_position_embeddings_theta,
                    untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                   sequence_parallel=args.sequence_parallel)
+                   sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args))
 
     @property
     def architecture(self):
         """The transformer layers' options (mpu.Architecture)."""
         return mpu.Architecture(num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
                                 swiglu=self.swiglu, normalization=self.normalization,
-                                add_bias_linear=self.add_bias_linear)
+                                add_bias_linear=self.add_bias_linear, moe=self.moe)
 
     @property
     def tied_head(self):
@@ -155,6 +157,16 @@ def recompute_config_from_args(args):
     """The mpu.RecomputeConfig of --recompute-granularity/--recompute-method/--recompute-num-layers, which
     validation fills from --checkpoint-activations/--checkpoint-num-layers too (megatron/arguments.py)."""
     return mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+
+
+def moe_config_from_args(args):
+    """The mpu.MoEConfig of --num-experts and the --moe-* flags, or None without --num-experts."""
+    if not getattr(args, "num_experts", None):
+        return None
+    return mpu.MoEConfig(num_experts=args.num_experts, topk=args.moe_router_topk,
+                         router=args.moe_router_score_function, aux_loss_coeff=args.moe_aux_loss_coeff,
+                         z_loss_coeff=args.moe_z_loss_coeff, capacity_factor=args.moe_expert_capacity_factor,
+                         layer_freq=args.moe_layer_freq)
 
 
 def lora_config_from_args(args):

@@ -1,0 +1,60 @@
+"""The mixture-of-experts flags (Megatron-LM's names) and what they cannot be combined with (docs/models.md).
+
+    --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2
+
+megatron/arguments.py adds the group and calls check_moe_args; the model config reads them through
+megatron.model.gpt2_model.moe_config_from_args, the expert groups are built in megatron/initialize.py.
+"""
+import mpu
+
+
+def add_moe_args(parser):
+    group = parser.add_argument_group("mixture of experts (Megatron-LM's flags; docs/models.md)")
+    group.add_argument("--num-experts", type=int, default=None,
+                       help="experts per MoE layer (default: none, dense MLPs)")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    group.add_argument("--moe-router-score-function", choices=mpu.moe.ROUTERS, default="softmax",
+                       help="softmax (Mixtral: softmax over the top-k logits) or sigmoid (top-k scores, renormalized)")
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                       help="weight of the Switch/GShard load-balancing loss E sum_e f_e P_e")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
+                       help="weight of the router z-loss mean(logsumexp(logits)^2)")
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="each expert takes at most ceil(tokens x topk x this / experts) of a rank's tokens, the "
+                            "rest dropped (default: dropless)")
+    group.add_argument("--moe-layer-freq", type=int, default=1,
+                       help="layer i is an MoE layer when i %% this == 0 (default: every layer)")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="experts split across this many ranks of the data-parallel group (all-to-all dispatch); "
+                            "must divide the data-parallel size and --num-experts")
+    return parser
+
+
+def check_moe_args(args, parser):
+    """Refuse, before anything is built, what the MoE layer does not support (one line naming the fix)."""
+    ep = args.expert_model_parallel_size
+    if not args.num_experts:
+        if ep != 1:
+            parser.error(f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    try:
+        mpu.MoEConfig(num_experts=args.num_experts, topk=args.moe_router_topk, router=args.moe_router_score_function,
+                      capacity_factor=args.moe_expert_capacity_factor, layer_freq=args.moe_layer_freq)
+    except ValueError as error:
+        parser.error(str(error))
+    if ep < 1 or args.data_parallel_size % ep or args.num_experts % ep:
+        parser.error(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
+                     f"({args.data_parallel_size}) and --num-experts ({args.num_experts})")
+    refused = [(args.sequence_parallel, "--sequence-parallel (the MoE layer runs on whole sequences)"),
+               (args.torch_compile, "--torch-compile (the compiled layers are GPT-2's dense ones)"),
+               (bool(args.lora_rank), "--lora-rank (LoRA targets the dense MLP's linears)")]
+    for given, what in refused:
+        if given:
+            parser.error(f"--num-experts cannot be combined with {what}: drop one of them")
+    if ep > 1 and not args.deepspeed:
+        parser.error(f"--expert-model-parallel-size {ep} needs --deepspeed (the ZeRO engine averages expert gradients "
+                     "over the expert-data-parallel group; the local DDP path does not)")
+    stage = args.zero_config.zero_optimization.stage if args.zero_config is not None else 0
+    if ep > 1 and stage == 3:
+        parser.error(f"--expert-model-parallel-size {ep} with ZeRO stage 3 is not supported yet: use stage 0-2, or "
+                     "--expert-model-parallel-size 1 (experts replicated, partitioned by stage 3 like every weight)")
