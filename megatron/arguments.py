@@ -9,7 +9,7 @@ import shutil
 
 import mpu
 from megatron import cli, zero
-from megatron.moe_arguments import add_moe_args, check_moe_args
+from megatron.model.moe_args import add_moe_args, check_moe_args
 
 
 def parse_args(extra_args_provider=None, args_list=None):

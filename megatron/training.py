@@ -77,18 +77,21 @@ NORMALIZATIONS = (torch.nn.LayerNorm, torch.nn.RMSNorm)   # mpu's LayerNorm and 
 
 def param_groups_for_weight_decay(module):
     """Biases and the parameters of every normalization (LayerNorm, RMSNorm) get no weight decay (Megatron-LM's
-    grouping). Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
+    grouping); MoE expert parameters are grouped alike in groups of their own. Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
     out."""
-    decay, no_decay = [], []
+    decay, no_decay, expert_decay, expert_no_decay = [], [], [], []
     for submodule in module.modules():
         for name, param in submodule.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
+            expert = mpu.is_expert_parameter(param)
             if isinstance(submodule, NORMALIZATIONS) or name == "bias":
-                no_decay.append(param)
+                (expert_no_decay if expert else no_decay).append(param)
             else:
-                decay.append(param)
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+                (expert_decay if expert else decay).append(param)
+    # MoE experts in groups of their own (after the others): expert parallelism reduces them over another group
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": expert_decay}, {"params": expert_no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 
@@ -177,6 +180,8 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
         return None
     if first:
         optimizer.zero_grad()
+    # MoE layers' aux losses join backward with the factor the loss gets (mpu/moe.py)
+    mpu.set_aux_loss_scale((optimizer.cur_scale if args.fp16 or args.bf16 else 1.0) / num_micro_batches)
     if output_grad is not None:
         torch.autograd.backward(loss, output_grad)
     elif args.fp16 or args.bf16:

@@ -11,10 +11,11 @@ per token; the token's output is the routing-weighted sum of their outputs.
     z-loss (ST-MoE)          = z_coeff * mean over tokens of logsumexp(logits)^2
 
 Capacity (capacity_factor c; None: dropless): each expert takes at most C = ceil(T k c / E) of this rank's tokens,
-those that score it highest (softmax(logits) or sigmoid(logits): Megatron-LM's "probs" drop policy, ranked by the
-router's score over all E experts so that top-1's weights, all 1, do not tie); a dropped assignment contributes nothing
-(the token keeps the rest of its weighted sum, and its residual). T is this rank's micro-batch, before dispatch, so
-the result does not depend on the expert-parallel size.
+those that score it highest (Megatron-LM's "probs" drop policy), the earlier token first among equals. The score is
+the router's over all E experts, softmax(logits) or sigmoid(logits) (top-1's weights, all 1, would tie), compared as
+log_softmax(logits) or logits: the same order, without the saturation near 1 that makes fp32 probabilities tie. A
+dropped assignment contributes nothing (the token keeps the rest of its weighted sum, and its residual). T is this
+rank's micro-batch, before dispatch, so the result does not depend on the expert-parallel size.
 
 Expert parallelism (mpu/expert_parallel.py): this rank holds experts [r E/EP, (r+1) E/EP) of its
 expert-model-parallel group, registered under their global numbers (`experts.5....` is expert 5 at every EP); every
@@ -113,16 +114,16 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 # ---- routing -----------------------------------------------------------------------------------------------------
 def route(logits, config):
-    """logits [T, E] (fp32) -> (weights [T, k], experts [T, k], probs [T, E], scores [T, E]) (module docstring;
-    scores: softmax(logits) or sigmoid(logits), what the capacity ranks by)."""
+    """logits [T, E] (fp32) -> (weights [T, k], experts [T, k], probs [T, E], ranks [T, E]) (module docstring;
+    ranks: what the capacity keeps the highest of, in the order of softmax(logits) or sigmoid(logits))."""
     if config.router == "softmax":
         top_logits, experts = logits.topk(config.topk, dim=-1)
-        probs = torch.softmax(logits, dim=-1)
-        return torch.softmax(top_logits, dim=-1), experts, probs, probs
+        return (torch.softmax(top_logits, dim=-1), experts, torch.softmax(logits, dim=-1),
+                torch.log_softmax(logits, dim=-1))
     scores = torch.sigmoid(logits)
     top, experts = scores.topk(config.topk, dim=-1)
     weights = top / top.sum(dim=-1, keepdim=True) if config.topk > 1 else top
-    return weights, experts, scores / scores.sum(dim=-1, keepdim=True), scores
+    return weights, experts, scores / scores.sum(dim=-1, keepdim=True), logits
 
 
 def aux_losses(logits, probs, tokens_per_expert, config):
@@ -137,16 +138,19 @@ def aux_losses(logits, probs, tokens_per_expert, config):
     return total
 
 
-def kept_assignments(weights, experts, scores, config):
+def kept_assignments(weights, experts, ranks, config):
     """(routing weight map [T, E], routed mask [T, E], kept mask [T, E]): kept = routed, less what the capacity
-    drops (per expert, its C assignments of highest score)."""
+    drops (per expert, its C assignments of highest rank)."""
     num_tokens = weights.size(0)
     routing = weights.new_zeros(num_tokens, config.num_experts).scatter(1, experts, weights)
     routed = torch.zeros_like(routing, dtype=torch.bool).scatter(1, experts, True)
     capacity = config.capacity(num_tokens)
     if capacity is None or capacity >= num_tokens:
         return routing, routed, routed
-    best = scores.detach().masked_fill(~routed, -1.0).topk(capacity, dim=0).indices                   # [C, E]
+    # a stable sort: equal ranks (tokens of identical prefixes have identical hidden states) keep the earlier token,
+    # whatever the other values (topk's choice among ties is not fixed)
+    order = ranks.detach().masked_fill(~routed, -math.inf).sort(dim=0, descending=True, stable=True).indices
+    best = order[:capacity]                                                                     # [C, E]                   # [C, E]
     within = torch.zeros_like(routed).scatter(0, best, True)
     return routing, routed, routed & within
 
@@ -232,8 +236,8 @@ class MoEMLP(nn.Module):
         b, s, h = hidden_states.shape
         tokens = hidden_states.reshape(b * s, h)                                          # [T, h]
         logits = F.linear(tokens, self.router.weight).float()                            # [T, E]
-        weights, experts, probs, scores = route(logits, self.config)
-        routing, routed, kept = kept_assignments(weights, experts, scores, self.config)
+        weights, experts, probs, ranks = route(logits, self.config)
+        routing, routed, kept = kept_assignments(weights, experts, ranks, self.config)
         tokens_per_expert = routed.sum(dim=0)                                              # [E] before drops
         aux = aux_losses(logits, probs, tokens_per_expert, self.config)
         self.last_statistics = (aux.detach(), tokens_per_expert.detach())

@@ -56,6 +56,7 @@ from torch import nn
 import mpu
 from mpu.transformer import skip_init_draws
 from megatron.model.hf_interchange import REWARD_HEAD
+from megatron.model.moe_args import moe_config_from_args
 from megatron.zero import GatheredParameters, register_external_parameter
 
 
@@ -157,16 +158,6 @@ def recompute_config_from_args(args):
     """The mpu.RecomputeConfig of --recompute-granularity/--recompute-method/--recompute-num-layers, which
     validation fills from --checkpoint-activations/--checkpoint-num-layers too (megatron/arguments.py)."""
     return mpu.RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
-
-
-def moe_config_from_args(args):
-    """The mpu.MoEConfig of --num-experts and the --moe-* flags, or None without --num-experts."""
-    if not getattr(args, "num_experts", None):
-        return None
-    return mpu.MoEConfig(num_experts=args.num_experts, topk=args.moe_router_topk,
-                         router=args.moe_router_score_function, aux_loss_coeff=args.moe_aux_loss_coeff,
-                         z_loss_coeff=args.moe_z_loss_coeff, capacity_factor=args.moe_expert_capacity_factor,
-                         layer_freq=args.moe_layer_freq)
 
 
 def lora_config_from_args(args):

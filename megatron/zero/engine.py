@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import mpu.lora as mpu_lora
+import mpu.moe as mpu_moe
 import mpu.utils as mpu_utils
 from mpu.utils import full_numel, full_shape
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
@@ -72,6 +73,10 @@ class ZeroEngine(torch.nn.Module):
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.stage3, groups = None, None
         frozen_bytes = 0                  # parameters in no optimizer group (requires_grad False): no state
+        if zero_config.stage == 3 and ctx.expert_model_parallel_size > 1:
+            raise ValueError(f"ZeRO stage 3 with expert parallelism (expert-model-parallel size "
+                             f"{ctx.expert_model_parallel_size}) is not supported: use stages 0-2, or expert-model-"
+                             "parallel size 1 (stage 3 then partitions the replicated experts like every weight)")
         if zero_config.stage == 3:
             groups = stage3.partition_parameters(module, param_groups, ctx, zero_config, dtype, self.device)
             self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
@@ -142,12 +147,16 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.param_gather.wait_all()
 
     def _broadcast_parameters(self):
-        """Every data-parallel rank starts from data-parallel rank 0's parameters."""
+        """Every data-parallel rank starts from data-parallel rank 0's parameters (an expert parameter under expert
+        parallelism: from expert-data-parallel rank 0's, the first rank holding the same experts)."""
         if self.ctx.data_parallel_size == 1:
             return
+        experts = self.ctx.for_experts()
         with torch.no_grad():
             for p in self.module.parameters():
-                dist.broadcast(p.data, group_src=0, group=self.ctx.data_parallel_group)
+                ctx = experts if getattr(p, "expert_parallel", False) else self.ctx
+                if ctx.data_parallel_size > 1:
+                    dist.broadcast(p.data, group_src=0, group=ctx.data_parallel_group)
 
     # ---- training --------------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -173,6 +182,8 @@ class ZeroEngine(torch.nn.Module):
         backward and before any reduction: the schedule sends the input gradient to the previous stage there
         (which would otherwise wait on it while this stage waits in a reduction) and sums the tied embedding."""
         self._require_optimizer("backward")
+        # MoE layers' aux losses join backward with the factor the loss gets (mpu/moe.py)
+        mpu_moe.set_aux_loss_scale(self.optimizer.cur_scale / self.gradient_accumulation_steps())
         with self.timers("backward"):
             if output_grad is None:
                 self.optimizer.backward(loss, self.gradient_accumulation_steps())
@@ -289,6 +300,10 @@ class ZeroEngine(torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError("save_checkpoint of an engine without an optimizer is not supported here: save its "
                                "weights with save_16bit_model() or module_state_dict()")
+        if self.ctx.expert_model_parallel_size > 1:
+            raise ckpt.CheckpointError("checkpoints under expert parallelism are not supported yet (each "
+                                       "expert-parallel rank holds other experts): save at "
+                                       "--expert-model-parallel-size 1")
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 

@@ -25,7 +25,7 @@ from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
-from .partition import FlatGroup
+from .partition import context_for, FlatGroup
 
 
 class ZeroOptimizer:
@@ -49,9 +49,8 @@ class ZeroOptimizer:
         # order, flat order) whose own-partition gradient was non-finite, or None.
         self.skip_nonfinite = False
         self.last_nonfinite_param = None
-        num_partitions = ctx.data_parallel_size if self.stage >= 1 else 1
-        self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
-                                                          for g in optimizer.param_groups]
+        self.groups = groups if groups is not None else [self._flat_group(g["params"]) for g in optimizer.param_groups]
+        self.experts = [group.context is not None for group in self.groups]   # expert groups (expert parallelism)
         offload = zero_config.offload_optimizer
         self.host = offload_memory.HOST if offload.enabled else None
         self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
@@ -81,6 +80,16 @@ class ZeroOptimizer:
         self.skip_step = False
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
+
+    def _flat_group(self, params):
+        """A FlatGroup of `params` partitioned over the data-parallel group, or, for expert parameters under expert
+        parallelism, over the expert-data-parallel group (partition.context_for)."""
+        context = context_for(params, self.ctx)
+        data_parallel = context or self.ctx
+        group = FlatGroup(params, data_parallel.data_parallel_size if self.stage >= 1 else 1,
+                          data_parallel.data_parallel_rank)
+        group.context = context
+        return group
 
     @staticmethod
     def _new_master(group, host, pin_memory):
@@ -116,7 +125,8 @@ class ZeroOptimizer:
         self.param_gather.wait_all()
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         _, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                self.cur_scale, partitioned=self.stage >= 1)
+                                                self.cur_scale, partitioned=self.stage >= 1,
+                                                experts=self.experts)
         self.overflow = bool(found_inf)
         return self.overflow
 
@@ -145,7 +155,8 @@ class ZeroOptimizer:
             return False
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                   self.cur_scale, partitioned=self.stage >= 1)
+                                                   self.cur_scale, partitioned=self.stage >= 1,
+                                                   experts=self.experts)
         self.overflow = found_inf and self.fp16
         scale = self.cur_scale
         if self.fp16:

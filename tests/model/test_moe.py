@@ -42,8 +42,8 @@ def reference_moe(x, router, experts, num_experts, topk, router_kind, capacity_f
         capacity = math.ceil(T * topk * capacity_factor / num_experts)
         kept = set()
         for expert in range(num_experts):
-            mine = sorted([(float(ranks[t][expert].detach()), t) for t in range(T) for e, _ in chosen[t]
-                           if e == expert], reverse=True)
+            mine = sorted([(-float(ranks[t][expert].detach()), t) for t in range(T) for e, _ in chosen[t]
+                           if e == expert])     # highest score first, the earlier token among equals
             kept |= {(t, expert) for _, t in mine[:capacity]}
     rows = []
     for t in range(T):

@@ -2,8 +2,8 @@
 
     --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2
 
-megatron/arguments.py adds the group and calls check_moe_args; the model config reads them through
-megatron.model.gpt2_model.moe_config_from_args, the expert groups are built in megatron/initialize.py.
+megatron/arguments.py adds the group and calls check_moe_args; GPT2ModelConfig.from_args reads them through
+moe_config_from_args; the expert groups are built in megatron/initialize.py.
 """
 import mpu
 
@@ -58,3 +58,13 @@ def check_moe_args(args, parser):
     if ep > 1 and stage == 3:
         parser.error(f"--expert-model-parallel-size {ep} with ZeRO stage 3 is not supported yet: use stage 0-2, or "
                      "--expert-model-parallel-size 1 (experts replicated, partitioned by stage 3 like every weight)")
+
+
+def moe_config_from_args(args):
+    """The mpu.MoEConfig of --num-experts and the --moe-* flags, or None without --num-experts."""
+    if not getattr(args, "num_experts", None):
+        return None
+    return mpu.MoEConfig(num_experts=args.num_experts, topk=args.moe_router_topk,
+                         router=args.moe_router_score_function, aux_loss_coeff=args.moe_aux_loss_coeff,
+                         z_loss_coeff=args.moe_z_loss_coeff, capacity_factor=args.moe_expert_capacity_factor,
+                         layer_freq=args.moe_layer_freq)
