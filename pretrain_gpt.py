@@ -27,7 +27,9 @@ def model_provider():
     set_deepspeed_activation_checkpointing(args)
     print_rank_0("building GPT2 model ...")
     with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
-                   enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
+                   enabled=args.zero_stage == 3 and args.expert_model_parallel_size == 1):
+        # ZeRO-3: each parameter partitioned as its module is built (under expert parallelism built whole: the
+        # engine partitions the experts over their own group)
         model = GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
     return model
 

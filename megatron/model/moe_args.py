@@ -54,10 +54,6 @@ def check_moe_args(args, parser):
     if ep > 1 and not args.deepspeed:
         parser.error(f"--expert-model-parallel-size {ep} needs --deepspeed (the ZeRO engine averages expert gradients "
                      "over the expert-data-parallel group; the local DDP path does not)")
-    stage = args.zero_config.zero_optimization.stage if args.zero_config is not None else 0
-    if ep > 1 and stage == 3:
-        parser.error(f"--expert-model-parallel-size {ep} with ZeRO stage 3 is not supported yet: use stage 0-2, or "
-                     "--expert-model-parallel-size 1 (experts replicated, partitioned by stage 3 like every weight)")
 
 
 def moe_config_from_args(args):

@@ -73,10 +73,6 @@ class ZeroEngine(torch.nn.Module):
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.stage3, groups = None, None
         frozen_bytes = 0                  # parameters in no optimizer group (requires_grad False): no state
-        if zero_config.stage == 3 and ctx.expert_model_parallel_size > 1:
-            raise ValueError(f"ZeRO stage 3 with expert parallelism (expert-model-parallel size "
-                             f"{ctx.expert_model_parallel_size}) is not supported: use stages 0-2, or expert-model-"
-                             "parallel size 1 (stage 3 then partitions the replicated experts like every weight)")
         if zero_config.stage == 3:
             groups = stage3.partition_parameters(module, param_groups, ctx, zero_config, dtype, self.device)
             self.stage3 = stage3.Stage3Parameters(module, groups, ctx, zero_config, self.device)
