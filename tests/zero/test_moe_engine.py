@@ -97,7 +97,7 @@ def reference():
     return run_distributed(_reference, 1, args=((2, 4),), model_parallel_size=1)[0]
 
 
-def _check(results, reference, dp, ep):
+def _check(results, reference, dp, ep, tolerance=1e-6):
     """Every rank's losses and parameters equal the reference's; each rank holds 8 / ep experts per layer, and
     together the ranks hold every expert."""
     held = set()
@@ -106,17 +106,27 @@ def _check(results, reference, dp, ep):
             ref_losses, ref_state = reference[(dp, capacity)]
             assert max_relative_difference(losses, ref_losses) <= 1e-6, (stage, capacity, losses, ref_losses)
             worst = max_relative_difference(state, {name: ref_state[name] for name in state})
-            assert worst <= 1e-6, (stage, capacity, worst)
+            assert worst <= tolerance, (stage, capacity, worst)
             experts = {name for name in state if ".experts." in name}
             assert len(experts) == 2 * 2 * 8 // ep       # 2 layers x 2 weights per expert x 8 / ep experts
             held |= experts
     assert held == {name for name in reference[(dp, None)][1] if ".experts." in name}
 
 
-@pytest.mark.parametrize("ep,stages", [(2, (0, 1, 2, 3)), (4, (1, 2, 3))])
-def test_expert_parallel_engine_matches_one_process(reference, ep, stages):
-    results = run_distributed(_engine_runs, ep, args=(ep, stages), model_parallel_size=1, timeout=240)
-    _check(results, reference, dp=ep, ep=ep)
+@pytest.mark.parametrize("world,ep,stages", [(2, 2, (0, 1, 2, 3)), (4, 4, (1, 2, 3))])
+def test_expert_parallel_engine_matches_one_process(reference, world, ep, stages):
+    results = run_distributed(_engine_runs, world, args=(ep, stages), model_parallel_size=1, timeout=240)
+    _check(results, reference, dp=world, ep=ep)
+
+
+def test_expert_data_parallel_partitions(reference):
+    """EP 2 at data-parallel size 4: each expert on 2 ranks (expert-data-parallel size 2), its gradients averaged
+    and its state partitioned over them. 2e-6: four ranks' gradients are summed in another order than the
+    reference's four micro-batches, and Adam's first steps magnify the last bits of the smallest gradients (the
+    largest differences, ~1.1e-6, are spread over the layer norms' biases and the experts, the signature of
+    rounding, not of a wrong term)."""
+    results = run_distributed(_engine_runs, 4, args=(2, (1, 3)), model_parallel_size=1, timeout=240)
+    _check(results, reference, dp=4, ep=2, tolerance=2e-6)
 
 
 def test_tensor_parallel_times_expert_parallel(reference):
