@@ -1,10 +1,13 @@
-"""The mixture-of-experts flags (Megatron-LM's names) and what they cannot be combined with (docs/models.md).
+"""The mixture-of-experts flags (Megatron-LM's names), what they cannot be combined with (docs/models.md), and the
+MoE fields of the training log.
 
     --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2
 
 megatron/arguments.py adds the group and calls check_moe_args; GPT2ModelConfig.from_args reads them through
 moe_config_from_args; the expert groups are built in megatron/initialize.py.
 """
+import torch
+
 import mpu
 
 
@@ -64,3 +67,25 @@ def moe_config_from_args(args):
                          router=args.moe_router_score_function, aux_loss_coeff=args.moe_aux_loss_coeff,
                          z_loss_coeff=args.moe_z_loss_coeff, capacity_factor=args.moe_expert_capacity_factor,
                          layer_freq=args.moe_layer_freq)
+
+
+def moe_log_fields(module):
+    """The training log's MoE fields of `module`'s last forward on this rank: the aux losses (load balancing + z)
+    summed over its MoE layers, and the fewest and most tokens any of its experts was routed (per layer, before
+    capacity drops: an expert at 0 is starving, one far above tokens x topk / experts is overloaded); {} without
+    MoE layers. One host sync (log intervals only)."""
+    statistics = mpu.moe_statistics(module)
+    if not statistics:
+        return {}
+    aux = sum(aux for aux, _ in statistics)
+    counts = torch.stack([counts for _, counts in statistics])                  # [MoE layers, E]
+    values = torch.stack([aux.float(), counts.min().float(), counts.max().float()]).tolist()
+    return {"moe aux loss": values[0], "tokens per expert min": int(values[1]), "tokens per expert max": int(values[2])}
+
+
+def moe_log_text(fields):
+    """' | moe aux loss: ... | tokens per expert min/max: a/b' ('' without MoE)."""
+    if not fields:
+        return ""
+    return (f" | moe aux loss: {fields['moe aux loss']:.6E} | tokens per expert min/max: "
+            f"{fields['tokens per expert min']}/{fields['tokens per expert max']}")
