@@ -53,6 +53,7 @@ CLIENT_STATE = "client_state"
 DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
 PIPELINE_PARALLEL_SIZE = "pipeline_parallel_size"   # absent in checkpoints saved before pipelining: 1
+EXPERT_MODEL_PARALLEL_SIZE = "expert_model_parallel_size"   # MoE experts split over ranks; absent before MoE: 1
 ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
 STAGE3_PARTITIONS = "stage3_partitions"  # stage 3, saved partitioned: per stage-3 group {"names", "shapes"}; the
                                          # module then holds the buffers only, the weights are in the ranks' files

@@ -253,16 +253,19 @@ class ZeroOptimizer:
         saved data-parallel ranks' dicts."""
         self.load_partitioned_state_dicts(state if isinstance(state, list) else [state])
 
-    def load_partitioned_state_dicts(self, states):
+    def load_partitioned_state_dicts(self, states, expert_states=None):
         """Load this rank's range from the files of *all* saved data-parallel ranks (any data-parallel size) of this
         mp rank. Only the pieces that overlap this rank's range are copied, so with memory-mapped loads a process
-        reads its own share only. The parameters themselves come from the module weights (loaded before)."""
+        reads its own share only. The parameters themselves come from the module weights (loaded before).
+        `expert_states`: the files holding this rank's experts, for the expert groups (expert parallelism: the
+        saved ranks at this rank's expert-parallel position; None: `states`)."""
         self.param_gather.wait_all()   # an in-flight gather still reads the masters (fp32) rewritten here
         if len(states[0][GROUPS]) != len(self.groups):
             raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
                              f"the optimizer has {len(self.groups)}")
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
-            saved = [s[GROUPS][index] for s in states]
+            saved = [s[GROUPS][index] for s in (expert_states if self.experts[index] and expert_states is not None
+                                                else states)]
             if saved[0][NUMEL] != group.numel:
                 raise ValueError(f"optimizer param group {index}: checkpoint has {saved[0][NUMEL]} elements, "
                                  f"the model has {group.numel}")
