@@ -1,7 +1,8 @@
 """MoE through pretrain_gpt.py: the --deepspeed path at expert-parallel size 2 trains the same losses as at 1 (the
 same data-parallel size), prints the aux loss and the tokens per expert every log interval, and its model-state
-estimate equals what the engine holds after step 1 (experts partitioned over the expert-data-parallel group); the
-FLOP count counts the active parameters; bad flag combinations stop with one line."""
+estimate equals what the engine holds after step 1 (experts partitioned over the expert-data-parallel group);
+pipeline parallelism with EP equals the run without; the FLOP count counts the active parameters; bad flag
+combinations stop with one line."""
 import contextlib
 import io
 import re
@@ -38,6 +39,18 @@ def test_deepspeed_path_at_expert_parallel_2_equals_1(tmp_path):
         assert int(high) >= tokens * 2 // 4     # some expert takes at least the average share
     assert ep2["model_state_estimate"]["total"] == ep2["model_state_measured"]["total"]
     assert ep2["model_state_measured"]["total"] < ep1["model_state_measured"]["total"]   # half the experts here
+
+
+def test_pipeline_2_with_expert_parallel_2_equals_one_stage(tmp_path):
+    """4 ranks: 2 stages x data-parallel 2 at EP 2 (ZeRO-1, 2 micro-batches a step, aux and z losses on) train the
+    losses of 2 ranks without the pipeline: each stage's MoE layer gets its aux-loss gradient with the right scale."""
+    config = write_config(str(tmp_path), zero_optimization={"stage": 1}, gradient_accumulation_steps=2)
+    common = TINY + NO_DROPOUT + MOE + ["--expert-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
+                                        config]
+    one_stage = run_distributed(train, 2, args=(common,))[0]["lm loss"]
+    two_stages = run_distributed(train, 4, args=(common + ["--pipeline-model-parallel-size", "2"],))[-1]["lm loss"]
+    assert len(two_stages) == 10
+    assert max(abs(a - b) for a, b in zip(one_stage, two_stages)) <= 1e-6, (one_stage, two_stages)
 
 
 def test_flops_count_active_parameters():

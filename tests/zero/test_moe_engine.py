@@ -62,7 +62,7 @@ def _reference(data_parallel_sizes):
     return results
 
 
-def _engine_runs(ep, stages):
+def _engine_runs(ep, stages, accumulation=1):
     """{(stage, capacity): (losses, full state)} of this rank: its experts and every dense parameter, whole."""
     import mpu
     from megatron import zero
@@ -71,7 +71,7 @@ def _engine_runs(ep, stages):
     for stage in stages:
         for capacity in CAPACITIES:
             model = _model(capacity)
-            config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
                       "gradient_clipping": CLIP, "steps_per_print": 10 ** 6,
                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
                                             "allgather_bucket_size": 300}}
@@ -80,13 +80,15 @@ def _engine_runs(ep, stages):
             dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
             losses = []
             for step in range(STEPS):
-                tokens, labels = _micro_batch(step, dp_rank)
-                loss = engine(tokens, labels=labels).mean()
-                engine.backward(loss)
-                engine.step()
-                total = loss.detach().clone()
+                total = torch.zeros(())
+                for k in range(accumulation):   # micro-batch k of data-parallel rank r: the reference's r acc + k
+                    tokens, labels = _micro_batch(step, dp_rank * accumulation + k)
+                    loss = engine(tokens, labels=labels).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    total += loss.detach()
                 dist.all_reduce(total, group=mpu.get_data_parallel_group())
-                losses.append(float(total) / dp)
+                losses.append(float(total) / (dp * accumulation))
             with zero.GatheredParameters(list(engine.module.parameters())):     # stage 3: whole inside
                 results[(stage, capacity)] = (losses, gathered_model_parallel(engine.module))
     return results
@@ -126,6 +128,13 @@ def test_expert_data_parallel_partitions(reference):
     largest differences, ~1.1e-6, are spread over the layer norms' biases and the experts, the signature of
     rounding, not of a wrong term)."""
     results = run_distributed(_engine_runs, 4, args=(2, (1, 3)), model_parallel_size=1, timeout=240)
+    _check(results, reference, dp=4, ep=2, tolerance=2e-6)
+
+
+def test_gradient_accumulation(reference):
+    """2 micro-batches a step on each of 2 ranks (EP 2): the engine backpropagates each micro-batch's loss / 2, and
+    the aux losses with it (mpu.set_aux_loss_scale)."""
+    results = run_distributed(_engine_runs, 2, args=(2, (2,), 2), model_parallel_size=1, timeout=240)
     _check(results, reference, dp=4, ep=2, tolerance=2e-6)
 
 
