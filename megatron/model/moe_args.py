@@ -54,7 +54,7 @@ def check_moe_args(args, parser):
     for given, what in refused:
         if given:
             parser.error(f"--num-experts cannot be combined with {what}: drop one of them")
-    if ep > 1 and not args.deepspeed:
+    if ep > 1 and args.zero_config is None:          # the --deepspeed path's parsed JSON
         parser.error(f"--expert-model-parallel-size {ep} needs --deepspeed (the ZeRO engine averages expert gradients "
                      "over the expert-data-parallel group; the local DDP path does not)")
 

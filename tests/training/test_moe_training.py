@@ -76,3 +76,11 @@ def test_bad_moe_flags_stop_with_one_line(flags, message, capsys):
     from megatron.arguments import parse_args
     line = parser_error(lambda argv: parse_args(args_list=["--mock-data"] + argv), flags, capsys)
     assert message in line, line
+
+
+def test_expert_parallel_needs_the_engine(capsys, monkeypatch):
+    from megatron.arguments import parse_args
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = parser_error(lambda argv: parse_args(args_list=["--mock-data"] + argv),
+                        ["--num-experts", "4", "--expert-model-parallel-size", "2"], capsys)
+    assert "--expert-model-parallel-size 2 needs --deepspeed" in line, line
