@@ -96,7 +96,8 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padde
 # every load; a checkpoint written before they existed holds these values.
 ARCHITECTURE_DEFAULTS = {"num_key_value_heads": None, "ffn_hidden_size": None, "swiglu": False,
                          "normalization": "layernorm", "add_bias_linear": True, "learned_position_embeddings": True,
-                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False}
+                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False,
+                         "num_experts": None, "moe_router_topk": None}   # MoE (None: dense MLPs)
 
 
 ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")

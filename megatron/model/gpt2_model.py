@@ -149,6 +149,15 @@ class GPT2ModelConfig:
                                 add_bias_linear=self.add_bias_linear, moe=self.moe)
 
     @property
+    def num_experts(self):
+        """Experts per MoE layer (None: dense), as checkpoints record it (layout.ARCHITECTURE_DEFAULTS)."""
+        return self.moe.num_experts if self.moe is not None else None
+
+    @property
+    def moe_router_topk(self):
+        return self.moe.topk if self.moe is not None else None
+
+    @property
     def tied_head(self):
         """The LM head is the word embedding (GPT-2)."""
         return not self.untie_embeddings_and_output_weights

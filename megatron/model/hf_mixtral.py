@@ -38,13 +38,22 @@ def check_mixtral_config(hf_config):
                                "(set sliding_window to null)")
     llama = {key: value for key, value in hf_config.items() if not (key == "head_dim" and value is None)}
     model_config = check_llama_config({**llama, "model_type": "llama"})     # Mixtral's head_dim None: h / heads
-    model_config["moe"] = mpu.MoEConfig(num_experts=hf_config["num_local_experts"],
-                                        topk=hf_config["num_experts_per_tok"])
+    model_config.update(num_experts=hf_config["num_local_experts"], moe_router_topk=hf_config["num_experts_per_tok"])
+    model_config["moe"] = moe_config(model_config)
     return model_config
 
 
+def moe_config(model_config):
+    """The mpu.MoEConfig of a model_config: its `moe`, or what a checkpoint's record holds (num_experts,
+    moe_router_topk; the router's training options are not recorded: softmax, dropless)."""
+    if model_config.get("moe") is not None:
+        return model_config["moe"]
+    return mpu.MoEConfig(num_experts=model_config["num_experts"], topk=model_config["moe_router_topk"])
+
+
 def is_mixtral_config(model_config):
-    return model_config.get("moe") is not None
+    """A model_config (or a checkpoint's record) with MoE MLPs: converted as MixtralForCausalLM."""
+    return model_config.get("moe") is not None or bool(model_config.get("num_experts"))
 
 
 def _moe_pairs(i, num_experts):
@@ -91,7 +100,7 @@ def from_hf_mixtral_state_dict(hf_state, hf_config):
         if missing:
             raise InterchangeError(f"the weights lack {missing[0]}")
         weights[ours] = torch.cat([hf_state[name] for name in theirs]).contiguous()
-    num_experts, f = model_config["moe"].num_experts, model_config["ffn_hidden_size"]
+    num_experts, f = model_config["num_experts"], model_config["ffn_hidden_size"]
     for i in range(model_config["num_layers"]):
         router, gate_up, down = _fused_experts(hf_state, i, num_experts)
         if tuple(gate_up.shape[:2]) != (num_experts, 2 * f):
@@ -116,7 +125,7 @@ def to_hf_mixtral_state_dict(weights, model_config):
         pieces = weights[ours].split([h, kv, kv]) if len(theirs) == 3 else [weights[ours]]
         for name, piece in zip(theirs, pieces, strict=True):
             state[name] = piece.contiguous().clone()
-    num_experts = model_config["moe"].num_experts
+    num_experts = moe_config(model_config).num_experts
     for i in range(model_config["num_layers"]):
         prefix, theirs = f"transformer.layers.{i}.mlp.", f"model.layers.{i}.mlp."
         state[theirs + "gate.weight"] = weights[prefix + "router.weight"].contiguous().clone()
@@ -132,7 +141,7 @@ def to_hf_mixtral_config_dict(model_config, bos_id=None, eos_id=None):
     config = to_hf_llama_config_dict(model_config, bos_id, eos_id)
     for key in ("attention_bias", "mlp_bias", "head_dim"):
         config.pop(key)
-    moe = model_config["moe"]
+    moe = moe_config(model_config)
     if moe.router != "softmax" or moe.layer_freq != 1:
         raise InterchangeError(f"Mixtral has a softmax router in every layer; this model has a {moe.router} router "
                                f"every {moe.layer_freq} layer(s)")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.spawn import run_distributed
+from tests.helpers import TOOLS  # noqa: F401 (puts tools/ on sys.path: the converters are scripts)
 
 HF_CONFIG = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
@@ -128,3 +129,22 @@ def test_config_round_trip_and_refusals():
     assert again == model_config
     with pytest.raises(InterchangeError, match="sliding_window 8"):
         check_mixtral_config(MixtralConfig(**dict(HF_CONFIG, sliding_window=8)))
+
+
+def test_tools_round_trip(mixtral, tmp_path):
+    """tools/convert_from_hf.py writes a checkpoint whose record names the experts (and the flags that build it);
+    tools/convert_to_hf.py turns it back into a MixtralForCausalLM directory with the same weights and logits."""
+    import convert_from_hf
+    import convert_to_hf
+    from transformers import MixtralForCausalLM
+    hf, state, hf_logits = mixtral
+    hf.save_pretrained(tmp_path / "hf")
+    model_config, _ = convert_from_hf.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                                              make_vocab_size_divisible_by=8)
+    flags = convert_from_hf.architecture_flags(model_config)
+    assert flags[flags.index("--num-experts") + 1] == "4" and flags[flags.index("--moe-router-topk") + 1] == "2"
+    convert_to_hf.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    back = MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in state.items())
+    with torch.no_grad():
+        assert torch.equal(back(TOKENS).logits, hf_logits)
