@@ -53,6 +53,23 @@ def test_pipeline_2_with_expert_parallel_2_equals_one_stage(tmp_path):
     assert max(abs(a - b) for a, b in zip(one_stage, two_stages)) <= 1e-6, (one_stage, two_stages)
 
 
+def test_resume_at_expert_parallel_2_and_weights_at_1(tmp_path):
+    """pretrain_gpt.py --deepspeed at EP 2 stopped at iteration 5 (saved) and resumed equals the straight run; the
+    checkpoint loads at EP 1 with --no-load-optim (every expert is in it), its optimizer state is refused there."""
+    config = write_config(str(tmp_path))
+    save = str(tmp_path / "ckpt")
+    common = TINY + NO_DROPOUT + MOE + ["--deepspeed", "--deepspeed_config", config]
+    ep2 = common + ["--expert-model-parallel-size", "2"]
+    straight = run_distributed(train, 2, args=(ep2,))[0]["lm loss"]
+    run_distributed(train, 2, args=(ep2 + ["--save", save, "--exit-interval", "5"],))
+    resumed = run_distributed(train, 2, args=(ep2 + ["--load", save],))[0]["lm loss"]
+    assert len(resumed) == 5 and max(abs(a - b) for a, b in zip(resumed, straight[5:])) <= 1e-6, (resumed, straight)
+    weights = run_distributed(train, 2, args=(common + ["--load", save, "--no-load-optim"],))[0]["lm loss"]
+    assert len(weights) == 5 and abs(weights[0] - resumed[0]) <= 1e-6   # the first loss is the saved weights'
+    with pytest.raises(RuntimeError, match="saved at expert-model-parallel size 2, this run uses 1"):
+        run_distributed(train, 2, args=(common + ["--load", save],))
+
+
 def test_flops_count_active_parameters():
     import mpu
     from megatron.training import flops_per_token
