@@ -9,6 +9,7 @@ import shutil
 
 import mpu
 from megatron import cli, zero
+from megatron.model.moe_args import add_moe_args, check_moe_args
 
 
 def parse_args(extra_args_provider=None, args_list=None):
@@ -24,7 +25,7 @@ def build_parser(extra_args_provider=None):
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
                       _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
-                      _add_logging_args, _add_lora_args):
+                      _add_logging_args, _add_lora_args, add_moe_args):
         add_group(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -375,6 +376,7 @@ def validate_args(args, parser):
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
+    check_moe_args(args, parser)
     _check_sequence_parallel(args, parser)
     _check_backend(args, parser)
     _resolve_recompute_args(args, parser)

@@ -57,6 +57,9 @@ def _initialize_distributed(args):
         mpu.initialize_model_parallel(args.model_parallel_size, args.pipeline_model_parallel_size,
                                       timeout=timedelta(minutes=args.distributed_timeout_minutes),
                                       virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+        if getattr(args, "expert_model_parallel_size", 1) > 1:
+            mpu.initialize_expert_parallel(args.expert_model_parallel_size,
+                                           timeout=timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def restart_attempt_store(timeout):

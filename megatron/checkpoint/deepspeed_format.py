@@ -93,7 +93,10 @@ def _our_optim_states(directory, model_parallel_rank, pipeline_rank, model_state
     found = ckpt.optim_states_ranks(directory, model_parallel_rank, pipeline_rank)
     if not found:
         return None
-    ranks = [0] if model_states[ckpt.ZERO_STAGE] == 0 else list(range(model_states[ckpt.DATA_PARALLEL_SIZE]))
+    # stage 0: rank 0's file holds everything, except under expert parallelism, where the first EP ranks' files
+    # hold the different experts
+    ranks = list(range(model_states.get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1))) if model_states[ckpt.ZERO_STAGE] == 0 \
+        else list(range(model_states[ckpt.DATA_PARALLEL_SIZE]))
     missing = sorted(set(ranks) - set(found))
     if missing:
         where = f"model-parallel rank {model_parallel_rank}" + \

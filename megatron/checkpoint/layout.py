@@ -54,6 +54,7 @@ CLIENT_STATE = "client_state"
 DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
 PIPELINE_PARALLEL_SIZE = "pipeline_parallel_size"   # absent in checkpoints saved before pipelining: 1
+EXPERT_MODEL_PARALLEL_SIZE = "expert_model_parallel_size"   # MoE experts split over ranks; absent before MoE: 1
 ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
 STAGE3_PARTITIONS = "stage3_partitions"  # stage 3, saved partitioned: per stage-3 group {"names", "shapes"}; the
                                          # module then holds the buffers only, the weights are in the ranks' files
@@ -96,7 +97,8 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padde
 # every load; a checkpoint written before they existed holds these values.
 ARCHITECTURE_DEFAULTS = {"num_key_value_heads": None, "ffn_hidden_size": None, "swiglu": False,
                          "normalization": "layernorm", "add_bias_linear": True, "learned_position_embeddings": True,
-                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False}
+                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False,
+                         "num_experts": None, "moe_router_topk": None}   # MoE (None: dense MLPs)
 
 
 ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")

@@ -53,6 +53,11 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     if load_optimizer and fresh_adapters:
         raise ckpt.CheckpointError(f"{saved.directory} has no LoRA adapters (a base model): load it with --finetune "
                                    "(fresh adapters and optimizer)")
+    experts = saved.files[0].get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1) if saved.path == "zero" else 1
+    if load_optimizer and experts > 1:   # its expert groups' optimizer files differ by expert-parallel rank
+        raise ckpt.CheckpointError(f"{saved.directory} was saved at expert-model-parallel size {experts}: its optimizer "
+                                   "state loads only at that size and the saving model-parallel size; pass "
+                                   "--no-load-optim (or --finetune) to take the weights")
     if load_optimizer and not saved.has_optimizer_state():
         raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "
                                    "--no-load-optim or --finetune to start it fresh")

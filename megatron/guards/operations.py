@@ -202,13 +202,15 @@ def memory_setting(args):
     return f"mp rank {mpu.get_model_parallel_rank()}, dp {args.data_parallel_size}, {optimizer}, {args.params_dtype}"
 
 
-def model_state_estimate(counts, args, module=None):
+def model_state_estimate(counts, args, module=None, data_parallel_sizes=None):
     """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups,
     and the run's zero.Config (args.zero_config, None on the Megatron path; its "auto" values resolved by
     zero.initialize). `module`: the model, whose small parameters stage 3 keeps whole and whose frozen ones have
-    parameters only."""
+    parameters only. `data_parallel_sizes`: each group's partitions (MoE experts under expert parallelism: the
+    expert-data-parallel size); None: the data-parallel size for every group."""
     parameters = list(module.parameters()) if module is not None else []
-    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config, args.data_parallel_size,
+    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config,
+                                    data_parallel_sizes if data_parallel_sizes is not None else args.data_parallel_size,
                                     parameter_sizes=[mpu.full_numel(p) for p in parameters],
                                     frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
 

@@ -29,8 +29,10 @@ def gpt_model(args, reward_head=False):
     config = GPT2ModelConfig.from_args(args)
     if reward_head:
         config = dataclasses.replace(config, reward_head=True)
+    # ZeRO-3: each parameter partitioned as its module is built (under expert parallelism built whole: the engine
+    # partitions the experts over their own group)
     with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), remote_device=args.remote_device,
-                   enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
+                   enabled=args.zero_stage == 3 and getattr(args, "expert_model_parallel_size", 1) == 1):
         # the class is looked up on megatron.model when called, as the seed's pretrain_gpt.py imported it from there:
         # a caller that replaces megatron.model.GPT2Model (tests/training/test_nonfinite.py poisons a gradient so)
         # gets its own class

@@ -208,7 +208,8 @@ DEEPSPEED_KEYS = {
     "log_level": (NO_EFFECT, "megatron.zero prints on rank 0 only"),
     "managed_gradient_accumulation": (NO_EFFECT, "the engine always counts micro-steps to the boundary"),
     "vocabulary_size": (NO_EFFECT, "read by DeepSpeed's pipeline engine only"),
-    "use_data_before_expert_parallelism": (NO_EFFECT, "there is no expert parallelism"),
+    "use_data_before_expert_parallelism": (NO_EFFECT, "the expert groups come from --expert-model-parallel-size "
+                                                      "(mpu/expert_parallel.py)"),
     "flops_profiler": (NO_EFFECT, "the log line prints TFLOP/s"),
     "tensorboard": (NO_EFFECT, "use --tensorboard-dir"),
     "csv_monitor": (NO_EFFECT, "use --log-jsonl"), "wandb": (NO_EFFECT, "use --log-jsonl"),
@@ -236,7 +237,8 @@ DEEPSPEED_KEYS = {
                    {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
                     "keep_in_fp32_modules": "auto"}),
     "tensor_parallel": (REFUSED, "use --tensor-model-parallel-size", {"autotp_size": 0}),
-    "expert_parallel": (REFUSED, "there is no expert parallelism", {"enabled": False}),
+    "expert_parallel": (REFUSED, "use --num-experts and --expert-model-parallel-size (docs/models.md)",
+                        {"enabled": False}),
     # hybrid_engine ("enabled" is honoured: HybridEngineConfig); DeepSpeed's inference-kernel settings
     "hybrid_engine.max_out_tokens": (NO_EFFECT, "the KV cache is sized per call, for its prompts and new tokens"),
     "hybrid_engine.inference_tp_size": (NO_EFFECT, "generation runs at the training's tensor-parallel layout; the "

@@ -26,7 +26,7 @@ from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .muon import Muon, MuonError, partition_update
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
-from .partition import FlatGroup
+from .partition import context_for, FlatGroup
 
 
 class ZeroOptimizer:
@@ -50,9 +50,8 @@ class ZeroOptimizer:
         # order, flat order) whose own-partition gradient was non-finite, or None.
         self.skip_nonfinite = False
         self.last_nonfinite_param = None
-        num_partitions = ctx.data_parallel_size if self.stage >= 1 else 1
-        self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
-                                                          for g in optimizer.param_groups]
+        self.groups = groups if groups is not None else [self._flat_group(g["params"]) for g in optimizer.param_groups]
+        self.experts = [group.context is not None for group in self.groups]   # expert groups (expert parallelism)
         offload = zero_config.offload_optimizer
         # Muon halves: orthogonalized here (partition_update) from whole matrices, their flat masters never tiled
         self.muon_groups = [bool(g.get("use_muon")) for g in optimizer.param_groups] \
@@ -90,6 +89,16 @@ class ZeroOptimizer:
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
 
+    def _flat_group(self, params):
+        """A FlatGroup of `params` partitioned over the data-parallel group, or, for expert parameters under expert
+        parallelism, over the expert-data-parallel group (partition.context_for)."""
+        context = context_for(params, self.ctx)
+        data_parallel = context or self.ctx
+        group = FlatGroup(params, data_parallel.data_parallel_size if self.stage >= 1 else 1,
+                          data_parallel.data_parallel_rank)
+        group.context = context
+        return group
+
     @staticmethod
     def _new_master(group, host, pin_memory):
         partition = group.own_partition()
@@ -124,7 +133,8 @@ class ZeroOptimizer:
         self.param_gather.wait_all()
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         _, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                self.cur_scale, partitioned=self.stage >= 1)
+                                                self.cur_scale, partitioned=self.stage >= 1,
+                                                experts=self.experts)
         self.overflow = bool(found_inf)
         return self.overflow
 
@@ -153,7 +163,8 @@ class ZeroOptimizer:
             return False
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                   self.cur_scale, partitioned=self.stage >= 1)
+                                                   self.cur_scale, partitioned=self.stage >= 1,
+                                                   experts=self.experts)
         self.overflow = found_inf and self.fp16
         scale = self.cur_scale
         if self.fp16:
@@ -261,16 +272,19 @@ class ZeroOptimizer:
         saved data-parallel ranks' dicts."""
         self.load_partitioned_state_dicts(state if isinstance(state, list) else [state])
 
-    def load_partitioned_state_dicts(self, states):
+    def load_partitioned_state_dicts(self, states, expert_states=None):
         """Load this rank's range from the files of *all* saved data-parallel ranks (any data-parallel size) of this
         mp rank. Only the pieces that overlap this rank's range are copied, so with memory-mapped loads a process
-        reads its own share only. The parameters themselves come from the module weights (loaded before)."""
+        reads its own share only. The parameters themselves come from the module weights (loaded before).
+        `expert_states`: the files holding this rank's experts, for the expert groups (expert parallelism: the
+        saved ranks at this rank's expert-parallel position; None: `states`)."""
         self.param_gather.wait_all()   # an in-flight gather still reads the masters (fp32) rewritten here
         if len(states[0][GROUPS]) != len(self.groups):
             raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
                              f"the optimizer has {len(self.groups)}")
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
-            saved = [s[GROUPS][index] for s in states]
+            saved = [s[GROUPS][index] for s in (expert_states if self.experts[index] and expert_states is not None
+                                                else states)]
             if saved[0][NUMEL] != group.numel:
                 raise ValueError(f"optimizer param group {index}: checkpoint has {saved[0][NUMEL]} elements, "
                                  f"the model has {group.numel}")
