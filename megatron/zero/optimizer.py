@@ -26,7 +26,7 @@ from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .muon import Muon, MuonError, partition_update
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
-from .partition import context_for, FlatGroup
+from .partition import context_for, context_of, FlatGroup
 
 
 class ZeroOptimizer:
@@ -205,9 +205,10 @@ class ZeroOptimizer:
         state = self.optimizer.state.setdefault(master, {})
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(master)
-        model_parallel = (self.ctx.model_parallel_group, self.ctx.model_parallel_rank, self.ctx.model_parallel_size)
+        ctx = context_of(self.groups[index], self.ctx)     # an expert group's: its expert-data-parallel group
+        model_parallel = (ctx.model_parallel_group, ctx.model_parallel_rank, ctx.model_parallel_size)
         return partition_update(grad, state["momentum_buffer"], self.groups[index], self.optimizer.param_groups[index],
-                                self.ctx.data_parallel_group, model_parallel)
+                                ctx.data_parallel_group, model_parallel)
 
     def _first_nonfinite_param(self, partition_grads):
         for group, grad in zip(self.groups, partition_grads):

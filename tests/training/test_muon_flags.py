@@ -83,3 +83,15 @@ def test_muon_resumes_exactly_through_pretrain_gpt(tmp_path, deepspeed):
     set_tracker(straight_dir, N)
     resumed = _run(2, MODEL + extra + ["--load", straight_dir, "--save", str(tmp_path / "resumed")])
     _assert_continues(straight, resumed, N + 1)
+
+
+def test_muon_with_experts_at_expert_parallel_2_equals_1(tmp_path):
+    """Mixture of experts under ZeRO-2 at data parallel 4: at EP 2 the experts' Muon half is partitioned over an
+    expert-data-parallel group of 2 (its updates gathered over that group, not the data-parallel one) and each
+    expert matrix orthogonalized whole; EP 2 equals EP 1."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    common = TINY + NO_DROPOUT + MUON + moe + ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
+    ep1 = run_distributed(train, 4, args=(common,))[0]["lm loss"]
+    ep2 = run_distributed(train, 4, args=(common + ["--expert-model-parallel-size", "2"],))[0]["lm loss"]
+    assert len(ep2) == 10 and ep2[-1] < ep2[0]
+    assert max(abs(a - b) for a, b in zip(ep1, ep2)) <= 1e-5, (ep1, ep2)
