@@ -90,9 +90,11 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
 
 
 def _load_megatron_optimizer(optimizer, module, saved, shard):
-    """torch Adam/AdamW, or FP16_Optimizer around it: each parameter's fp32 master and moments copied into the
-    optimizer's own tensors one parameter at a time (no second copy of the state is ever built)."""
+    """torch Adam/AdamW or Muon, or FP16_Optimizer around it: each parameter's fp32 master and moments (Muon's
+    momentum for its matrices) copied into the optimizer's own tensors one parameter at a time (no second copy of
+    the state is ever built)."""
     inner = getattr(optimizer, "optimizer", optimizer)
+    muon = {id(p) for group in inner.param_groups if group.get("use_muon") for p in group["params"]}
     params = dict(module.named_parameters())
     masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params)) \
         if hasattr(optimizer, "master_params") else {}
@@ -105,9 +107,10 @@ def _load_megatron_optimizer(optimizer, module, saved, shard):
                 stepped.copy_(shard(name, "master"))
                 param.copy_(stepped)
             state = inner.state.setdefault(stepped, {})
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in ckpt.MUON_KINDS if id(stepped) in muon else ckpt.ADAM_KINDS:
                 value = shard(name, kind)
                 if value is None:
+                    ckpt.check_other_optimizer(lambda _, other: shard(name, other), param, kind)
                     inner.state.pop(stepped, None)
                     break
                 if kind in state:

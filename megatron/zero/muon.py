@@ -141,6 +141,7 @@ class MuonError(ConfigError):
     """A Muon setting or combination this codebase does not support (said in one line)."""
 
 
+
 def orthogonalized(local, param, group, model_parallel):
     """O for one matrix from its Nesterov update `local` (this rank's tensor-parallel shard when split): the
     shards gathered over `model_parallel` = (group, rank, size) and joined in the single-process order (the

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .bucketing import BoundaryReducer, BucketReducer
-from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
-                         PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
+from megatron.checkpoint.layout import (ADAM_KINDS, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER,
+                                        MASTER, MUON_KINDS, NUMEL, PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START,
+                                        ZERO_STAGE, check_other_optimizer)
 from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .muon import Muon, MuonError, partition_update
@@ -310,16 +311,14 @@ class ZeroOptimizer:
     def load_full_state(self, tensor_of, scalar_states, hyperparameters, loss_scaler_state):
         """Load from a checkpoint of another topology or path (megatron.checkpoint.reshard): `tensor_of(param, kind)` is this
         model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
-        (None: not saved). Only the parameters that overlap this rank's range are asked for."""
+        ("momentum_buffer" in Muon's half; None: not saved). Only the parameters that overlap this rank's range are
+        asked for."""
         self.param_gather.wait_all()   # as in load_partitioned_state_dicts
-        if any(self.muon_groups):
-            raise MuonError("a Muon checkpoint loads at its own tensor- and pipeline-parallel sizes (any data-"
-                            "parallel size): this load would reshard, and Muon's momentum is not resharded yet")
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
             held = self._master_state(index)   # reuse this rank's moment buffers when they exist
-            values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master)
-                      for kind in ("exp_avg", "exp_avg_sq")}
+            kinds = MUON_KINDS if self.muon_groups[index] else ADAM_KINDS
+            values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master) for kind in kinds}
             with torch.no_grad():
                 master.zero_()
                 for param_index, lo, hi in group.segments(start, end):
@@ -327,13 +326,14 @@ class ZeroOptimizer:
                     for kind, target in (("master", master), *values.items()):
                         tensor = tensor_of(param, kind)
                         if tensor is None:
+                            check_other_optimizer(tensor_of, param, kind)
                             values.pop(kind, None)
                             continue
                         target[lo - start:hi - start].copy_(tensor.reshape(-1)[lo - param_start:hi - param_start])
             state = _scalar_state_on_device(scalar_states[index] if index < len(scalar_states) else {},
                                             self.optimizer.param_groups[index], master)
             self._set_master_state(index, {**{k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()},
-                                           **values} if len(values) == 2 else {})
+                                           **values} if len(values) == len(kinds) else {})
         for group, saved in zip(self.optimizer.param_groups, hyperparameters or []):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if loss_scaler_state is not None and self.fp16:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron.spawn import run_distributed
-from tests.helpers import NO_DROPOUT, parser_error, TINY, train, write_config
+from tests.helpers import NO_DROPOUT, parser_error, set_tracker, TINY, train, write_config
 
 MUON = ["--optimizer", "muon", "--muon-lr", "0.02"]
 
@@ -49,17 +49,23 @@ def test_unsupported_muon_combinations_stop_in_one_line(tmp_path, capsys):
     assert "--optimizer muon" in line and "offload_optimizer" in line
 
 
-def test_a_muon_checkpoint_at_another_tensor_parallel_size_is_refused(tmp_path):
-    """Muon's momentum is not resharded: loading it at another tensor-parallel size must stop, never train on with
-    the momentum silently zeroed (at another data-parallel size it loads: tests/zero/test_muon.py)."""
-
-    config = write_config(str(tmp_path))
-    save = TINY + NO_DROPOUT + MUON + ["--deepspeed", "--deepspeed_config", config, "--save", str(tmp_path / "ck"),
-                                       "--train-iters", "2"]
-    run_distributed(train, 1, args=(save,))
-    load = save[:-2] + ["--train-iters", "4", "--load", str(tmp_path / "ck"), "--model-parallel-size", "2"]
-    with pytest.raises(RuntimeError, match="a Muon checkpoint loads at its own tensor- and pipeline-parallel sizes"):
-        run_distributed(train, 2, args=(load,))
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_a_muon_checkpoint_continues_at_another_tensor_parallel_size(tmp_path, deepspeed):
+    """Saved at tensor parallel 1 mid-run, loaded at 2 (the momentum resharded with the weights): the continued run's
+    losses equal the straight run's (within the tensor-parallel rounding Newton-Schulz amplifies); loaded into
+    AdamW it stops in one line instead of dropping the momentum."""
+    extra = MUON + (["--deepspeed", "--deepspeed_config", write_config(str(tmp_path))] if deepspeed else [])
+    common = TINY + NO_DROPOUT + extra + ["--batch-size", "2", "--train-iters", "6", "--lr-decay-iters", "6"]
+    straight = run_distributed(train, 1, args=(common + ["--save", str(tmp_path / "ck"), "--save-interval", "3"],))
+    set_tracker(str(tmp_path / "ck"), 3)
+    resumed = run_distributed(train, 2, args=(common + ["--load", str(tmp_path / "ck"), "--model-parallel-size",
+                                                       "2"],))[0]
+    assert resumed["iteration"] == [4, 5, 6]
+    assert max(abs(a - b) for a, b in zip(straight[0]["lm loss"][3:], resumed["lm loss"])) <= 1e-5
+    adamw = [a for a in common if a not in MUON]
+    with pytest.raises(RuntimeError, match="the checkpoint's optimizer state is Muon's, this run's optimizer for "
+                                           "that parameter is AdamW"):
+        run_distributed(train, 2, args=(adamw + ["--load", str(tmp_path / "ck"), "--model-parallel-size", "2"],))
 
 
 def test_muon_under_pipeline_parallelism_equals_one_stage():
