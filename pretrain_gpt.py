@@ -7,59 +7,28 @@
 import torch
 
 import mpu
-from megatron.data.corpora import DataPathError
-from megatron.data.indexed_dataset import IndexedDatasetError
-from megatron.initialize import run_main
-from megatron.global_vars import get_args, get_timers, get_tokenizer
-from megatron.model import GPT2Model
-from megatron.guards.operations import NonFiniteError
-from megatron.guards.preflight import PreflightError
-from megatron.training import pretrain
-from megatron.utils import print_rank_0, reduce_losses
-from megatron import zero
-from megatron.zero import ConfigError
-from megatron.checkpoint.layout import CheckpointError
 from megatron.data.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
-from megatron.tokenizer.gpt2_tokenization import TokenizerFileError
+from megatron.data.pretraining import pretraining_datasets, pretraining_masks
+from megatron.global_vars import get_args, get_timers, get_tokenizer
+from megatron.initialize import run_main
+from megatron.model.providers import gpt_model, set_deepspeed_activation_checkpointing  # noqa: F401 (its old home)
+from megatron.training import pretrain
+from megatron.utils import reduce_losses
 
 
 def model_provider():
-    args = get_args()
-    set_deepspeed_activation_checkpointing(args)
-    print_rank_0("building GPT2 model ...")
-    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
-                   remote_device=args.remote_device,
-                   enabled=args.zero_stage == 3):  # ZeRO-3: each parameter partitioned as its module is built
-        model = GPT2Model(num_tokentypes=0, parallel_output=True)  # its GPT2ModelConfig comes from the arguments
-    return model
-
-
-def set_deepspeed_activation_checkpointing(args):
-    """--deepspeed_activation_checkpointing: zero.checkpointing partitions the checkpointed activations across
-    model-parallel ranks (configured before the model is built: the model asks is_configured() once)."""
-    if args.deepspeed and args.deepspeed_activation_checkpointing:
-        from megatron.zero import checkpointing
-        checkpointing.configure(mpu, deepspeed_config=args.zero_config, partition_activations=True)
+    """GPT2Model of the arguments, built under zero.Init (ZeRO-3 partitions each parameter as it is built)."""
+    return gpt_model(get_args())
 
 
 def get_batch(data_iterator):
     """Tokens, labels, loss mask, attention mask (None = plain causal) and position ids for one micro-batch,
     read on model-parallel rank 0 and broadcast to the rest of its group; this rank's chunks of the sequence with
     context parallelism."""
-    args = get_args()
     data = next(data_iterator) if data_iterator is not None else None
     text = mpu.broadcast_data(["text"], data, torch.int64)["text"]      # [b, s+1]
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()  # [b, s] each
-    if args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss:
-        from megatron.data.masks import get_ltor_masks_and_position_ids
-        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, get_tokenizer().eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
-        if not args.reset_attention_mask:
-            attention_mask = None  # causal: let SDPA use its fused path
-    else:
-        attention_mask = None
-        loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
-        position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+    attention_mask, loss_mask, position_ids = pretraining_masks(tokens, get_args(), get_tokenizer())
     return batch_on_this_context_parallel_rank(tokens, labels, loss_mask, attention_mask, position_ids)
 
 
@@ -79,18 +48,8 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    args = get_args()
-    print_rank_0("> building train, validation, and test datasets for GPT2 ...")
-    if args.mock_data:
-        from megatron.data.mock_dataset import MockGPTDataset
-        return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed + split)
-                     for split, n in enumerate(train_val_test_num_samples))
-    from megatron.data.corpora import resolve_data_path
-    from megatron.data.gpt_dataset import build_train_valid_test_datasets
-    return build_train_valid_test_datasets(
-        data_prefix=resolve_data_path(args.data_path, args.train_data), splits_string=args.split,
-        train_valid_test_num_samples=train_val_test_num_samples, seq_length=args.seq_length, seed=args.seed,
-        data_cache_path=args.data_cache_path)
+    """--mock-data, or GPTDataset over --data-path / --train-data (megatron/data/pretraining.py)."""
+    return pretraining_datasets(get_args(), train_val_test_num_samples)
 
 
 def main(args_list=None):
@@ -98,5 +57,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    run_main(main, (CheckpointError, ConfigError, NonFiniteError, PreflightError, DataPathError, IndexedDatasetError,
-                    TokenizerFileError))  # one line naming the problem
+    run_main(main)  # an error the user can fix (megatron.cli.UserError) is one line, exit status 1

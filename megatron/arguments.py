@@ -9,6 +9,7 @@ import shutil
 
 import mpu
 from megatron import cli, zero
+from megatron.model.moe_args import add_moe_args, check_moe_args
 
 
 def parse_args(extra_args_provider=None, args_list=None):
@@ -28,7 +29,7 @@ def build_parser(extra_args_provider=None):
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
                       _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
-                      _add_logging_args, _add_lora_args):
+                      _add_logging_args, _add_lora_args, add_moe_args):
         add_group(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -78,6 +79,14 @@ def _add_regularization_args(parser):
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
                        help="use torch's default AdamW kernel instead of its fused one (fused where torch runs it)")
+    group.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                       help="adam: AdamW; muon: Muon for the hidden matrices, AdamW (at --lr) for embeddings, head, "
+                            "norms and biases (megatron/zero/muon.py)")
+    group.add_argument("--muon-lr", type=float, default=0.02,
+                       help="Muon's peak learning rate (the schedule of --lr, scaled by --muon-lr / --lr)")
+    group.add_argument("--muon-momentum", type=float, default=0.95)
+    group.add_argument("--muon-ns-method", choices=("standard", "gram"), default="standard",
+                       help="Newton-Schulz as published (standard) or on the Gram matrix (DeepSpeed's default)")
     return parser
 
 
@@ -342,6 +351,8 @@ def _check_context_parallel(args, parser):
         parser.error("--context-parallel-size runs plain causal attention: drop --reset-attention-mask")
     if args.torch_compile:
         parser.error("--context-parallel-size runs the eager layers: drop --torch-compile")
+    if getattr(args, "num_experts", None):     # its router and capacity see one rank's tokens, its groups ignore C
+        parser.error(f"--context-parallel-size {cp} cannot be combined with --num-experts yet: drop one of them")
 
 
 def _check_backend(args, parser):
@@ -392,9 +403,14 @@ def validate_args(args, parser):
         parser.error(f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
                      f"({args.max_position_embeddings})")
     args.zero_config = _reconcile_with_deepspeed_config(args, parser) if args.deepspeed else None
+    if args.optimizer == "muon" and args.zero_config is not None and \
+            args.zero_config.zero_optimization.offload_optimizer.enabled:
+        parser.error("--optimizer muon with zero_optimization.offload_optimizer is not supported: remove the "
+                     "offload block from the --deepspeed_config JSON, or use --optimizer adam")
     _check_pipeline_combinations(args, parser)
     _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
+    check_moe_args(args, parser)
     _check_sequence_parallel(args, parser)
     _check_context_parallel(args, parser)
     _check_backend(args, parser)
@@ -532,8 +548,8 @@ def _reconcile_with_deepspeed_config(args, parser):
     shared += [("zero_stage", "--zero-stage", config.zero_optimization.stage, "zero_optimization.stage"),
                ("remote_device", "--remote-device", config.zero_optimization.offload_param.device,
                 "zero_optimization.offload_param.device")]
-    if config.optimizer is not None and "lr" in config.optimizer.params:
-        shared.append(("lr", "--lr", config.optimizer.params["lr"], "optimizer.params.lr"))
+    if config.optimizer is not None:
+        shared += _optimizer_flags(config.optimizer)
     for dest, flag, json_value, key in shared:
         value = getattr(args, dest)
         if value != parser.get_default(dest) and value != json_value:
@@ -548,6 +564,22 @@ def _reconcile_with_deepspeed_config(args, parser):
     # "auto" values are resolved in one place, zero.initialize (from the model's hidden size), which prints them
     ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
     if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's AdamW and "
-              f"--lr-decay-style schedule (only optimizer.params.lr is checked against --lr)", flush=True)
+        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's optimizer "
+              f"(--optimizer and its flags, set from the JSON's type, lr, muon_lr, adam_lr, momentum, ns_method) and "
+              f"--lr-decay-style schedule", flush=True)
     return config
+
+
+def _optimizer_flags(optimizer):
+    """(dest, flag, JSON value, JSON key) of the Megatron flags a JSON "optimizer" block sets: its type, and the lr
+    (adam_lr over lr for Muon: --lr is the AdamW half's), muon_lr, momentum, ns_method."""
+    params, muon = optimizer.params, optimizer.type == "Muon"
+    flags = [("optimizer", "--optimizer", "muon" if muon else "adam", "optimizer.type")]
+    lr_key = "adam_lr" if muon and "adam_lr" in params else "lr"
+    if lr_key in params:
+        flags.append(("lr", "--lr", params[lr_key], f"optimizer.params.{lr_key}"))
+    muon_lr = "muon_lr" if "muon_lr" in params else "lr"     # DeepSpeed: the shared lr when muon_lr is absent
+    for key, dest in ((muon_lr, "muon_lr"), ("momentum", "muon_momentum"), ("ns_method", "muon_ns_method")):
+        if muon and key in params:
+            flags.append((dest, "--" + dest.replace("_", "-"), params[key], f"optimizer.params.{key}"))
+    return flags

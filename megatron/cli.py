@@ -4,12 +4,22 @@ one line on stderr naming it and what to do, and a non-zero exit, never a usage 
     parser = ArgumentParser(description=...)          # argparse's, with a one-line error() (exit status 2)
     require_range(parser, args, positive=("num_layers", "seq_length"), non_negative=("train_iters",))
     progress = ProgressLine("Converted", "tensors", total=148)   # at most one progress line a second, a summary
+    class ConfigError(UserError, ValueError): ...     # bad input a user can fix: run_main prints it as one line
 
 Imports only the standard library, so light tools (tokenizer training, preprocessing) can use it too.
 """
 import argparse
 import sys
 import time
+
+
+class UserError(Exception):
+    """The one base of every error a user can fix (bad flags, files, checkpoints, configs, data; a run that
+    diverged): as Click's UsageError, megatron.initialize.run_main catches this class alone and prints
+    `error: <message>` as one line, exit status 1, no traceback. Each subclass keeps its own name, its message
+    (one line naming the problem and the fix) and its older builtin base (ValueError, RuntimeError, ...), so
+    `except ValueError` still catches it. An error that signals a bug in our code does not derive from it
+    (tests/test_layout.py walks every error class of the project and holds the list of those)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):

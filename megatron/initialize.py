@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
+from megatron.cli import UserError
 from megatron.guards import breadcrumbs, nccl_rules, preflight
 from megatron.arguments import parse_args
 from megatron.global_vars import set_global_variables
@@ -58,6 +59,9 @@ def _initialize_distributed(args):
                                       timeout=timedelta(minutes=args.distributed_timeout_minutes),
                                       virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                                       context_parallel_size=args.context_parallel_size)
+        if getattr(args, "expert_model_parallel_size", 1) > 1:
+            mpu.initialize_expert_parallel(args.expert_model_parallel_size,
+                                           timeout=timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def restart_attempt_store(timeout):
@@ -82,12 +86,13 @@ def set_random_seed(seed):
     mpu.model_parallel_cuda_manual_seed(seed)
 
 
-def run_main(main, errors):
-    """The entry point of pretrain_gpt.py and the tools: run `main()`; an exception of the classes `errors` (bad
-    input: a checkpoint, a config, a file) is printed as one line and exits with status 1; then shutdown()."""
+def run_main(main):
+    """The entry point of every script and tool: run `main()`; an error a user can fix (megatron.cli.UserError:
+    a bad checkpoint, config, file, flag combination, a diverged run) is printed as one line and exits with status
+    1; then shutdown(). Anything else is a bug in our code and keeps its traceback."""
     try:
         main()
-    except errors as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         if dist.is_initialized():   # a live gloo group at interpreter exit can abort the process (SIGABRT,
             dist.destroy_process_group()   # "terminate called without an active exception"): status 1, not -6

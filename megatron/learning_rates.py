@@ -42,7 +42,7 @@ class AnnealingLR:
     def _apply(self, lr):
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_mult", 1.0)   # Megatron-LM's per-group multiplier (Muon's half)
 
     def step(self, step_num=None):
         self.num_iters = self.num_iters + 1 if step_num is None else int(step_num)

@@ -19,6 +19,7 @@ from megatron.initialize import initialize_megatron
 from megatron.learning_rates import AnnealingLR
 from megatron.model import DistributedDataParallel as LocalDDP
 from megatron.model.gpt2_model import recompute_config_from_args
+from megatron.model.moe_args import moe_config_from_args, moe_log_fields, moe_log_text
 from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
 from megatron.utils import print_rank_0, unwrap_model
@@ -78,18 +79,21 @@ NORMALIZATIONS = (torch.nn.LayerNorm, torch.nn.RMSNorm)   # mpu's LayerNorm and 
 
 def param_groups_for_weight_decay(module):
     """Biases and the parameters of every normalization (LayerNorm, RMSNorm) get no weight decay (Megatron-LM's
-    grouping). Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
+    grouping); MoE expert parameters are grouped alike in groups of their own. Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
     out."""
-    decay, no_decay = [], []
+    decay, no_decay, expert_decay, expert_no_decay = [], [], [], []
     for submodule in module.modules():
         for name, param in submodule.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
+            expert = mpu.is_expert_parameter(param)
             if isinstance(submodule, NORMALIZATIONS) or name == "bias":
-                no_decay.append(param)
+                (expert_no_decay if expert else no_decay).append(param)
             else:
-                decay.append(param)
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+                (expert_decay if expert else decay).append(param)
+    # MoE experts in groups of their own (after the others): expert parallelism reduces them over another group
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": expert_decay}, {"params": expert_no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 
@@ -100,8 +104,14 @@ def get_optimizer(model, lr=None):
     groups = param_groups_for_weight_decay(unwrap_model(model))
     # the step runs on fp32 (fp32 params, or the fp32 masters of FP16_Optimizer and the engine)
     kernel = zero.adam_kernel_options(next(unwrap_model(model).parameters()).device) if args.fused_adam else {}
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
+    adam = {"lr": lr, "weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_eps}
+    if args.optimizer == "muon":
+        muon = {"lr": args.muon_lr * lr / args.lr, "momentum": args.muon_momentum, "weight_decay": args.weight_decay,
+                "nesterov": True, "ns_steps": 5, "ns_method": args.muon_ns_method}
+        optimizer = zero.Muon(zero.split_param_groups(unwrap_model(model), groups, muon, adam), adam_kernel=kernel)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adam, **kernel)
     if args.deepspeed:
         return optimizer  # the engine adds master weights and loss scaling itself
     if args.fp16:
@@ -178,6 +188,8 @@ def backward_step(optimizer, model, loss, micro_batch_index, output_grad=None, a
         return None
     if first:
         optimizer.zero_grad()
+    # MoE layers' aux losses join backward with the factor the loss gets (mpu/moe.py)
+    mpu.set_aux_loss_scale((optimizer.cur_scale if args.fp16 or args.bf16 else 1.0) / num_micro_batches)
     if output_grad is not None:
         torch.autograd.backward(loss, output_grad)
     elif args.fp16 or args.bf16:
@@ -312,20 +324,25 @@ def _combine(values):
 
 def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False,
                     recompute=None, num_stages=1, num_attention_heads=None, num_key_value_heads=None,
-                    ffn_hidden_size=None, swiglu=False):
+                    ffn_hidden_size=None, swiglu=False, moe=None):
     """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
     6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
     passes; the LM head 2hV per pass, 3 passes (it is not recomputed). Recomputation (`recompute`, an
     mpu.RecomputeConfig; checkpoint_activations=True is full uniform) adds one more forward of what it recomputes:
     full uniform every layer (4 passes), full block num_layers of each stage's L / num_stages layers, selective the
     attention core (4sh per layer). The Llama options (docs/models.md): K key/value heads make qkv 2h (h + 2 K h /
-    heads); an MLP f wide costs 4hf, 6hf with SwiGLU (gate, up, down)."""
+    heads); an MLP f wide costs 4hf, 6hf with SwiGLU (gate, up, down). MoE (`moe`, an mpu.MoEConfig): an MoE layer
+    costs its router (2hE) and the MLPs of the k experts each token is routed to (the active parameters; capacity
+    drops are not subtracted)."""
     L, h, s = num_layers, hidden_size, seq_length
     if recompute is None:
         recompute = mpu.RecomputeConfig.from_checkpoint_activations(checkpoint_activations)
     kv_width = h if not num_key_value_heads else h // num_attention_heads * num_key_value_heads
     f = ffn_hidden_size or 4 * h
     layer_forward = 2 * h * (h + 2 * kv_width) + 2 * h * h + (3 if swiglu else 2) * 2 * h * f + 4 * s * h
+    if moe is not None:   # the MoE layers' extra k - 1 expert MLPs and router, spread over the L layers
+        moe_layers = sum(moe.is_moe_layer(number) for number in range(L))
+        layer_forward += moe_layers * ((moe.topk - 1) * (3 if swiglu else 2) * 2 * h * f + 2 * h * moe.num_experts) / L
     recomputed = 0.0
     if recompute.full:
         per_stage = L // num_stages
@@ -342,11 +359,12 @@ def _flops_per_iteration(args):
         recompute=recompute_config_from_args(args),   # block recomputation: the first layers of each model chunk
         num_stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-        ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu)
+        ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu, moe=moe_config_from_args(args))
 
 
-def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer):
-    """Print the log line (rank 0); returns the same fields as a dict (the --log-jsonl record's core)."""
+def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer, moe=None):
+    """Print the log line (rank 0); returns the same fields as a dict (the --log-jsonl record's core). `moe`: the
+    MoE fields (megatron.model.moe_args.moe_log_fields; rank 0's last micro-batch), appended when there are any."""
     args = get_args()
     iteration = train_state.iteration
     tokens_per_second = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
@@ -357,7 +375,7 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
         line += f" | {key}: {value:.6E}"
     line += (f" | loss scale: {loss_scale:.1f} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
              f" | skipped iterations: {train_state.skipped_iterations:3d} | elapsed time per iteration (ms): {elapsed_ms:.1f}"
-             f" | tokens/s: {tokens_per_second:.0f} | TFLOP/s per rank: {tflops:.3f}")
+             f" | tokens/s: {tokens_per_second:.0f} | TFLOP/s per rank: {tflops:.3f}") + moe_log_text(moe)
     print_rank_0(line)
     if writer is not None:
         writer.add_scalar("learning_rate", lr, iteration)
@@ -375,14 +393,18 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
             "losses": dict(loss_dict), "loss_scale": float(loss_scale),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped_iterations": train_state.skipped_iterations, "ms_per_iteration": elapsed_ms,
-            "tokens_per_second": tokens_per_second, "tflops_per_rank": tflops}
+            "tokens_per_second": tokens_per_second, "tflops_per_rank": tflops, **({"moe": moe} if moe else {})}
 
 
 def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     module = unwrap_model(model)
-    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in param_groups_for_weight_decay(module)]
-    estimate = operations.model_state_estimate(counts, args, module)
+    groups = param_groups_for_weight_decay(module)
+    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in groups]
+    # expert groups (their own, megatron's grouping) are partitioned over the expert-data-parallel group
+    sizes = [args.data_parallel_size // args.expert_model_parallel_size
+             if mpu.is_expert_parameter(group["params"][0]) else args.data_parallel_size for group in groups]
+    estimate = operations.model_state_estimate(counts, args, module, sizes)
     setting = operations.memory_setting(args)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
     activations, activation_setting = operations.activation_estimate(args)
@@ -444,7 +466,8 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
             averages = {key: value / args.log_interval for key, value in interval_losses.items()}
             lr = optimizer.param_groups[0]["lr"]
-            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer)
+            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer,
+                                  moe_log_fields(unwrap_model(model)))
             phases = operations.phase_ms(timers, args.log_interval)
             if writer is not None:
                 for name, value in phases.items():

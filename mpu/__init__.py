@@ -19,6 +19,10 @@ from .initialize import (get_embedding_group, get_pipeline_model_parallel_group,
                          set_virtual_pipeline_model_parallel_rank)
 from .layers import (ColumnParallelLinear, GroupedQKVStride, replicated_mask_dropout, RowParallelLinear,
                      VocabParallelEmbedding)
+from .expert_parallel import (get_expert_data_parallel_group, get_expert_data_parallel_rank,
+                              get_expert_data_parallel_world_size, get_expert_model_parallel_group,
+                              get_expert_model_parallel_rank, get_expert_model_parallel_world_size,
+                              initialize_expert_parallel, is_expert_parameter)
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)
@@ -26,6 +30,7 @@ from .mappings import (copy_to_model_parallel_region, gather_from_model_parallel
                        gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region,
                        scatter_to_sequence_parallel_region)
+from .moe import MoEConfig, MoEMLP, moe_statistics, set_aux_loss_scale
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed, RngStatesTracker
 from .recompute import RecomputeConfig
 from .rotary import apply_rotary, rotary_tables

@@ -267,6 +267,8 @@ def is_rank_in_embedding_group():
 
 def destroy_model_parallel():
     """Forget the groups (the process groups themselves die with torch.distributed)."""
+    from .expert_parallel import destroy_expert_parallel
+    destroy_expert_parallel()
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
     global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     global _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_RANKS, _DATA_CONTEXT_PARALLEL_GROUP

@@ -29,6 +29,7 @@ keys/values go to the slot a device tensor names, and attention reads all `capac
 mask, which hides the slots not written yet (and the padding).
 """
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +44,7 @@ from .initialize import get_context_parallel_world_size, get_model_parallel_worl
 from .layers import (ColumnParallelLinear, GroupedQKVStride, LayerNorm, replicated_gradients_together,
                      replicated_mask_dropout, RMSNorm, RowParallelLinear)
 from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_region
+from .moe import MoEConfig, MoEMLP, moe_init_shapes
 from .random import checkpoint as mpu_checkpoint
 from .random import get_cuda_rng_tracker
 from .recompute import RecomputeConfig
@@ -68,6 +70,15 @@ class Architecture:
     """'layernorm' or 'rmsnorm' (no bias, no mean subtraction)."""
     add_bias_linear: bool = True
     """Biases on the attention and MLP linears."""
+    moe: Optional[MoEConfig] = None
+    """Mixture of experts (mpu/moe.py): the layers MoEConfig.is_moe_layer names have an MoEMLP (experts of the MLP's
+    shape) instead of the MLP; None: every layer dense."""
+
+    def for_layer(self, number):
+        """This architecture for layer `number`: without `moe` where that layer is dense."""
+        if self.moe is None or self.moe.is_moe_layer(number):
+            return self
+        return dataclasses.replace(self, moe=None)
 
     def kv_heads(self, num_attention_heads):
         return self.num_key_value_heads or num_attention_heads
@@ -395,8 +406,13 @@ class ParallelTransformerLayer(nn.Module):
                                                output_dropout_prob, init_method, output_layer_init_method,
                                                rng_tracker, architecture)
         self.post_attention_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device)
-        self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method,
-                               architecture)
+        if architecture.moe is not None:
+            self.mlp = MoEMLP(hidden_size, architecture.ffn_size(hidden_size), architecture.moe, init_method,
+                              output_layer_init_method, architecture.swiglu, architecture.add_bias_linear,
+                              output_dropout_prob)
+        else:
+            self.mlp = ParallelMLP(hidden_size, output_dropout_prob, init_method, output_layer_init_method,
+                                   architecture)
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None, rotary=None, sequence_parallel=None):
         """rotary: the (cos, sin) tables of the whole sequence's positions, or None. sequence_parallel: whether
@@ -437,10 +453,13 @@ class ParallelTransformerLayer(nn.Module):
 
 def layer_init_shapes(hidden_size, num_attention_heads=1, architecture=GPT2_ARCHITECTURE):
     """The full-size master shapes one ParallelTransformerLayer draws from the default generator, in build order
-    (its norms and biases draw nothing): q/k/v, attention output, MLP in, MLP out."""
+    (its norms and biases draw nothing): q/k/v, attention output, MLP in, MLP out (an MoE layer: the router, then
+    every expert's MLP in and out)."""
     ffn = architecture.ffn_size(hidden_size)
-    return [(sum(architecture.qkv_rows(hidden_size, num_attention_heads)), hidden_size), (hidden_size, hidden_size),
-            ((2 if architecture.swiglu else 1) * ffn, hidden_size), (hidden_size, ffn)]
+    attention = [(sum(architecture.qkv_rows(hidden_size, num_attention_heads)), hidden_size), (hidden_size, hidden_size)]
+    if architecture.moe is not None:
+        return attention + moe_init_shapes(hidden_size, ffn, architecture.swiglu, architecture.moe)
+    return attention + [((2 if architecture.swiglu else 1) * ffn, hidden_size), (hidden_size, ffn)]
 
 
 def skip_init_draws(shapes, device):
@@ -533,17 +552,20 @@ class ParallelTransformer(nn.Module):
             local.append(local[-1] + end - start)
         self.chunk_bounds = list(zip(local[:-1], local[1:]))   # [(first, end)] local indices of each model chunk
         device = get_device()
-        shapes = layer_init_shapes(hidden_size, num_attention_heads, architecture)
+
+        def shapes(first, end):   # what layers first..end-1 draw
+            return [shape for number in range(first, end)
+                    for shape in layer_init_shapes(hidden_size, num_attention_heads, architecture.for_layer(number))]
         kept, drawn = [], 0
         for start, end in layer_ranges:
-            skip_init_draws(shapes * (start - drawn), device)  # the layers before this chunk
+            skip_init_draws(shapes(drawn, start), device)  # the layers before this chunk
             kept += [ParallelTransformerLayer(hidden_size, num_attention_heads, attention_dropout_prob,
                                               output_dropout_prob, layernorm_epsilon, init_method,
-                                              output_layer_init_method, rng_tracker, fused, architecture,
-                                              sequence_parallel)
-                     for _ in range(start, end)]
+                                              output_layer_init_method, rng_tracker, fused,
+                                              architecture.for_layer(number), sequence_parallel)
+                     for number in range(start, end)]
             drawn = end
-        skip_init_draws(shapes * (num_layers - drawn), device)  # the layers after
+        skip_init_draws(shapes(drawn, num_layers), device)  # the layers after
         self.layers = nn.ModuleList(kept) if self.numbers == list(range(num_layers)) else \
             _StageLayers(kept, self.numbers)
         self.final_layernorm = norm_layer(architecture, hidden_size, layernorm_epsilon, device) \

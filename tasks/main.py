@@ -18,15 +18,11 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
-from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 from megatron.text_generation import InferenceInputError, load_inference_model  # noqa: E402
 from tasks import zeroshot_gpt  # noqa: E402
+from tasks.zeroshot_gpt import TaskError  # noqa: E402  (bad input: one line, exit status 1)
 
 TASKS = ("WIKITEXT103", "LAMBADA")
-
-
-class TaskError(ValueError):
-    """Bad input: reported as one line, exit status 1."""
 
 
 def add_tasks_args(parser):
@@ -75,4 +71,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    run_main(main, (CheckpointError, ValueError))
+    run_main(main)

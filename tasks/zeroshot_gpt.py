@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.cli import UserError
+
+
+class TaskError(UserError, ValueError):
+    """Bad input (a flag, a data file): reported as one line, exit status 1."""
+
 import mpu
 
 from tasks.detokenizer import wikitext_detokenize
@@ -36,10 +42,10 @@ from tasks.detokenizer import wikitext_detokenize
 def wikitext_rows(ids, seq_length, overlapping_eval):
     """[(tokens: up to seq_length + 1 ids, scored: bool per target)] covering every target once."""
     if not 1 <= overlapping_eval <= seq_length:
-        raise ValueError(f"--overlapping-eval must be in 1..seq_length ({seq_length}), got {overlapping_eval}")
+        raise TaskError(f"--overlapping-eval must be in 1..seq_length ({seq_length}), got {overlapping_eval}")
     targets = len(ids) - 1
     if targets < 1:
-        raise ValueError("the validation text tokenizes to fewer than 2 tokens")
+        raise TaskError("the validation text tokenizes to fewer than 2 tokens")
     windows = 1 + math.ceil(max(targets - seq_length, 0) / overlapping_eval)
     rows = []
     for k in range(windows):
@@ -85,7 +91,7 @@ def _batch(rows, pad_id, device):
 def score_rows(model, rows, batch_size, real_vocab_size, pad_id=0):
     """(summed loss over scored targets, number of rows whose scored targets are all argmax), over all ranks."""
     if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        raise TaskError(f"batch size must be >= 1, got {batch_size}")
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     mine = rows[dp_rank::dp_size]
     device = mpu.get_device()
@@ -127,9 +133,9 @@ def read_lambada(path):
                 try:
                     texts.append(json.loads(line)["text"])
                 except (ValueError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{number}: not a JSON object with a \"text\" field") from None
+                    raise TaskError(f"{path}:{number}: not a JSON object with a \"text\" field") from None
     if not texts:
-        raise ValueError(f"{path}: no examples")
+        raise TaskError(f"{path}: no examples")
     return texts
 
 
@@ -137,7 +143,7 @@ def evaluate_lambada(model, tokenizer, texts, seq_length, strict, batch_size, re
     examples = [lambada_example(text, tokenizer, strict) for text in texts]
     for number, (context, target) in enumerate(examples, 1):
         if not context or not target:
-            raise ValueError(f"LAMBADA example {number} has no context or no last word")
+            raise TaskError(f"LAMBADA example {number} has no context or no last word")
     _, correct = score_rows(model, lambada_rows(examples, seq_length), batch_size, real_vocab_size,
                             pad_id=tokenizer.eod)
     return {"correct": correct, "total": len(examples), "accuracy": correct / len(examples)}

@@ -10,7 +10,8 @@ query_key_value's rows) and writes a 'release' checkpoint through megatron.check
 Megatron layout, or the ZeRO layout with --deepspeed, split for --model-parallel-size, the vocabulary padded to a
 multiple of --make-vocab-size-divisible-by x model-parallel size (train with the same flag). Any vocabulary size
 is accepted. A Llama directory (model_type "llama") becomes our model with the Llama options (docs/models.md: q/k/v
-and gate/up fused, grouped-query attention, RMSNorm, rotary, untied head); the printed flags build it.
+and gate/up fused, grouped-query attention, RMSNorm, rotary, untied head), a Mixtral one (model_type "mixtral") that
+model with MoE MLPs (--num-experts, --moe-router-topk); the printed flags build it.
 Bad input: one line, exit status 1.
 """
 import argparse
@@ -23,6 +24,7 @@ sys.path.insert(0, REPO)
 from megatron import cli  # noqa: E402
 from megatron.model.hf_interchange import (InterchangeError, check_hf_config, check_llama_config,  # noqa: E402
                                            from_hf_llama_state_dict, from_hf_state_dict)
+from megatron.model.hf_mixtral import check_mixtral_config, from_hf_mixtral_state_dict  # noqa: E402
 from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -30,7 +32,7 @@ PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.j
 INSTALL_HINT = "pip install safetensors (or: pip install -r requirements-test.txt)"
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """Bad input; the message is one line."""
 
 
@@ -98,9 +100,9 @@ def convert(hf_dir, save_dir, model_parallel_size=1, deepspeed=False, make_vocab
     """Returns (model_config, number of parameters). ConversionError on bad input. `progress`: a cli.ProgressLine
     counting the tensors written (one per model-parallel rank and parameter)."""
     hf_config = read_hf_config(hf_dir)
-    llama = hf_config.get("model_type") == "llama"
-    check, from_state = (check_llama_config, from_hf_llama_state_dict) if llama else \
-        (check_hf_config, from_hf_state_dict)
+    check, from_state = {"llama": (check_llama_config, from_hf_llama_state_dict),
+                         "mixtral": (check_mixtral_config, from_hf_mixtral_state_dict)}.get(
+        hf_config.get("model_type"), (check_hf_config, from_hf_state_dict))
     try:
         model_config = check(hf_config)
     except InterchangeError as error:
@@ -156,7 +158,7 @@ def architecture_flags(model_config):
         flags.append("--no-position-embedding")
     if model_config.get("normalization", "layernorm") != "layernorm":
         flags += ["--normalization", model_config["normalization"]]
-    for key in ("num_key_value_heads", "ffn_hidden_size"):
+    for key in ("num_key_value_heads", "ffn_hidden_size", "num_experts", "moe_router_topk"):
         if model_config.get(key):
             flags += [f"--{key.replace('_', '-')}", str(model_config[key])]
     return flags
@@ -165,8 +167,8 @@ def architecture_flags(model_config):
 def parse_args(argv=None):
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", required=True, help="local Hugging Face GPT2LMHeadModel or LlamaForCausalLM "
-                        "directory")
+    parser.add_argument("--hf", required=True, help="local Hugging Face GPT2LMHeadModel, LlamaForCausalLM or "
+                        "MixtralForCausalLM directory")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (for --load ... --finetune)")
     parser.add_argument("--model-parallel-size", "--tensor-model-parallel-size", type=int, default=1,
                         dest="model_parallel_size")

@@ -51,6 +51,7 @@ from megatron.model.hf_interchange import (REWARD_HEAD, InterchangeError, lora_l
                                            peft_adapter_config, to_hf_config_dict, to_hf_state_dict, to_peft_state_dict,
                                            is_llama_config, to_hf_llama_config_dict, to_hf_llama_state_dict,
                                            to_peft_llama_state_dict)
+from megatron.model.hf_mixtral import is_mixtral_config, to_hf_mixtral_config_dict, to_hf_mixtral_state_dict  # noqa: E402
 from mpu import is_lora_parameter  # noqa: E402
 from megatron.tokenizer.gpt2_tokenization import EOD_TOKEN, TokenizerFileError  # noqa: E402
 from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
@@ -62,7 +63,7 @@ INSTALL_HINT = "pip install transformers safetensors (or: pip install -r require
 _PROBE = "Hello world! It's a test: def f(x): return x**2  東京 😀 e\u0301\n\n  end."
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """Bad input for a conversion tool; the message is one line."""
 
 
@@ -213,6 +214,8 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     require_hf_packages()
     full = read_checkpoint(load_dir)
     refuse_disagreeing_alpha(full, lora_alpha)
+    if full.model_config is not None and is_mixtral_config(full.model_config):
+        return convert_mixtral(full, output_dir, progress)
     if full.model_config is not None and is_llama_config(full.model_config):
         return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha, (vocab_file, merge_file))
     try:
@@ -288,6 +291,23 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
         raise ConversionError(f"{full.saved.directory}: {error}") from None
     write_llama_model(output_dir, state, model_config)
     return model_config, len(state), sum(t.numel() for t in state.values()), lora
+
+
+def convert_mixtral(full, output_dir, progress=None):
+    """A checkpoint with the Llama options and MoE MLPs -> a MixtralForCausalLM directory (no tokenizer); convert's
+    return. LoRA and reward models are not trained with MoE (refused by the flags)."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, MixtralConfig
+    try:
+        state = to_hf_mixtral_state_dict(full.fp32_weights(progress), full.model_config)
+        config = MixtralConfig(**to_hf_mixtral_config_dict(full.model_config))
+    except InterchangeError as error:
+        raise ConversionError(f"{full.saved.directory}: {error}") from None
+    os.makedirs(output_dir, exist_ok=True)
+    config.save_pretrained(output_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    return full.model_config, len(state), sum(t.numel() for t in state.values()), None
 
 
 def write_llama_model(output_dir, state, model_config, reward_pad_id=None):

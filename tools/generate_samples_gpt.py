@@ -26,9 +26,8 @@ import torch.distributed as dist  # noqa: E402
 from megatron.global_vars import get_tokenizer  # noqa: E402
 from megatron.initialize import initialize_megatron, run_main  # noqa: E402
 from megatron.posttrain import TEMPLATES, encode_prompt  # noqa: E402
-from megatron.text_generation import generate, load_inference_model  # noqa: E402
+from megatron.text_generation import InferenceInputError, generate, load_inference_model  # noqa: E402
 from megatron.text_generation.generation import check_sampling_options  # noqa: E402
-from megatron.checkpoint.layout import CheckpointError  # noqa: E402
 
 
 def add_text_generate_args(parser):
@@ -94,14 +93,14 @@ def _batches(items, size):
 
 
 def read_prompts(path):
-    """The non-empty lines of `path` (rank 0 reads, every rank gets them); ValueError when it is missing."""
+    """The non-empty lines of `path` (rank 0 reads, every rank gets them); InferenceInputError when it is missing."""
     lines = None
     if dist.get_rank() == 0 and os.path.isfile(path):
         with open(path, encoding="utf-8") as handle:
             lines = [line.rstrip("\n") for line in handle if line.strip()]
     lines = _share(lines)
     if lines is None:
-        raise ValueError(f"--sample-input-file {path} does not exist")
+        raise InferenceInputError(f"--sample-input-file {path} does not exist")
     return lines
 
 
@@ -109,8 +108,8 @@ def check_prompt_lengths(prompts, path, max_positions):
     """Before any sample is drawn: a prompt that does not fit the position table names its line."""
     for number, prompt in enumerate(prompts, 1):
         if len(prompt) > max_positions:
-            raise ValueError(f"{path}:{number}: the prompt has {len(prompt)} tokens, longer than the position table "
-                             f"(--max-position-embeddings {max_positions}): shorten it")
+            raise InferenceInputError(f"{path}:{number}: the prompt has {len(prompt)} tokens, longer than the "
+                                      f"position table (--max-position-embeddings {max_positions}): shorten it")
 
 
 def generate_samples_input_from_file(model, args, codec):
@@ -175,4 +174,4 @@ def main(args_list=None):
 
 
 if __name__ == "__main__":
-    run_main(main, (CheckpointError, ValueError))
+    run_main(main)

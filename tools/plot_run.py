@@ -29,7 +29,7 @@ INSTALL_HINT = "pip install -r requirements.txt (or: pip install matplotlib)"
 RECORD_TYPES = ("header", "train", "validation")
 
 
-class PlotError(Exception):
+class PlotError(cli.UserError):
     """Bad input or an unwritable output; the message is one line."""
 
 

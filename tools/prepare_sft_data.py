@@ -49,7 +49,7 @@ INSTALL_HINT = "pip install chatterbot-corpus==1.3.3 PyYAML (make install does)"
 REJECTED_PER_EXAMPLE = 4    # preference pairs per example (each with another rejected answer)
 
 
-class SourceError(RuntimeError):
+class SourceError(cli.UserError, RuntimeError):
     """The corpus package or PyYAML is missing, or a YAML file is not in the corpus's shape."""
 
 

@@ -30,7 +30,7 @@ from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 BLOCK_BYTES = 1 << 20
 
 
-class BadInput(Exception):
+class BadInput(cli.UserError):
     """A line that is not a JSON object with the requested keys; the message has file:line."""
 
 

@@ -47,7 +47,7 @@ from preprocess_data import encoded_blocks  # noqa: E402
 MAX_NAMED_SKIPS = 20   # skipped lines named on stderr; the rest only counted
 
 
-class BadLine(ValueError):
+class BadLine(cli.UserError, ValueError):
     """A line refused (--on-error refuse, --on-long refuse); the message starts with FILE:LINE:."""
 
 

@@ -1,6 +1,7 @@
-"""Print the samples each data-parallel rank trained on at one iteration: token ids and text, through the training
-loop's own dataset provider (pretrain_gpt.py) and loader (megatron.data.samplers.pretraining_loader). One process,
-no torch.distributed: give the training run's flags and its number of processes.
+"""Print the samples each data-parallel rank trained on at one iteration: token ids and text, through
+pretrain_gpt.py's own dataset provider (megatron/data/pretraining.py) and loader
+(megatron.data.samplers.pretraining_loader). One process, no torch.distributed: give the training run's flags and
+its number of processes.
 
     python tools/print_batch.py --iteration 1200 --world-size 8 <the training run's flags: model parallel size,
         --batch-size, --global-batch-size, --train-iters, --seed, --seq-length, --data-path / --train-data,
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import cli  # noqa: E402
 
 
-class PrintBatchError(ValueError):
+class PrintBatchError(cli.UserError, ValueError):
     """Bad input: one line, exit status 1."""
 
 
@@ -66,12 +67,12 @@ def batches_at(args, train_dataset):
 def main(argv=None):
     """Returns the printed records."""
     from megatron.data.samplers import train_valid_test_num_samples
+    from megatron.data.pretraining import pretraining_datasets
     from megatron.global_vars import get_tokenizer, set_global_variables
-    import pretrain_gpt
     args = parse_args(sys.argv[1:] if argv is None else argv)
     with contextlib.redirect_stdout(sys.stderr):   # progress lines of the shared code: stdout stays JSON
         set_global_variables(args)
-        train_dataset = pretrain_gpt.train_valid_test_datasets_provider(train_valid_test_num_samples(
+        train_dataset = pretraining_datasets(args, train_valid_test_num_samples(     # pretrain_gpt.py's data
             args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))[0]
     tokenizer = get_tokenizer()
     records = []
@@ -86,4 +87,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from megatron.initialize import run_main
-    run_main(main, (PrintBatchError, OSError))
+    run_main(main)

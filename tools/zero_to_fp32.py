@@ -20,7 +20,7 @@ from megatron import cli  # noqa: E402
 from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, CheckpointError  # noqa: E402
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """Bad input; the message is one line."""
 
 

@@ -8,9 +8,13 @@
     saving.py           save_checkpoint (both paths), finalize_async_save
     loading.py          load_checkpoint (both paths, any saving topology, falling back to the newest that verifies)
     reshard.py          SavedCheckpoint: any layout and topology read as full tensors by name, split for another
+    partitioning.py     how a parameter is split across model-parallel ranks, by its name; joins and splits
+    pipeline_stages.py  a pipelined checkpoint's stage files merged into one view per tensor-parallel rank
     reshard_load.py     loading those into this rank's model, optimizer and lr scheduler
     full_checkpoint.py  the tools' view: read_full_checkpoint, write_full_checkpoint, resize_checkpoint
-    deepspeed_format.py DeepSpeed 0.19.8's ZeRO files read as ours; DeepSpeed's keys for the engine to write
+    deepspeed_format.py DeepSpeed 0.19.8's ZeRO files read as ours (and re-exports the two below)
+    deepspeed_keys.py   DeepSpeed's key names in its files
+    deepspeed_writing.py DeepSpeed's contents our engine writes beside its own
     deepspeed_classes.py inert stand-ins of the classes DeepSpeed pickles (weights_only loads read them)
     stage3_module.py    a ZeRO-3 checkpoint's module assembled from the ranks' weight partitions
 

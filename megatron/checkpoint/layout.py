@@ -35,6 +35,7 @@ import re
 import torch
 
 from megatron.checkpoint import manifest
+from megatron.cli import UserError
 from megatron.checkpoint.deepspeed_classes import NUMPY_GLOBALS, SAFE_GLOBALS, STAND_INS
 from megatron.checkpoint.deepspeed_classes import pickle_module as deepspeed_pickle_module
 from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_torch_save
@@ -53,6 +54,7 @@ CLIENT_STATE = "client_state"
 DATA_PARALLEL_SIZE = "data_parallel_size"
 MODEL_PARALLEL_SIZE = "model_parallel_size"
 PIPELINE_PARALLEL_SIZE = "pipeline_parallel_size"   # absent in checkpoints saved before pipelining: 1
+EXPERT_MODEL_PARALLEL_SIZE = "expert_model_parallel_size"   # MoE experts split over ranks; absent before MoE: 1
 ZERO_STAGE = "zero_stage"              # also a key of the optimizer-states file
 STAGE3_PARTITIONS = "stage3_partitions"  # stage 3, saved partitioned: per stage-3 group {"names", "shapes"}; the
                                          # module then holds the buffers only, the weights are in the ranks' files
@@ -95,7 +97,8 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "padde
 # every load; a checkpoint written before they existed holds these values.
 ARCHITECTURE_DEFAULTS = {"num_key_value_heads": None, "ffn_hidden_size": None, "swiglu": False,
                          "normalization": "layernorm", "add_bias_linear": True, "learned_position_embeddings": True,
-                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False}
+                         "rotary": False, "rotary_theta": 10000.0, "untie_embeddings_and_output_weights": False,
+                         "num_experts": None, "moe_router_topk": None}   # MoE (None: dense MLPs)
 
 
 ITERATION_DIR_PATTERN = re.compile(r"iter_(\d{7})$")
@@ -141,7 +144,7 @@ def iteration_dir_name(iteration):
     return f"iter_{iteration:07d}"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint file is missing, unreadable, or holds objects that weights_only loading refuses."""
 
 
@@ -425,3 +428,18 @@ def check_weights_only_safe(obj, name="checkpoint"):
         raise CheckpointError(f"{name} holds a {type(obj).__module__}.{type(obj).__qualname__}, which "
                               "torch.load(weights_only=True) refuses; store tensors, numbers, str, lists or dicts")
     return False
+
+
+ADAM_KINDS = ("exp_avg", "exp_avg_sq")     # per-element optimizer state of a parameter, by half
+MUON_KINDS = ("momentum_buffer",)
+
+
+def check_other_optimizer(tensor_of, param, kind):
+    """A resharded load found no `kind` for `param`: when the checkpoint holds the other optimizer's state instead
+    (switched between AdamW and Muon), say so rather than start that state from zero."""
+    other = ADAM_KINDS[0] if kind in MUON_KINDS else MUON_KINDS[0] if kind in ADAM_KINDS else None
+    if other is not None and tensor_of(param, other) is not None:
+        names = {MUON_KINDS[0]: "Muon", ADAM_KINDS[0]: "AdamW"}
+        raise CheckpointError(f"the checkpoint's optimizer state is {names[other]}'s, this run's optimizer for that "
+                              f"parameter is {names.get(kind, 'AdamW')}: load it with --no-load-optim (or "
+                              "--finetune) to start this optimizer fresh, or keep the checkpoint's --optimizer")

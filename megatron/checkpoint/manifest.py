@@ -21,12 +21,14 @@ import json
 import os
 import zlib
 
+from megatron.cli import UserError
+
 MANIFEST_FILENAME = "manifest.json"
 FORMAT, VERSION, CHECKSUM = "checkpoint-manifest", 1, "crc32"
 CHUNK_BYTES = 8 << 20        # read size for checksums: large enough that crc32 (~3.7 GB/s here) dominates
 
 
-class ManifestError(Exception):
+class ManifestError(UserError):
     """A file disagrees with its directory's manifest, or the manifest is unreadable; the message is one line."""
 
 

@@ -8,28 +8,8 @@ of any other topology or path. Files are memory-mapped: a process touches only t
     load_resharded(model, optimizer, lr_scheduler, saved, options)  -> TrainState   (loading.py calls it)
     megatron.checkpoint.full_checkpoint                               # the tools' entry points (zero_to_fp32, HF, resize)
 
-How a parameter is split across model-parallel ranks follows from its name (`partitioning`; a test checks it
-against the attributes mpu gives the real parameters):
-
-    word_embeddings.weight, output_layer.weight  rows (dim 0): the vocabulary, padded to the loading run's multiple
-    attention.query_key_value.weight/bias/lora_B  rows with stride 3: rank r holds [q_r; k_r; v_r] (with fewer
-                                           key/value heads, an mpu.GroupedQKVStride: unequal, maybe replicated)
-    mlp.dense_h_to_4h.weight/bias/lora_B   rows (SwiGLU: stride 2, rank r holds [gate_r; up_r])
-    attention.dense.weight/lora_A, mlp.dense_4h_to_h.weight/lora_A    columns (dim 1)
-    everything else                        replicated (checked equal across the saved ranks; LoRA's lora_A of
-                                           the column-parallel linears and lora_B of the row-parallel ones too)
-A LoRA checkpoint's frozen parameters are in no optimizer group: their "master" is the weight, their moments None.
-
-Example, query_key_value.weight at mp 2 with h = 2 (rows q0 q1 k0 k1 v0 v1 of the full [3h, h] master):
-rank 0 holds [q0, k0, v0], rank 1 holds [q1, k1, v1]; at mp 1 the one rank holds all six in the full order.
-
-Pipeline stages (Megatron layout `mp_rank_{tp:02d}_{pp:03d}/`): each stage's file holds its layers under their
-global names, so the stages of one tensor-parallel rank merge into one view of the whole model (the last stage's
-LM-head copy of word_embeddings.weight is checked equal to the first stage's and dropped); their optimizer states
-are re-indexed into that merged order. A pipelined checkpoint therefore reads like a single-stage one. The ZeRO
-layout's stage files (`mp_rank_{tp:02d}_{pp:03d}_model_states.pt`, `zero_pp_rank_{dp}_mp_rank_{tp:02d}_{pp:03d}_...`)
-merge the same way; each parameter's optimizer state is read from the flat groups of the stage that holds it (its
-param_names say where).
+How a parameter is split across model-parallel ranks: megatron/checkpoint/partitioning.py (re-exported here).
+How the pipeline stages of a checkpoint merge: megatron/checkpoint/pipeline_stages.py.
 """
 import os
 import re
@@ -40,79 +20,10 @@ import mpu
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.checkpoint.stage3_module import tensor_shape
 from megatron.train_state import TrainState
-
-_ROW_SPLIT = re.compile(r"(query_key_value|dense_h_to_4h)\.(weight|bias|lora_B)$")
-_COLUMN_SPLIT = re.compile(r"(attention\.dense|dense_4h_to_h)\.(weight|lora_A)$")
-VOCAB_PARAMETER = "word_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"     # the untied LM head: split like the word embedding
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def partitioning(name, model_shape=None):
-    """(partition dim or None for replicated, stride, whether the dim is the padded vocabulary) of a GPT2Model
-    parameter name; `model_shape` (a checkpoint's MODEL_SHAPE) for the strides of the Llama options."""
-    if name.endswith((VOCAB_PARAMETER, OUTPUT_LAYER)):
-        return 0, 1, True
-    match = _ROW_SPLIT.search(name)
-    if match:
-        shape = model_shape or {}
-        if match.group(1) == "dense_h_to_4h":
-            return 0, 2 if shape.get("swiglu") else 1, False
-        heads, kv_heads = shape.get("num_attention_heads"), shape.get("num_key_value_heads")
-        if kv_heads in (None, heads):
-            return 0, 3, False
-        head_dim = shape["hidden_size"] // heads
-        return 0, mpu.GroupedQKVStride(shape["hidden_size"], head_dim * kv_heads, head_dim), False
-    if _COLUMN_SPLIT.search(name):
-        return 1, 1, False
-    return None, 1, False
-
-
-def join_shards(shards, dim, stride):
-    """The full tensor from the model-parallel shards (inverse of split_full)."""
-    if isinstance(stride, mpu.GroupedQKVStride):
-        return stride.join(shards, dim)
-    pieces = [shard.chunk(stride, dim) for shard in shards]       # pieces[r][j]
-    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
-
-
-def split_full(full, dim, stride, world_size, rank):
-    """Rank `rank`'s shard of `full`: cut into world_size x stride blocks, take blocks rank, rank + world, ...
-    (grouped-query q/k/v: mpu.GroupedQKVStride's split)"""
-    if isinstance(stride, mpu.GroupedQKVStride):
-        return stride.split(full, dim, world_size, rank)
-    blocks = full.chunk(world_size * stride, dim)
-    return torch.cat(blocks[rank::world_size], dim)
-
-
-def shard_for(name, full, world_size, rank, padded_rows=None, model_shape=None):
-    """This rank's shard of the full tensor of parameter `name`; the vocabulary re-padded with zero rows to
-    `padded_rows` (the loading model's padded vocabulary)."""
-    dim, stride, vocab = partitioning(name, model_shape)
-    if vocab and padded_rows is not None and padded_rows != full.shape[0]:
-        if padded_rows < full.shape[0]:
-            raise ckpt.CheckpointError(f"{name}: the checkpoint's vocabulary ({full.shape[0]}) does not fit this "
-                                       f"model's padded vocabulary ({padded_rows})")
-        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
-    if dim is None or world_size == 1:
-        return full
-    if isinstance(stride, mpu.GroupedQKVStride):
-        kv_heads = stride.kv_heads
-        if (stride.query_rows + 2 * stride.kv_rows != full.shape[dim] or stride.query_rows % world_size
-                or (kv_heads % world_size and world_size % kv_heads)):
-            raise ckpt.CheckpointError(f"{name}: {kv_heads} key/value heads of size {stride.head_dim} do not split "
-                                       f"into {world_size} model-parallel ranks")
-    elif full.shape[dim] % (world_size * stride):
-        raise ckpt.CheckpointError(f"{name}: size {full.shape[dim]} along dim {dim} does not split into "
-                                   f"{world_size} model-parallel ranks x stride {stride}")
-    return split_full(full, dim, stride, world_size, rank)
-
-
-def default_param_names(names):
-    """Megatron's optimizer groups by name, for checkpoints saved without ckpt.PARAM_NAMES: weights decay;
-    biases and LayerNorm parameters do not (in module order)."""
-    no_decay = [n for n in names if n.endswith(".bias") or "layernorm" in n]
-    return [[n for n in names if n not in no_decay], no_decay]
+# How names split (their home before the split; tests, tools and posttrain import them from here too).
+from megatron.checkpoint.partitioning import (OPTIMIZER_KINDS, OUTPUT_LAYER, VOCAB_PARAMETER,  # noqa: F401
+                                              default_param_names, join_shards, partitioning, shard_for, split_full)
+from megatron.checkpoint.pipeline_stages import merge_stages, merge_zero_stages
 
 
 class SavedCheckpoint:
@@ -167,8 +78,8 @@ class SavedCheckpoint:
                           else ckpt.safe_torch_load(path, mmap=True))
         if self.path == "zero":
             self._stage_files[mp_rank] = stages
-            return _merge_zero_stages(stages, self.directory)
-        return _merge_stages(stages, self.directory)
+            return merge_zero_stages(stages, self.directory)
+        return merge_stages(stages, self.directory)
 
     def _stage_name(self, stage):
         """The stage as the ZeRO file names carry it: None at P = 1 (names without the stage)."""
@@ -413,79 +324,6 @@ def _layout_and_ranks(directory):
             return path, sorted(int(m.group(1)) for m in found), 1
     raise ckpt.CheckpointError(f"{directory} is not a checkpoint: it holds neither mp_rank_*/"
                                f"{ckpt.CHECKPOINT_FILENAME} nor *_model_states.pt files")
-
-
-def _merge_stage_weights(stage_weights, directory):
-    """{name: tensor} of every stage, each name once (a tied copy checked equal to the first stage's)."""
-    weights = {}
-    for number, stage in enumerate(stage_weights):
-        for name, tensor in stage.items():
-            if name not in weights:
-                weights[name] = tensor
-            elif not torch.equal(weights[name], tensor):
-                raise ckpt.CheckpointError(f"{directory}: {name} differs between pipeline stage {number} and the "
-                                           "first stage (the tied copies must be identical)")
-    return weights
-
-
-def _merge_zero_stages(stages, directory):
-    """One ZeRO model-states view of one model-parallel rank's stages: the module under global names, each
-    optimizer group's param names in stage order (a tied copy once). The optimizer state stays in the stages'
-    own files (SavedCheckpoint._zero_shard reads it from the stage holding each parameter). Counters, client
-    state (RNG) and lr scheduler: the first stage's."""
-    for number, stage in enumerate(stages):
-        if stage.get(ckpt.PIPELINE_PARALLEL_SIZE, 1) != len(stages):
-            raise ckpt.CheckpointError(f"{directory}: pipeline stage {number}'s model states record pipeline size "
-                                       f"{stage.get(ckpt.PIPELINE_PARALLEL_SIZE, 1)}, the directory has "
-                                       f"{len(stages)} stages")
-    merged = dict(stages[0])
-    merged[ckpt.MODULE] = _merge_stage_weights([stage[ckpt.MODULE] for stage in stages], directory)
-    groups, seen = None, set()
-    for stage in stages:
-        names = stage.get(ckpt.PARAM_NAMES) or default_param_names(list(stage[ckpt.MODULE]))
-        groups = groups or [[] for _ in names]
-        if len(names) != len(groups):
-            raise ckpt.CheckpointError(f"{directory}: the pipeline stages have different numbers of optimizer "
-                                       f"param groups ({len(groups)} and {len(names)})")
-        for group_index, group in enumerate(names):
-            groups[group_index] += [name for name in group if name not in seen]
-            seen.update(group)
-    merged[ckpt.PARAM_NAMES] = groups
-    return merged
-
-
-def _merge_stages(stages, directory):
-    """One Megatron-path file from the pipeline stages' files of one model-parallel rank: weights under their
-    global names, each optimizer group's param names in stage order, the optimizer state re-indexed to that order
-    (the last stage's tied LM-head copy dropped). Counters, RNG, lr scheduler and loss scaler: the first stage's."""
-    merged = dict(stages[0])
-    merged[ckpt.MODEL] = _merge_stage_weights([stage[ckpt.MODEL] for stage in stages], directory)
-    if not all(ckpt.OPTIMIZER in stage for stage in stages):
-        return merged
-    sources, groups = {}, None          # name -> (its stage's optimizer state dict, its index there)
-    for stage in stages:
-        names = stage.get(ckpt.PARAM_NAMES) or default_param_names(list(stage[ckpt.MODEL]))
-        groups = groups or [[] for _ in names]
-        flat = [(group_index, name) for group_index, group in enumerate(names) for name in group]
-        for position, (group_index, name) in enumerate(flat):
-            if name not in sources:
-                sources[name] = (stage[ckpt.OPTIMIZER], position)
-                groups[group_index].append(name)
-    order = [name for group in groups for name in group]
-
-    def inner(optimizer):
-        return optimizer.get("optimizer", optimizer)
-    state = {i: inner(sources[n][0])["state"][sources[n][1]] for i, n in enumerate(order)
-             if sources[n][1] in inner(sources[n][0])["state"]}
-    optimizer = dict(stages[0][ckpt.OPTIMIZER])
-    if "optimizer" in optimizer:
-        optimizer["optimizer"] = dict(optimizer["optimizer"], state=state)
-    else:
-        optimizer["state"] = state
-    if "fp32_master_params" in optimizer:
-        optimizer["fp32_master_params"] = [sources[n][0]["fp32_master_params"][sources[n][1]] for n in order]
-    merged[ckpt.OPTIMIZER], merged[ckpt.PARAM_NAMES] = optimizer, groups
-    return merged
 
 
 def _tracked_tag(load_dir):

@@ -53,6 +53,11 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
     if load_optimizer and fresh_adapters:
         raise ckpt.CheckpointError(f"{saved.directory} has no LoRA adapters (a base model): load it with --finetune "
                                    "(fresh adapters and optimizer)")
+    experts = saved.files[0].get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1) if saved.path == "zero" else 1
+    if load_optimizer and experts > 1:   # its expert groups' optimizer files differ by expert-parallel rank
+        raise ckpt.CheckpointError(f"{saved.directory} was saved at expert-model-parallel size {experts}: its optimizer "
+                                   "state loads only at that size and the saving model-parallel size; pass "
+                                   "--no-load-optim (or --finetune) to take the weights")
     if load_optimizer and not saved.has_optimizer_state():
         raise ckpt.CheckpointError(f"{saved.directory} has no optimizer state (saved with --no-save-optim?): pass "
                                    "--no-load-optim or --finetune to start it fresh")
@@ -85,9 +90,11 @@ def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
 
 
 def _load_megatron_optimizer(optimizer, module, saved, shard):
-    """torch Adam/AdamW, or FP16_Optimizer around it: each parameter's fp32 master and moments copied into the
-    optimizer's own tensors one parameter at a time (no second copy of the state is ever built)."""
+    """torch Adam/AdamW or Muon, or FP16_Optimizer around it: each parameter's fp32 master and moments (Muon's
+    momentum for its matrices) copied into the optimizer's own tensors one parameter at a time (no second copy of
+    the state is ever built)."""
     inner = getattr(optimizer, "optimizer", optimizer)
+    muon = {id(p) for group in inner.param_groups if group.get("use_muon") for p in group["params"]}
     params = dict(module.named_parameters())
     masters = dict(zip(map(id, optimizer.model_params), optimizer.master_params)) \
         if hasattr(optimizer, "master_params") else {}
@@ -100,9 +107,10 @@ def _load_megatron_optimizer(optimizer, module, saved, shard):
                 stepped.copy_(shard(name, "master"))
                 param.copy_(stepped)
             state = inner.state.setdefault(stepped, {})
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in ckpt.MUON_KINDS if id(stepped) in muon else ckpt.ADAM_KINDS:
                 value = shard(name, kind)
                 if value is None:
+                    ckpt.check_other_optimizer(lambda _, other: shard(name, other), param, kind)
                     inner.state.pop(stepped, None)
                     break
                 if kind in state:

@@ -7,6 +7,8 @@ FileNotFoundError whose message is the exact command that builds it.
 """
 import os
 
+from megatron.cli import UserError
+
 from .indexed_dataset import data_file_path, dataset_exists, index_file_path
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -23,7 +25,7 @@ CORPORA = {
 }
 
 
-class DataPathError(FileNotFoundError):
+class DataPathError(UserError, FileNotFoundError):
     """A named corpus or --data-path prefix whose .bin/.idx files are missing; the message says how to build them."""
 
 

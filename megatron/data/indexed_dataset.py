@@ -22,6 +22,8 @@ import struct
 
 import numpy as np
 
+from megatron.cli import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34
@@ -31,7 +33,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 DTYPE_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """A .idx/.bin pair that is missing, truncated, or inconsistent; the message names the file."""
 
 

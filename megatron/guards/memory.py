@@ -57,7 +57,8 @@ def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), froz
     or "fp16"/"bf16"/"fp32"; with fp16 or bf16 enabled in `config`, that one). `config`: the run's `zero.Config`
     (zero.load_config), whose zero_optimization block gives the stage, the offloads, the stage-3 persistence
     threshold and the reduce buckets; None: the Megatron optimizer (no partitioning, alignment 1, FP16_Optimizer's
-    fp32 master gradients in fp16/bf16). `dp`: the data-parallel size (the partitions of stages 1-3).
+    fp32 master gradients in fp16/bf16). `dp`: the data-parallel size (the partitions of stages 1-3), or one per
+    param group (MoE expert groups under expert parallelism are partitioned over the expert-data-parallel size).
     `parameter_sizes`: every parameter's element count, for stage 3, which keeps those up to
     stage3_param_persistence_threshold whole on every rank (the units gathered during forward and backward are
     working memory, not model state). `frozen_elements`: parameters without optimizer state (requires_grad False),
@@ -79,9 +80,12 @@ def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), froz
     persistent = sum(n for n in parameter_sizes if n <= zero.stage3_param_persistence_threshold) \
         if stage == 3 else 0
     size = torch.tensor([], dtype=dtype).element_size()
+    group_dps = list(dp) if isinstance(dp, (list, tuple)) else [dp] * len(counts)
+    dp = group_dps[0] if group_dps else 1         # the dense groups' (the frozen parameters')
     partitions = dp if stage >= 1 else 1
-    padded = [_padded(n, partitions, ALIGNMENT if zero is not None else 1) for n in counts]
-    own = [p // partitions for p in padded]
+    group_partitions = [d if stage >= 1 else 1 for d in group_dps]
+    padded = [_padded(n, q, ALIGNMENT if zero is not None else 1) for n, q in zip(counts, group_partitions)]
+    own = [p // q for p, q in zip(padded, group_partitions)]
     frozen = _padded(frozen_elements, partitions, ALIGNMENT) // partitions if stage == 3 else frozen_elements
     result = {"parameters": (sum(own) + frozen + persistent if stage == 3 else sum(padded) + frozen) * size,
               "gradients": (sum(own) if stage >= 2 else sum(padded)) * size,

@@ -10,12 +10,13 @@ import os
 import torch
 
 import mpu
+from megatron.cli import UserError
 from megatron.guards import memory
 from megatron.utils import unwrap_model
 
 
 # ---- non-finite values in fp32/bf16 ------------------------------------------------------------------------
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """The run stops: a NaN/inf loss or gradient norm in fp32/bf16 (without --skip-nonfinite-steps)."""
 
 
@@ -208,15 +209,17 @@ def memory_setting(args):
             f"{args.params_dtype}")
 
 
-def model_state_estimate(counts, args, module=None):
+def model_state_estimate(counts, args, module=None, data_parallel_sizes=None):
     """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups,
     and the run's zero.Config (args.zero_config, None on the Megatron path; its "auto" values resolved by
     zero.initialize). `module`: the model, whose small parameters stage 3 keeps whole and whose frozen ones have
-    parameters only."""
+    parameters only. `data_parallel_sizes`: each group's partitions (MoE experts under expert parallelism: the
+    expert-data-parallel size); None: the data-parallel size for every group."""
     parameters = list(module.parameters()) if module is not None else []
     # ZeRO partitions over data x context parallel ranks (they all hold the same parameters)
     return memory.model_state_bytes(counts, args.params_dtype, args.zero_config,
-                                    args.data_parallel_size * context_parallel_size(args),
+                                    data_parallel_sizes if data_parallel_sizes is not None
+                                    else args.data_parallel_size * context_parallel_size(args),
                                     parameter_sizes=[mpu.full_numel(p) for p in parameters],
                                     frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
 

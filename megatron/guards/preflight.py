@@ -9,6 +9,8 @@ import dataclasses
 import hashlib
 import os
 
+from megatron.cli import UserError
+
 # Namespace keys that legitimately differ between processes (or are compared in another form): the rank, the local
 # rank, the parsed config object (compared as `zero_config.*`) and its file path (only the content must agree).
 PER_PROCESS_KEYS = frozenset({"rank", "local_rank", "zero_config", "deepspeed_config"})
@@ -18,7 +20,7 @@ SOURCE_ROOTS = ("megatron", "mpu", "pretrain_gpt.py")
 _source_digest = None
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UserError, RuntimeError):
     """The ranks were started with different settings or code; the message names every difference."""
 
 

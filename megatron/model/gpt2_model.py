@@ -62,6 +62,7 @@ from torch import nn
 import mpu
 from mpu.transformer import skip_init_draws
 from megatron.model.hf_interchange import REWARD_HEAD
+from megatron.model.moe_args import moe_config_from_args
 from megatron.zero import GatheredParameters, register_external_parameter
 
 
@@ -122,6 +123,8 @@ class GPT2ModelConfig:
     sequence_parallel: bool = False
     """--sequence-parallel: the LayerNorm, dropout and residual regions hold a slice of the sequence per
     model-parallel rank (see the module docstring); the same parameters and results as without."""
+    moe: Optional[mpu.MoEConfig] = None
+    """--num-experts and the --moe-* flags: mixture-of-experts MLPs (mpu/moe.py); None: dense MLPs."""
     reward_head: bool = False
     """A reward model (train_reward_model.py): a scalar head `score` (Linear(h, 1) without bias, HF
     GPT2ForSequenceClassification's) on the final LayerNorm's output instead of the LM head; forward returns one
@@ -142,14 +145,23 @@ class GPT2ModelConfig:
                    learned_position_embeddings=not args.no_position_embedding,
                    rotary=args.use_rotary_position_embeddings, rotary_theta=args.rotary_position_embeddings_theta,
                    untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                   sequence_parallel=args.sequence_parallel)
+                   sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args))
 
     @property
     def architecture(self):
         """The transformer layers' options (mpu.Architecture)."""
         return mpu.Architecture(num_key_value_heads=self.num_key_value_heads, ffn_hidden_size=self.ffn_hidden_size,
                                 swiglu=self.swiglu, normalization=self.normalization,
-                                add_bias_linear=self.add_bias_linear)
+                                add_bias_linear=self.add_bias_linear, moe=self.moe)
+
+    @property
+    def num_experts(self):
+        """Experts per MoE layer (None: dense), as checkpoints record it (layout.ARCHITECTURE_DEFAULTS)."""
+        return self.moe.num_experts if self.moe is not None else None
+
+    @property
+    def moe_router_topk(self):
+        return self.moe.topk if self.moe is not None else None
 
     @property
     def tied_head(self):

@@ -36,6 +36,7 @@ This module imports neither transformers nor safetensors (nor peft): the tools d
 import torch
 
 from mpu import LORA_TARGETS as _LORA_LINEARS   # target name -> our linear inside a layer
+from megatron.cli import UserError
 
 # Our per-layer module name -> (HF per-layer module name, is a Conv1D whose weight is transposed).
 _LAYER_MODULES = (
@@ -57,7 +58,7 @@ HF_PREFIX = "transformer."
 REWARD_HEAD = "score.weight"   # GPT2Model's reward head (reward_head) = GPT2ForSequenceClassification's, [1, h]
 
 
-class InterchangeError(ValueError):
+class InterchangeError(UserError, ValueError):
     """A Hugging Face model or config this codebase cannot represent; the message is one line."""
 
 

@@ -8,6 +8,12 @@
     rlhf          RLHF step 3: experience from the actor being trained, the per-micro-batch PPO and GRPO steps
     rlhf_loss     RLHF step 3's losses: PPO as DeepSpeed-Chat computes it, GRPO's advantages and reductions as TRL
     ema           RLHF step 3's EMA actor (DeepSpeed-Chat's moving_average), saved as an actor checkpoint
+
+The drivers the entry points call (imported by module, not here: the light tools import this package):
+    start         what every driver shares: flag checks, start-or-resume, the model providers, preference data
+    sft_driver    finetune_gpt.py: SFT and DPO on pretraining's loop (samples: its --sample-every)
+    reward_driver train_reward_model.py: the reward model on pretraining's loop
+    rlhf_driver   train_rlhf.py: the PPO/GRPO loop (rlhf_flags: its command line)
 """
 from .sft_data import (DEFAULT_TEMPLATE, TEMPLATES, ChatTemplate, ExampleError, assemble_row, encode_example,
                        encode_prompt, pack_examples, parse_example, parse_preference, truncate_example)

@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 
 import mpu
+from megatron.cli import UserError
 
 from .sft_loss import ROW_KEYS, model_inputs, sum_over_group, trim_to_longest
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
-class DPOReferenceError(RuntimeError):
+class DPOReferenceError(UserError, RuntimeError):
     """A reference policy that cannot be built; the message names the flags to change."""
 
 

@@ -24,11 +24,12 @@ import torch
 
 import mpu
 from megatron import unwrap_model
+from megatron.cli import UserError
 
 EMA_BETA = 0.992
 
 
-class EMAError(ValueError):
+class EMAError(UserError, ValueError):
     """The EMA checkpoint a resumed run needs is missing or at another iteration (the message names --ema-save)."""
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 import mpu
+from megatron.cli import UserError
 from megatron.checkpoint.rng import preserved_rng_state
 from megatron.guards import breadcrumbs
 
@@ -49,7 +50,7 @@ GRPO_METRICS = ("reward", "reward_std", "completions/mean_length")
 PTX_COEF = 27.8            # DeepSpeed-Chat's --unsup_coef default (InstructGPT's PPO-ptx gamma)
 
 
-class RLHFError(ValueError):
+class RLHFError(UserError, ValueError):
     """Bad RLHF input: a --reward-fn that cannot be imported or returns something that is not one number per
     completion, batch sizes that do not hold whole groups; the message names the flag to change."""
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron.cli import UserError
+
 ROLES = ("system", "user", "assistant")
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
@@ -56,7 +58,7 @@ TEMPLATES = {template.name: template for template in (
 DEFAULT_TEMPLATE = "deepspeed-chat"
 
 
-class ExampleError(ValueError):
+class ExampleError(UserError, ValueError):
     """An example that cannot be used; the message says why (the caller prefixes FILE:LINE)."""
 
 

@@ -18,6 +18,7 @@ and the arguments: every rank builds the same index without communicating.
 """
 import numpy as np
 
+from megatron.cli import UserError
 from megatron.data.corpora import DataPathError
 from megatron.data.gpt_dataset import get_train_valid_test_split_
 from megatron.data.indexed_dataset import (IndexedDatasetError, MMapIndexedDataset, dataset_exists, index_file_path)
@@ -27,7 +28,7 @@ from .sft_data import assemble_row, pack_examples
 INPUT_IDS, LOSS_MASK = "input_ids", "loss_mask"
 
 
-class SFTDataError(ValueError):
+class SFTDataError(UserError, ValueError):
     """A split that cannot serve what the run asks of it; the message names the flags to change."""
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import mpu
+from megatron.cli import UserError
 
 DONE_CHECK_INTERVAL = 16
 """Decoding steps between two checks whether every row has finished (each check waits for the device)."""
@@ -62,16 +63,20 @@ def sample_logits(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.0, gen
 
 
 def check_sampling_options(max_new_tokens, greedy=False, temperature=1.0, top_k=0, top_p=0.0):
-    """ValueError (one line, named by the tools' flags) for options that cannot mean anything: before any work."""
+    """InferenceInputError (a ValueError; one line, named by the tools' flags) for options that cannot mean
+    anything: before any work."""
     if max_new_tokens < 1:
-        raise ValueError(f"--out-seq-length (max_new_tokens) is {max_new_tokens}: give the number of new tokens, "
-                         "at least 1")
+        raise InferenceInputError(f"--out-seq-length (max_new_tokens) is {max_new_tokens}: give the number of new "
+                                  "tokens, at least 1")
     if top_k < 0:
-        raise ValueError(f"--top_k is {top_k}: give 0 (off) or the number of most likely tokens to sample from")
+        raise InferenceInputError(f"--top_k is {top_k}: give 0 (off) or the number of most likely tokens to sample "
+                                  "from")
     if not 0.0 <= top_p <= 1.0:
-        raise ValueError(f"--top_p is {top_p}: give a probability mass in (0, 1], e.g. 0.9 (0 turns it off)")
+        raise InferenceInputError(f"--top_p is {top_p}: give a probability mass in (0, 1], e.g. 0.9 (0 turns it "
+                                  "off)")
     if not greedy and not temperature > 0:
-        raise ValueError(f"--temperature is {temperature}: it must be positive (or pass --greedy for argmax)")
+        raise InferenceInputError(f"--temperature is {temperature}: it must be positive (or pass --greedy for "
+                                  "argmax)")
 
 
 def _broadcast_from_model_parallel_src(tensor):
@@ -246,17 +251,18 @@ def cuda_graph_capture(forward, warmup=2):
 
 
 def _check_prompts(prompts, max_positions, real_vocab):
-    """ValueError (one line) for an empty prompt, one longer than the position table, an id outside the
-    vocabulary."""
+    """InferenceInputError (a ValueError; one line) for an empty prompt, one longer than the position table, an
+    id outside the vocabulary."""
     for index, prompt in enumerate(prompts):
         if not prompt:
-            raise ValueError(f"prompt {index} is empty: give at least one token (e.g. end-of-document)")
+            raise InferenceInputError(f"prompt {index} is empty: give at least one token (e.g. end-of-document)")
         if len(prompt) > max_positions:
-            raise ValueError(f"prompt {index} has {len(prompt)} tokens, longer than the position table "
-                             f"(max_sequence_length {max_positions}): shorten it")
+            raise InferenceInputError(f"prompt {index} has {len(prompt)} tokens, longer than the position table "
+                                      f"(max_sequence_length {max_positions}): shorten it")
         bad = [t for t in prompt if not 0 <= t < real_vocab]
         if bad:
-            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): {bad[:5]}")
+            raise InferenceInputError(f"prompt {index} has token ids outside the vocabulary [0, {real_vocab}): "
+                                      f"{bad[:5]}")
 
 
 def left_padded_layout(lengths, total, max_positions, device):
@@ -282,7 +288,7 @@ def left_padded_layout(lengths, total, max_positions, device):
     return position_ids, ~allowed[:, None]                                    # [b, 1, total, total]
 
 
-class InferenceInputError(ValueError):
+class InferenceInputError(UserError, ValueError):
     """What load_inference_model refuses (no --load, no checkpoint there, no tokenizer, a pipelined run): one line
     naming the problem and the fix. The tools print it as `error: ...` with exit status 1."""
 

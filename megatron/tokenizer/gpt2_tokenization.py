@@ -21,13 +21,15 @@ import functools
 import json
 import os
 
+from megatron.cli import UserError
+
 # GPT-2's pre-tokenizer pattern (openai/gpt-2 encoder.py); tiktoken's "gpt2" pat_str is the same pattern written
 # with a non-capturing group for the contractions.
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOD_TOKEN = "<|endoftext|>"
 
 
-class TokenizerFileError(ValueError):
+class TokenizerFileError(UserError, ValueError):
     """A vocab or merges file that is missing, malformed, or does not match its partner."""
 
 

@@ -25,6 +25,7 @@ from .builder import adam_kernel_options, add_config_arguments, build_optimizer,
 from .config import Config, ConfigError, load_config
 from .engine import ZeroEngine
 from .hybrid_engine import register_generator
+from .muon import Muon, MuonError, muon_settings, split_param_groups
 from .optimizer import ZeroOptimizer
 from .param_status import ZeroParamStatus
 from .partition import ALIGNMENT
@@ -40,7 +41,8 @@ zero = sys.modules[__name__]
 __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "ConfigError", "load_config",
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
            "GatheredParameters", "register_external_parameter", "ZeroParamStatus", "adam_kernel_options",
-           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator", "as_deepspeed"]
+           "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator", "as_deepspeed", "Muon",
+           "MuonError", "muon_settings", "split_param_groups"]
 
 
 def __getattr__(name):

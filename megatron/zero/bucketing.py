@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import offload
+from .partition import context_of
 
 MAX_IN_FLIGHT = 2
 
@@ -27,9 +28,13 @@ def reduce_range(flat_group, buffer, start, ctx, all_reduce, async_op):
 
     With `all_reduce` every rank gets all of it. Returns the collective handles (empty when synchronous).
     """
+    ctx = context_of(flat_group, ctx)           # expert parameters: the expert-data-parallel group
+    divisor = ctx.gradient_divisor or ctx.data_parallel_size
     if ctx.data_parallel_size == 1:
+        if divisor != 1:
+            buffer.div_(divisor)
         return []
-    buffer.div_(ctx.data_parallel_size)
+    buffer.div_(divisor)
     group = ctx.data_parallel_group
     if all_reduce:
         handle = dist.all_reduce(buffer, group=group, async_op=async_op)

@@ -15,6 +15,7 @@ from mpu.utils import get_device, init_distributed
 from .config import Config, ConfigError, load_config, resolve_auto_values
 from .engine import ZeroEngine
 from .lr_schedules import SCHEDULERS
+from .muon import Muon, muon_settings, split_param_groups
 from .partition import ParallelContext
 
 
@@ -59,7 +60,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         _print_start_up_notes(cfg, resolved, hidden_size)
     if optimizer is None and cfg.optimizer is not None:
         optimizer = build_optimizer(cfg.optimizer, model_parameters if model_parameters is not None
-                                    else [p for p in model.parameters() if p.requires_grad])
+                                    else [p for p in model.parameters() if p.requires_grad], model, ctx)
     elif optimizer is None:
         _check_inference_engine(cfg)
     elif not isinstance(optimizer, torch.optim.Optimizer):
@@ -96,7 +97,7 @@ def _print_start_up_notes(cfg, resolved, hidden_size):
         print(f"[zero] accepted with no effect here: {notes}", flush=True)
 
 
-def build_optimizer(optimizer_config, params):
+def build_optimizer(optimizer_config, params, module=None, ctx=None):
     """torch Adam/AdamW from the JSON block. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false;
     weight_decay defaults to 0 as in DeepSpeed (its FusedAdam's), but to torch's 0.01 with `"torch_adam": true`
     (DeepSpeed then builds torch's AdamW with the JSON's params).
@@ -106,6 +107,8 @@ def build_optimizer(optimizer_config, params):
     kernel (DeepSpeed's meaning: torch's Adam instead of the fused one).
     """
     params = list(params)
+    if optimizer_config.type == "Muon":
+        return _build_muon(optimizer_config.params, params, module, ctx)
     p = dict(optimizer_config.params)
     adam_w_mode = p.pop("adam_w_mode", True) or optimizer_config.type == "AdamW"
     torch_adam = p.pop("torch_adam", False)
@@ -119,6 +122,18 @@ def build_optimizer(optimizer_config, params):
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
+
+
+def _build_muon(config_params, params, module, ctx):
+    """DeepSpeed's {"type": "Muon"}: the model's hidden matrices to Muon, the rest to AdamW (muon.py)."""
+    if module is None:
+        raise ConfigError("optimizer Muon needs the model (initialize(model=...)) to split its parameters")
+    muon, adam = muon_settings(config_params)
+    groups = split_param_groups(module, params, muon, adam)
+    first = _first_tensor(params)
+    kernel = adam_kernel_options(first.device) if first is not None else {}
+    model_parallel = (ctx.model_parallel_group, ctx.model_parallel_rank, ctx.model_parallel_size) if ctx else None
+    return Muon(groups, model_parallel=model_parallel, adam_kernel=kernel)
 
 
 def _first_tensor(params):

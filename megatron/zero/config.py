@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron.cli import UserError
 from megatron.fp16.loss_scaler import LossScalerConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A problem with the ZeRO/DeepSpeed JSON config; the message names the key and value."""
 
 
@@ -120,7 +121,7 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class OptimizerConfig:
-    type: str = "AdamW"                # Adam | AdamW (case-insensitive, as in DeepSpeed)
+    type: str = "AdamW"                # Adam | AdamW | Muon (case-insensitive, as in DeepSpeed)
     params: dict = field(default_factory=dict)
 
 
@@ -207,7 +208,8 @@ DEEPSPEED_KEYS = {
     "log_level": (NO_EFFECT, "megatron.zero prints on rank 0 only"),
     "managed_gradient_accumulation": (NO_EFFECT, "the engine always counts micro-steps to the boundary"),
     "vocabulary_size": (NO_EFFECT, "read by DeepSpeed's pipeline engine only"),
-    "use_data_before_expert_parallelism": (NO_EFFECT, "there is no expert parallelism"),
+    "use_data_before_expert_parallelism": (NO_EFFECT, "the expert groups come from --expert-model-parallel-size "
+                                                      "(mpu/expert_parallel.py)"),
     "flops_profiler": (NO_EFFECT, "the log line prints TFLOP/s"),
     "tensorboard": (NO_EFFECT, "use --tensorboard-dir"),
     "csv_monitor": (NO_EFFECT, "use --log-jsonl"), "wandb": (NO_EFFECT, "use --log-jsonl"),
@@ -235,7 +237,8 @@ DEEPSPEED_KEYS = {
                    {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
                     "keep_in_fp32_modules": "auto"}),
     "tensor_parallel": (REFUSED, "use --tensor-model-parallel-size", {"autotp_size": 0}),
-    "expert_parallel": (REFUSED, "there is no expert parallelism", {"enabled": False}),
+    "expert_parallel": (REFUSED, "use --num-experts and --expert-model-parallel-size (docs/models.md)",
+                        {"enabled": False}),
     # hybrid_engine ("enabled" is honoured: HybridEngineConfig); DeepSpeed's inference-kernel settings
     "hybrid_engine.max_out_tokens": (NO_EFFECT, "the KV cache is sized per call, for its prompts and new tokens"),
     "hybrid_engine.inference_tp_size": (NO_EFFECT, "generation runs at the training's tensor-parallel layout; the "
@@ -276,7 +279,8 @@ DEEPSPEED_KEYS = {
     "zero_optimization.override_module_apply": (NO_EFFECT, "module.apply is never patched"),
     "zero_optimization.log_trace_cache_warnings": (NO_EFFECT, "there is no trace cache"),
     "zero_optimization.enable_sanity_checks": (NO_EFFECT, "the engine's checks always run"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": (NO_EFFECT, "there is no Muon optimizer"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (NO_EFFECT, "Muon's momentum is partitioned like "
+                                                               "Adam's moments, always in memory"),
     "zero_optimization.leaf_module": (NO_EFFECT, "parameters are fetched per module"),
     "zero_optimization.cpu_offload_use_pin_memory": (NO_EFFECT, "pin_memory is set in offload_optimizer / "
                                                                 "offload_param"),
@@ -317,6 +321,8 @@ ZERO_ALIASES = {name: "stage3_" + name for name in (
     "use_all_reduce_for_fetch_params", "allgather_sequential")}
 _OPTIMIZER_PARAMS = {"lr": float, "betas": list, "eps": float, "weight_decay": float, "adam_w_mode": bool,
                      "torch_adam": bool, "bias_correction": bool, "amsgrad": bool, "max_grad_norm": float}
+# DeepSpeed 0.19.8's Muon keys: muon_lr / adam_lr override lr for each half; momentum and ns_method are Muon's
+_MUON_PARAMS = {"muon_lr": float, "adam_lr": float, "momentum": float, "ns_method": str, "per_head_muon": bool}
 _SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
                                   "warmup_type": str, "last_batch_iteration": int},
                      "WarmupDecayLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
@@ -462,6 +468,9 @@ def _validate(config, no_effect):
         if device not in ("none", "cpu"):
             raise ConfigError(f"zero_optimization.{key}.device: {device!r} is not supported: use \"cpu\" (host "
                               f"memory) or \"none\"")
+    if zero.offload_optimizer.enabled and config.optimizer is not None and config.optimizer.type == "Muon":
+        raise ConfigError("optimizer Muon with zero_optimization.offload_optimizer is not supported: remove the "
+                          "offload block, or use AdamW")
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (stage is 0): the offloaded "
                           "optimizer steps this rank's partition")
@@ -554,19 +563,37 @@ def _optimizer(raw, no_effect):
     _check_keys(raw, {"type", "params"} | set(_deepspeed_keys("optimizer")), "'optimizer'")
     _accept_deepspeed_keys(raw, "optimizer", no_effect)
     kind = _typed(raw.get("type", "AdamW"), str, "optimizer.type")
-    names = {"adam": "Adam", "adamw": "AdamW"}
+    names = {"adam": "Adam", "adamw": "AdamW", "muon": "Muon"}
     if kind.lower() not in names:
-        raise ConfigError(f"optimizer.type: {kind!r} is not supported (Adam, AdamW); pass a torch optimizer "
+        raise ConfigError(f"optimizer.type: {kind!r} is not supported (Adam, AdamW, Muon); pass a torch optimizer "
                           "object to initialize(optimizer=...) for anything else")
+    accepted = {**_OPTIMIZER_PARAMS, **(_MUON_PARAMS if kind.lower() == "muon" else {})}
     params = raw.get("params", {}) or {}
-    _check_keys(params, set(_OPTIMIZER_PARAMS), "'optimizer.params'")
-    params = {k: _typed(v, _OPTIMIZER_PARAMS[k], f"optimizer.params.{k}") for k, v in params.items()}
+    _check_keys(params, set(accepted), "'optimizer.params'")
+    params = {k: _typed(v, accepted[k], f"optimizer.params.{k}") for k, v in params.items()}
+    if kind.lower() == "muon":
+        _check_muon(params)
     if "betas" in params and (len(params["betas"]) != 2 or
                               not all(isinstance(b, (int, float)) for b in params["betas"])):
         raise ConfigError(f"optimizer.params.betas: expected two numbers, got {params['betas']!r}")
     if params.get("bias_correction") is False:
         raise ConfigError("optimizer.params.bias_correction: false is not supported")
     return OptimizerConfig(type=names[kind.lower()], params=params)
+
+
+def _check_muon(params):
+    if params.get("per_head_muon"):
+        raise ConfigError("optimizer.params.per_head_muon: true is not supported (each matrix is orthogonalized "
+                          "whole); remove it")
+    if params.get("ns_method", "standard") not in ("standard", "gram"):
+        raise ConfigError(f"optimizer.params.ns_method: {params['ns_method']!r} is not 'standard' or 'gram'")
+    for key in ("amsgrad", "torch_adam"):
+        if params.get(key):
+            raise ConfigError(f"optimizer.params.{key}: true is not supported with Muon (its AdamW half is torch's "
+                              "AdamW); remove it")
+    if params.get("adam_w_mode") is False:
+        raise ConfigError("optimizer.params.adam_w_mode: false is not supported with Muon (its Adam half decays "
+                          "weights decoupled, AdamW); remove it")
 
 
 def _scheduler(raw):

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 import mpu.lora as mpu_lora
+import mpu.moe as mpu_moe
 import mpu.utils as mpu_utils
 from mpu.utils import full_numel, full_shape
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
 from megatron.checkpoint.stage3_module import PartitionedModule
 from megatron.timers import Timers
 
-from . import offload, stage3
+from . import expert_checkpoint, offload, stage3
 from .collectives import gather_intervals
 from .hybrid_engine import HybridEngine
 from .optimizer import ZeroOptimizer
@@ -142,12 +143,16 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.param_gather.wait_all()
 
     def _broadcast_parameters(self):
-        """Every data-parallel rank starts from data-parallel rank 0's parameters."""
+        """Every data-parallel rank starts from data-parallel rank 0's parameters (an expert parameter under expert
+        parallelism: from expert-data-parallel rank 0's, the first rank holding the same experts)."""
         if self.ctx.data_parallel_size == 1:
             return
+        experts = self.ctx.for_experts()
         with torch.no_grad():
             for p in self.module.parameters():
-                dist.broadcast(p.data, group_src=0, group=self.ctx.data_parallel_group)
+                ctx = experts if getattr(p, "expert_parallel", False) else self.ctx
+                if ctx.data_parallel_size > 1:
+                    dist.broadcast(p.data, group_src=0, group=ctx.data_parallel_group)
 
     # ---- training --------------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -173,6 +178,8 @@ class ZeroEngine(torch.nn.Module):
         backward and before any reduction: the schedule sends the input gradient to the previous stage there
         (which would otherwise wait on it while this stage waits in a reduction) and sums the tied embedding."""
         self._require_optimizer("backward")
+        # MoE layers' aux losses join backward with the factor the loss gets (mpu/moe.py)
+        mpu_moe.set_aux_loss_scale(self.optimizer.cur_scale / self.gradient_accumulation_steps())
         with self.timers("backward"):
             if output_grad is None:
                 self.optimizer.backward(loss, self.gradient_accumulation_steps())
@@ -289,6 +296,9 @@ class ZeroEngine(torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError("save_checkpoint of an engine without an optimizer is not supported here: save its "
                                "weights with save_16bit_model() or module_state_dict()")
+        if self.ctx.expert_model_parallel_size > 1 and self.stage3 is not None:
+            raise ckpt.CheckpointError("ZeRO-3 checkpoints under expert parallelism are not supported: save at "
+                                       "ZeRO stage 0-2 or at --expert-model-parallel-size 1")
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         is_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
 
@@ -394,6 +404,7 @@ class ZeroEngine(torch.nn.Module):
         # parallel rank 0's host memory) only with stage3_gather_16bit_weights_on_model_save
         module_state = self._buffers_state() if partitioned else \
             self.module_state_dict(keep=self.ctx.data_parallel_rank == 0)
+        module_state = expert_checkpoint.with_all_experts(module_state, self.module, self.ctx)   # every expert
         optimizer_state = self.optimizer.partitioned_state_dict()
         model_keys, optimizer_keys = self._deepspeed_keys(module_state, optimizer_state)
         files = []
@@ -403,6 +414,7 @@ class ZeroEngine(torch.nn.Module):
                  ckpt.DATA_PARALLEL_SIZE: self.ctx.data_parallel_size,
                  ckpt.MODEL_PARALLEL_SIZE: self.ctx.model_parallel_size,
                  ckpt.PIPELINE_PARALLEL_SIZE: self.ctx.pipeline_parallel_size,
+                 ckpt.EXPERT_MODEL_PARALLEL_SIZE: self.ctx.expert_model_parallel_size,
                  ckpt.ZERO_STAGE: self.zero_optimization_stage(), ckpt.PARAM_NAMES: self._param_names(), **model_keys}
         if partitioned:
             state[ckpt.STAGE3_PARTITIONS] = self._stage3_partition_record()
@@ -444,7 +456,8 @@ class ZeroEngine(torch.nn.Module):
         stage = self.zero_optimization_stage()
         params = dict(self.module.named_parameters())
         frozen = [name for name, p in params.items() if not p.requires_grad]
-        if stage == 0 or self.ctx.pipeline_parallel_size > 1 or (stage == 3 and frozen):
+        if stage == 0 or self.ctx.pipeline_parallel_size > 1 or (stage == 3 and frozen) or \
+                self.ctx.expert_model_parallel_size > 1:     # DeepSpeed's layout has no expert groups of ours
             return {}, {}
         model_keys = deepspeed_format.model_states_keys(
             self.module, self._param_names(), {name: full_shape(p) for name, p in params.items()},
@@ -545,7 +558,10 @@ class ZeroEngine(torch.nn.Module):
         if saved_stages != self.ctx.pipeline_parallel_size:
             raise ckpt.CheckpointError(f"{path} was saved at pipeline-parallel size {saved_stages}, this run uses "
                                        f"{self.ctx.pipeline_parallel_size}")
-        self._load_module_state_dict(state[ckpt.MODULE], load_module_strict)
+        module_state = state[ckpt.MODULE]
+        if self.ctx.expert_model_parallel_size > 1 and isinstance(module_state, dict):
+            module_state = expert_checkpoint.own_experts_only(module_state, self.module)   # it holds every expert
+        self._load_module_state_dict(module_state, load_module_strict)
         optim_states = deepspeed_format.load_optim_states(directory, mp_rank, pp_rank, state) \
             if load_optimizer_states else None
         if load_optimizer_states and optim_states is None:
@@ -555,7 +571,10 @@ class ZeroEngine(torch.nn.Module):
             # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
             # Memory-mapped: only this rank's pieces are read.
-            self.optimizer.load_partitioned_state_dicts(optim_states)
+            if any(self.optimizer.experts) or state.get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1) > 1:
+                expert_checkpoint.check_optimizer_states_load(state, self.ctx, path)
+            self.optimizer.load_partitioned_state_dicts(
+                optim_states, expert_states=expert_checkpoint.expert_optim_states(optim_states, self.ctx))
         elif self.optimizer is not None:
             self.optimizer.refresh_masters_from_parameters()
         if load_lr_scheduler_states and self.lr_scheduler is not None and state[ckpt.LR_SCHEDULER] is not None:

@@ -28,13 +28,24 @@ def local_square_sums(partition_grads, ranges, device):
     return sums
 
 
-def global_norm_and_overflow(partition_grads, ranges, ctx, device, scale=1.0, partitioned=True):
+def global_norm_and_overflow(partition_grads, ranges, ctx, device, scale=1.0, partitioned=True, experts=()):
     """(norm of the unscaled gradients, overflow) identical on every rank; norm is inf on overflow. `device`: where
     the sums are reduced (the compute device).
 
-    `partitioned=False` (stage 0): every data-parallel rank holds all gradients, so nothing is summed over them.
+    `partitioned=False` (stage 0): every data-parallel rank holds all gradients, so nothing is summed over them,
+    except the expert groups' (`experts[i]` True: group i holds this rank's experts), summed over the
+    expert-model-parallel group, whose ranks hold different experts. Partitioned, the sum over the data-parallel
+    group counts each expert element once (each expert-data-parallel rank holds a different piece of it).
     """
-    sums = local_square_sums(partition_grads, ranges, device)
+    if not partitioned and ctx.expert_model_parallel_size > 1 and any(experts):
+        dense = [i for i in range(len(partition_grads)) if not experts[i]]
+        sums = local_square_sums([partition_grads[i] for i in dense], [ranges[i] for i in dense], device)
+        expert = [i for i in range(len(partition_grads)) if experts[i]]
+        expert_sums = local_square_sums([partition_grads[i] for i in expert], [ranges[i] for i in expert], device)
+        dist.all_reduce(expert_sums, group=ctx.expert_model_parallel_group)
+        sums += expert_sums
+    else:
+        sums = local_square_sums(partition_grads, ranges, device)
     for group, size in ((ctx.data_parallel_group, ctx.data_parallel_size if partitioned else 1),
                         (ctx.model_parallel_group, ctx.model_parallel_size),
                         (ctx.pipeline_parallel_group, ctx.pipeline_parallel_size)):

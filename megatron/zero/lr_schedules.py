@@ -3,7 +3,8 @@
 Warmup over `warmup_num_steps` from warmup_min_lr to warmup_max_lr, with gamma(step) = log(step + 1) /
 log(warmup_num_steps) ("log", the default) or step / warmup_num_steps ("linear"); then WarmupLR holds the maximum
 and WarmupDecayLR decays linearly to 0 at `total_num_steps`. `step()` is called once per optimizer step that was
-not skipped; the constructor sets the minimum lr.
+not skipped; the constructor sets the minimum lr. A group's `lr_mult` (Megatron-LM's name; Muon's half) multiplies
+its lr: the schedule's lr is the AdamW half's, the Muon half's is muon_lr / adam_lr times it.
 """
 import math
 
@@ -42,11 +43,11 @@ class WarmupLR:
         self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
                                      else last_batch_iteration)
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def _set_lr(self, lr):
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def state_dict(self):
         return {"last_batch_iteration": self.last_batch_iteration}

@@ -19,13 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .bucketing import BoundaryReducer, BucketReducer
-from megatron.checkpoint.layout import (DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER, MASTER, NUMEL,
-                         PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START, ZERO_STAGE)
+from megatron.checkpoint.layout import (ADAM_KINDS, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER,
+                                        MASTER, MUON_KINDS, NUMEL, PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START,
+                                        ZERO_STAGE, check_other_optimizer)
 from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
+from .muon import Muon, MuonError, partition_update
 from .param_gather import ParameterGather
 from megatron.fp16.loss_scaler import LossScaler, LossScalerConfig
-from .partition import FlatGroup
+from .partition import context_for, context_of, FlatGroup
 
 
 class ZeroOptimizer:
@@ -49,16 +51,22 @@ class ZeroOptimizer:
         # order, flat order) whose own-partition gradient was non-finite, or None.
         self.skip_nonfinite = False
         self.last_nonfinite_param = None
-        num_partitions = ctx.data_parallel_size if self.stage >= 1 else 1
-        self.groups = groups if groups is not None else [FlatGroup(g["params"], num_partitions, ctx.data_parallel_rank)
-                                                          for g in optimizer.param_groups]
+        self.groups = groups if groups is not None else [self._flat_group(g["params"]) for g in optimizer.param_groups]
+        self.experts = [group.context is not None for group in self.groups]   # expert groups (expert parallelism)
         offload = zero_config.offload_optimizer
+        # Muon halves: orthogonalized here (partition_update) from whole matrices, their flat masters never tiled
+        self.muon_groups = [bool(g.get("use_muon")) for g in optimizer.param_groups] \
+            if isinstance(optimizer, Muon) else [False] * len(optimizer.param_groups)
+        if any(self.muon_groups) and offload.enabled:
+            raise MuonError("Muon with zero_optimization.offload_optimizer is not supported: remove the offload "
+                            "block, or use the AdamW optimizer")
         self.host = offload_memory.HOST if offload.enabled else None
         self.masters = [self._new_master(g, self.host, offload.pin_memory) for g in self.groups]
         optimizer.state.clear()
         # the inner optimizer steps each master in tiles of at most sub_group_size elements (views of it)
-        self.tiles = [list(m.split(zero_config.sub_group_size)) if m.numel() > zero_config.sub_group_size else [m]
-                      for m in self.masters]
+        self.tiles = [list(m.split(zero_config.sub_group_size))
+                      if m.numel() > zero_config.sub_group_size and not muon else [m]
+                      for m, muon in zip(self.masters, self.muon_groups)]
         for group, tiles in zip(optimizer.param_groups, self.tiles):
             group["params"] = tiles
             if self.host is not None and not group.get("fused") and group.get("foreach") is None:
@@ -82,13 +90,23 @@ class ZeroOptimizer:
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
 
+    def _flat_group(self, params):
+        """A FlatGroup of `params` partitioned over the data-parallel group, or, for expert parameters under expert
+        parallelism, over the expert-data-parallel group (partition.context_for)."""
+        context = context_for(params, self.ctx)
+        data_parallel = context or self.ctx
+        group = FlatGroup(params, data_parallel.data_parallel_size if self.stage >= 1 else 1,
+                          data_parallel.data_parallel_rank)
+        group.context = context
+        return group
+
     @staticmethod
     def _new_master(group, host, pin_memory):
         partition = group.own_partition()
         if host is not None:                       # offload: always a host copy, even of an fp32 host partition
             return offload_memory.host_copy(partition, torch.float32, pin_memory)
-        if partition.dtype == torch.float32:
-            return partition                       # fp32: the parameters' own slice is the master
+        if partition.dtype in (torch.float32, torch.float64):
+            return partition                       # fp32 (fp64): the parameters' own slice is the master
         return partition.detach().float()
 
     # ---- DeepSpeed-style accessors -------------------------------------------------------------------------
@@ -116,7 +134,8 @@ class ZeroOptimizer:
         self.param_gather.wait_all()
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         _, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                self.cur_scale, partitioned=self.stage >= 1)
+                                                self.cur_scale, partitioned=self.stage >= 1,
+                                                experts=self.experts)
         self.overflow = bool(found_inf)
         return self.overflow
 
@@ -145,7 +164,8 @@ class ZeroOptimizer:
             return False
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
-                                                   self.cur_scale, partitioned=self.stage >= 1)
+                                                   self.cur_scale, partitioned=self.stage >= 1,
+                                                   experts=self.experts)
         self.overflow = found_inf and self.fp16
         scale = self.cur_scale
         if self.fp16:
@@ -160,10 +180,12 @@ class ZeroOptimizer:
             self.reducer.zero()
             return False
         factor = clip_coefficient(norm, self.gradient_clipping) / scale
-        for master, tiles, grad in zip(self.masters, self.tiles, partition_grads):
-            grad = grad.to(master.device, torch.float32)   # itself when already fp32 there
+        for index, (master, tiles, grad) in enumerate(zip(self.masters, self.tiles, partition_grads)):
+            grad = grad.to(master.device, master.dtype)   # itself when already fp32 (fp64) there
             if factor != 1.0:
                 grad.mul_(factor)
+            if self.muon_groups[index]:
+                grad = self._muon_update(index, master, grad)
             for tile, piece in zip(tiles, grad.split(tiles[0].numel()) if len(tiles) > 1 else [grad]):
                 tile.grad = piece
         self.optimizer.step()
@@ -178,6 +200,16 @@ class ZeroOptimizer:
             self.param_gather.wait_all()
         self.reducer.zero()
         return True
+
+    def _muon_update(self, index, master, grad):
+        """The orthogonalized update of Muon half `index` (its momentum partitioned like Adam's moments)."""
+        state = self.optimizer.state.setdefault(master, {})
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(master)
+        ctx = context_of(self.groups[index], self.ctx)     # an expert group's: its expert-data-parallel group
+        model_parallel = (ctx.model_parallel_group, ctx.model_parallel_rank, ctx.model_parallel_size)
+        return partition_update(grad, state["momentum_buffer"], self.groups[index], self.optimizer.param_groups[index],
+                                ctx.data_parallel_group, model_parallel)
 
     def _first_nonfinite_param(self, partition_grads):
         for group, grad in zip(self.groups, partition_grads):
@@ -242,16 +274,19 @@ class ZeroOptimizer:
         saved data-parallel ranks' dicts."""
         self.load_partitioned_state_dicts(state if isinstance(state, list) else [state])
 
-    def load_partitioned_state_dicts(self, states):
+    def load_partitioned_state_dicts(self, states, expert_states=None):
         """Load this rank's range from the files of *all* saved data-parallel ranks (any data-parallel size) of this
         mp rank. Only the pieces that overlap this rank's range are copied, so with memory-mapped loads a process
-        reads its own share only. The parameters themselves come from the module weights (loaded before)."""
+        reads its own share only. The parameters themselves come from the module weights (loaded before).
+        `expert_states`: the files holding this rank's experts, for the expert groups (expert parallelism: the
+        saved ranks at this rank's expert-parallel position; None: `states`)."""
         self.param_gather.wait_all()   # an in-flight gather still reads the masters (fp32) rewritten here
         if len(states[0][GROUPS]) != len(self.groups):
             raise ValueError(f"checkpoint has {len(states[0][GROUPS])} optimizer param groups, "
                              f"the optimizer has {len(self.groups)}")
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
-            saved = [s[GROUPS][index] for s in states]
+            saved = [s[GROUPS][index] for s in (expert_states if self.experts[index] and expert_states is not None
+                                                else states)]
             if saved[0][NUMEL] != group.numel:
                 raise ValueError(f"optimizer param group {index}: checkpoint has {saved[0][NUMEL]} elements, "
                                  f"the model has {group.numel}")
@@ -276,13 +311,14 @@ class ZeroOptimizer:
     def load_full_state(self, tensor_of, scalar_states, hyperparameters, loss_scaler_state):
         """Load from a checkpoint of another topology or path (megatron.checkpoint.reshard): `tensor_of(param, kind)` is this
         model-parallel rank's fp32 tensor of a module parameter for kind "master", "exp_avg" or "exp_avg_sq"
-        (None: not saved). Only the parameters that overlap this rank's range are asked for."""
+        ("momentum_buffer" in Muon's half; None: not saved). Only the parameters that overlap this rank's range are
+        asked for."""
         self.param_gather.wait_all()   # as in load_partitioned_state_dicts
         for index, (group, master) in enumerate(zip(self.groups, self.masters)):
             start, end = group.own_unpadded_range()
             held = self._master_state(index)   # reuse this rank's moment buffers when they exist
-            values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master)
-                      for kind in ("exp_avg", "exp_avg_sq")}
+            kinds = MUON_KINDS if self.muon_groups[index] else ADAM_KINDS
+            values = {kind: held[kind].zero_() if kind in held else torch.zeros_like(master) for kind in kinds}
             with torch.no_grad():
                 master.zero_()
                 for param_index, lo, hi in group.segments(start, end):
@@ -290,13 +326,14 @@ class ZeroOptimizer:
                     for kind, target in (("master", master), *values.items()):
                         tensor = tensor_of(param, kind)
                         if tensor is None:
+                            check_other_optimizer(tensor_of, param, kind)
                             values.pop(kind, None)
                             continue
                         target[lo - start:hi - start].copy_(tensor.reshape(-1)[lo - param_start:hi - param_start])
             state = _scalar_state_on_device(scalar_states[index] if index < len(scalar_states) else {},
                                             self.optimizer.param_groups[index], master)
             self._set_master_state(index, {**{k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()},
-                                           **values} if len(values) == 2 else {})
+                                           **values} if len(values) == len(kinds) else {})
         for group, saved in zip(self.optimizer.param_groups, hyperparameters or []):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if loss_scaler_state is not None and self.fp16:

@@ -72,7 +72,9 @@ class ParameterGather:
         self.wait_all()
         self.waited = []
         for bucket in self.buckets:
-            self.pending[bucket] = launch_gather_equal_pieces(bucket.pieces(), self.data_parallel_group)
+            group = bucket.group.context.data_parallel_group if bucket.group.context is not None else \
+                self.data_parallel_group                  # expert parameters: their own group
+            self.pending[bucket] = launch_gather_equal_pieces(bucket.pieces(), group)
 
     def wait(self, buckets):
         """Complete `buckets` (those already complete are skipped)."""

@@ -12,8 +12,9 @@ Only the owner keeps fp32 master weights and Adam moments for its range (stage 1
 it (stage 2). After the step every rank's updated range is all-gathered back into the flat buffer, so the model
 sees full parameters again. `ParallelContext` carries the groups the engine was given (the six mpu getters).
 """
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,30 @@ class ParallelContext:
     get_sequence_data_parallel_group: context parallelism), which then are the ranks gradients are reduced and
     partitioned over."""
     sample_parallel_rank: int = None
+    expert_model_parallel_group: Any = None
+    """The ranks sharing one MoE layer's experts (mpu/expert_parallel.py); None without expert parallelism."""
+    expert_model_parallel_size: int = 1
+    expert_data_parallel_group: Any = None
+    """The ranks holding the same experts: expert parameters are partitioned and averaged over it."""
+    expert_data_parallel_rank: int = 0
+    expert_data_parallel_size: int = 1
+    gradient_divisor: Optional[int] = None
+    """What gradients are divided by before they are summed over data_parallel_group (None: its size). The experts'
+    context (for_experts) divides by the whole data-parallel size: every rank's tokens reached them."""
 
     def __post_init__(self):
         if self.sample_parallel_size is None:
             self.sample_parallel_size, self.sample_parallel_rank = self.data_parallel_size, self.data_parallel_rank
+
+    def for_experts(self):
+        """The context expert parameters are partitioned and reduced in: the expert-data-parallel group as the
+        data-parallel one (this context itself without expert parallelism)."""
+        if self.expert_model_parallel_size == 1:
+            return self
+        return dataclasses.replace(self, data_parallel_group=self.expert_data_parallel_group,
+                                   data_parallel_rank=self.expert_data_parallel_rank,
+                                   data_parallel_size=self.expert_data_parallel_size,
+                                   gradient_divisor=self.data_parallel_size)
 
     @classmethod
     def from_mpu(cls, mpu):
@@ -55,24 +76,49 @@ class ParallelContext:
         get_sequence_data_parallel_{group,rank,world_size}, the gradient group when sequences are split too);
         without one, data parallel over the whole world."""
         if mpu is not None:
-            pipeline = {}
+            optional = {}
             stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
             if stages > 1:
-                pipeline = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
+                optional = {"pipeline_parallel_group": mpu.get_pipeline_model_parallel_group(),
                             "pipeline_parallel_size": stages,
                             "pipeline_parallel_rank": mpu.get_pipeline_model_parallel_rank()}
             samples = {"sample_parallel_size": mpu.get_data_parallel_world_size(),
                        "sample_parallel_rank": mpu.get_data_parallel_rank()}
+            experts = getattr(mpu, "get_expert_model_parallel_world_size", lambda: 1)()
+            if experts > 1:
+                optional.update(expert_model_parallel_group=mpu.get_expert_model_parallel_group(),
+                                expert_model_parallel_size=experts,
+                                expert_data_parallel_group=mpu.get_expert_data_parallel_group(),
+                                expert_data_parallel_rank=mpu.get_expert_data_parallel_rank(),
+                                expert_data_parallel_size=mpu.get_expert_data_parallel_world_size())
             if hasattr(mpu, "get_sequence_data_parallel_group"):
                 return cls(mpu.get_sequence_data_parallel_group(), mpu.get_sequence_data_parallel_rank(),
                            mpu.get_sequence_data_parallel_world_size(), mpu.get_model_parallel_group(),
-                           mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline, **samples)
+                           mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **optional, **samples)
             return cls(mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(),
                        mpu.get_data_parallel_world_size(), mpu.get_model_parallel_group(),
-                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **pipeline, **samples)
+                       mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), **optional, **samples)
         if dist.is_available() and dist.is_initialized():
             return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None, 0, 1)
         return cls(None, 0, 1, None, 0, 1)
+
+
+def context_of(group, ctx):
+    """The ParallelContext `group` is partitioned and reduced over: its own (expert parameters') or `ctx`."""
+    return group.context if group.context is not None else ctx
+
+
+def context_for(params, ctx):
+    """The context an optimizer param group is partitioned over: the experts' (ctx.for_experts()) when its parameters
+    are expert parameters (`expert_parallel`) and there is expert parallelism, else None (ctx itself)."""
+    experts = [getattr(p, "expert_parallel", False) for p in params]
+    if ctx.expert_model_parallel_size == 1 or not any(experts):
+        return None
+    if not all(experts):
+        raise ValueError("an optimizer param group mixes expert and other parameters: under expert parallelism "
+                         "put the expert parameters (param.expert_parallel) in param groups of their own, as "
+                         "megatron.training's optimizer does (they are reduced over another group)")
+    return ctx.for_experts()
 
 
 def padded_size(numel, num_partitions):
@@ -100,6 +146,7 @@ class FlatLayout:
         for p in self.params:
             self.offsets.append((start, start + full_numel(p)))
             start += full_numel(p)
+        self.context = None               # the ParallelContext it is partitioned over, when not the engine's own
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one optimizer group have mixed dtypes {sorted(map(str, dtypes))}")

@@ -41,7 +41,7 @@ from mpu.utils import full_numel, full_shape
 
 from . import offload
 from .param_status import ZeroParamStatus, assign_id, set_status
-from .partition import FlatLayout
+from .partition import context_for, context_of, FlatLayout
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -93,14 +93,18 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype, device):
     without offload_param)."""
     from .zero_init import gather_initial
 
-    def full_value(param):
+    def full_value(param, data_parallel):
         if hasattr(param, "ds_tensor"):
+            if data_parallel is not ctx:
+                raise ValueError("an expert parameter built under zero.Init: under expert parallelism build the model "
+                                 "without zero.Init (zero.Init partitions over the data-parallel group, the experts "
+                                 "belong to the expert-data-parallel one)")
             value = gather_initial(param, device)
             del param.ds_tensor
         else:
             value = param.data
-            if ctx.data_parallel_size > 1:
-                dist.broadcast(value, group_src=0, group=ctx.data_parallel_group)
+            if data_parallel.data_parallel_size > 1:
+                dist.broadcast(value, group_src=0, group=data_parallel.data_parallel_group)
             param.ds_shape, param.ds_numel = value.shape, value.numel()
         return value if dtype is None else value.to(dtype)
 
@@ -112,9 +116,13 @@ def partition_parameters(module, param_groups, ctx, zero_config, dtype, device):
         group_dtype = dtype or (params[0].dtype if params else torch.float32)
         for param in params:
             assign_id(param)
-        groups.append(PartitionedGroup(params, ctx.data_parallel_size, ctx.data_parallel_rank, full_value,
+        context = context_for(params, ctx)            # expert parameters: the expert-data-parallel group
+        data_parallel = context or ctx
+        groups.append(PartitionedGroup(params, data_parallel.data_parallel_size, data_parallel.data_parallel_rank,
+                                       lambda param, data_parallel=data_parallel: full_value(param, data_parallel),
                                        group_dtype, device, zero_config.offload_param.enabled,
                                        zero_config.offload_param.pin_memory))   # pinned: faster copies to the device
+        groups[-1].context = context
     return groups
 
 
@@ -164,15 +172,16 @@ class _Buffer:
     def start_gather(self):
         """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""
         self.storage = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        group, rank = self.ctx.data_parallel_group, self.ctx.data_parallel_rank
         for flat_group, lo, hi, offset in self.runs:
+            data_parallel = context_of(flat_group, self.ctx)     # expert parameters: their own group
             for owner, a, b in flat_group.owners(lo, hi):
                 piece = self.storage[offset + a - lo:offset + b - lo]
-                if owner == rank:
+                if owner == data_parallel.data_parallel_rank:
                     own_start = flat_group.own_range[0]
                     piece.copy_(flat_group.partition[a - own_start:b - own_start])
-                if self.ctx.data_parallel_size > 1:
-                    self.handles.append(dist.broadcast(piece, group_src=owner, group=group, async_op=True))
+                if data_parallel.data_parallel_size > 1:
+                    self.handles.append(dist.broadcast(piece, group_src=owner, group=data_parallel.data_parallel_group,
+                                                       async_op=True))
         self.state = "in_flight"
         self.publish_status()
 

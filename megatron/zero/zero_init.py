@@ -274,8 +274,11 @@ class GatheredParameters:
             for manager, buffers in self._held:
                 if self.modifier_rank is not None:
                     for p in (q for q in self.params if getattr(q, "ds_manager", None) is manager):
-                        _broadcast(p.data, self.modifier_rank, manager.ctx.data_parallel_group,
-                                   manager.ctx.data_parallel_size)
+                        # an expert parameter's holders are its expert-data-parallel group
+                        data_parallel = manager.ctx.for_experts() if getattr(p, "expert_parallel", False) else \
+                            manager.ctx
+                        _broadcast(p.data, self.modifier_rank, data_parallel.data_parallel_group,
+                                   data_parallel.data_parallel_size)
                         manager.write_partition(p, p.data)
                         manager.on_partition_edited(p)
                 manager.release(buffers, keep_edits=self.modifier_rank is not None)
