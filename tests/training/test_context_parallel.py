@@ -16,8 +16,8 @@ What is asserted (fp32, dropout off; the reference is the run at context-paralle
   C = 2 x dp 2 and C = 4; the ZeRO engine (--deepspeed) at stages 0-3 with C = 2 x dp 2 against the ZeRO run at C = 1;
 - a ZeRO-2 checkpoint written at C = 2 x dp 2 (after 3 steps) resumes at C = 1 and at C = 4, and a Megatron-path
   one at C = 1, and steps 4-5 equal the straight C = 1 run's (C holds no parameters: a topology change like dp);
-- a --seq-length not divisible by 2C, attention dropout with C > 1, and C > 1 for an entry point other than
-  pretrain_gpt.py (they read whole sequences) are refused in one line naming the fix.
+- a --seq-length not divisible by 2C, attention dropout with C > 1, C > 1 for an entry point other than
+  pretrain_gpt.py (they read whole sequences) and C > 1 with --num-experts are refused in one line naming the fix.
 """
 import dataclasses
 import os
@@ -234,6 +234,9 @@ def test_bad_lengths_and_dropout_are_one_line(capsys, monkeypatch):
     line = parser_error(lambda argv: parse_args(lambda parser: parser, args_list=argv), TINY + NO_DROPOUT + _cp(2),
                         capsys)     # an entry point with its own flags (post-training, evaluation, generation)
     assert "--context-parallel-size 2 is for pretrain_gpt.py: this entry point reads whole sequences" in line
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + NO_DROPOUT + _cp(2) + ["--num-experts", "2"],
+                        capsys)
+    assert "--context-parallel-size 2 cannot be combined with --num-experts yet: drop one of them" in line
 
 
 def test_start_up_estimates_know_the_context_parallel_size():
