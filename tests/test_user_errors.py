@@ -21,6 +21,9 @@ INTERNAL_ERRORS = {
     "megatron.guards.operations.NonFiniteStep",
     # tools/ds_client_check.py's own finding (DeepSpeed's client differs from ours), reported by its summary
     "ds_client_check.CheckFailed",
+    # mpu imports only torch, so it cannot derive from UserError; the command line refuses such a length first, in
+    # one line (megatron.arguments' context-parallel check): reaching this one means a library caller skipped it
+    "mpu.context_parallel.SequenceLengthError",
 }
 
 # Runs in a fresh interpreter: imports each (module, path) of argv[2] and prints the exception classes defined in

@@ -125,7 +125,7 @@ DEEPSPEED_BRANCHES_ALLOWED = {
     "megatron/training.py": {"get_model", "get_optimizer", "setup_model_and_optimizer", "backward_step",
                              "train_step", "train"},
     "megatron/arguments.py": {"validate_args"},
-    "pretrain_gpt.py": {"set_deepspeed_activation_checkpointing"}}
+    "megatron/model/providers.py": {"set_deepspeed_activation_checkpointing"}}   # pretrain_gpt.py's, moved (issue 56)
 NOT_SCANNED = {"tests", "data"}      # top-level folders without library code (hidden folders are skipped too)
 DEEPSPEED_BRANCH = re.compile(r"args(\(\))?\.deepspeed\b|getattr\(\s*\w*args(\(\))?\s*,\s*[\"']deepspeed[\"']")
 
