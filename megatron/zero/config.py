@@ -1,9 +1,9 @@
 """DeepSpeed's JSON config, parsed once into explicit dataclasses.
 
 A user's existing ds_config.json loads unchanged: every key of DeepSpeed 0.19.8's schema is honoured (a field of
-the dataclasses below), accepted and named in `Config.no_effect` with the reason, or refused by name when it
-switches on a feature we do not have (the table DEEPSPEED_KEYS). Anything else is an error that names the key,
-the value and, for a misspelt key, the closest valid one:
+the dataclasses of config_schema.py), accepted and named in `Config.no_effect` with the reason, or refused by name
+when it switches on a feature we do not have (the table DEEPSPEED_KEYS, config_keys.py). Anything else is an error
+that names the key, the value and, for a misspelt key, the closest valid one:
 
     >>> load_config({"train_batch_size": 8, "zero_optimisation": {"stage": 2}}, data_parallel_size=2)
     ConfigError: unknown key 'zero_optimisation' in the config; did you mean 'zero_optimization'?
@@ -15,318 +15,30 @@ Any two of the three determine the third (only one: accumulation defaults to 1);
                               x data-parallel size (2) = 8
 
 The JSON is the single source of truth for these values; callers (Megatron's arguments) may check agreement.
+This module holds ConfigError, the parsing and the checks; the schema's and the tables' names are importable from
+it as before the split.
 """
 import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.cli import UserError
-from megatron.fp16.loss_scaler import LossScalerConfig
+
+# The schema (config_schema.py) and the key tables (config_keys.py), defined here before the split: importable
+# from here as they were.
+from .config_keys import (DEEPSPEED_KEYS, NO_EFFECT, REFUSED, ZERO_ALIASES, _MUON_PARAMS,  # noqa: F401
+                          _NO_EFFECT_TYPES, _OPTIMIZER_PARAMS, _SCHEDULER_PARAMS, _deepspeed_keys, _is_on)
+from .config_schema import (AUTO, AUTO_RULES, ActivationCheckpointingConfig, BF16Config, Config,  # noqa: F401
+                            FP16Config, HybridEngineConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
+                            ThroughputTimerConfig, TimersConfig, ZeroConfig)
 
 
 class ConfigError(UserError, ValueError):
     """A problem with the ZeRO/DeepSpeed JSON config; the message names the key and value."""
 
 
-@dataclass
-class FP16Config:
-    enabled: bool = False
-    loss_scale: float = 0.0            # 0 = dynamic loss scaling
-    initial_scale_power: int = 16      # dynamic scale starts at 2**initial_scale_power
-    loss_scale_window: int = 1000      # clean steps before the scale doubles
-    hysteresis: int = 2                # overflows tolerated before the scale halves
-    min_loss_scale: float = 1.0
-
-    def loss_scaler_config(self):
-        return LossScalerConfig(loss_scale=self.loss_scale, initial_scale_power=self.initial_scale_power,
-                                loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
-                                min_loss_scale=self.min_loss_scale)
-
-
-@dataclass
-class BF16Config:
-    enabled: bool = False
-
-
-@dataclass
-class OffloadConfig:
-    device: str = "none"               # none | cpu ("nvme" is not supported)
-    pin_memory: bool = False           # page-locked host buffers (faster copies on a GPU machine)
-    nvme_path: Optional[str] = None    # accepted so DeepSpeed files load; nvme itself is refused
-    buffer_count: int = 5              # accepted for compatibility (nvme swap buffers)
-    buffer_size: int = 100_000_000     # accepted for compatibility
-    max_in_cpu: int = 1_000_000_000    # accepted for compatibility
-    fast_init: bool = False            # accepted for compatibility
-    ratio: float = 1.0                 # accepted for compatibility (partial offload is not done)
-    pipeline_read: bool = False        # accepted for compatibility
-    pipeline_write: bool = False       # accepted for compatibility
-
-    @property
-    def enabled(self):
-        return self.device == "cpu"
-
-
-AUTO = "auto"
-# Values "auto" may stand for, resolved from the model's hidden size h as Hugging Face's DeepSpeed integration does.
-AUTO_RULES = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-              "stage3_param_persistence_threshold": lambda h: 10 * h}
-
-
-@dataclass
-class ZeroConfig:
-    stage: int = 0                     # 0: data parallel; 1: optimizer state partitioned; 2: + gradients; 3: + params
-    allgather_partitions: bool = True  # accepted for compatibility: updated slices are always all-gathered
-    allgather_bucket_size: int = 500_000_000   # elements per all-gather of updated slices
-    overlap_comm: bool = False         # stage 2/3: issue reductions during backward (asynchronous)
-    # Stages 1-2: the step returns with the parameter all-gathers in flight; each module's forward waits for its
-    # own buckets (param_gather.py). Our key, after Megatron-LM's --overlap-param-gather (DeepSpeed has none for
-    # stages 1-2). Off by default: a parameter read directly between step() and the next forward is not waited.
-    overlap_param_gather: bool = False
-    reduce_scatter: bool = True        # reduce each bucket to its owner (False: all-reduce the bucket)
-    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction ("auto": h^2)
-    contiguous_gradients: bool = False # stage 2/3: copy gradients into preallocated bucket buffers as they arrive
-    cpu_offload: bool = False          # old name of offload_optimizer {"device": "cpu"}
-    cpu_offload_param: bool = False    # old name of offload_param {"device": "cpu"}
-    load_from_fp32_weights: bool = True  # accepted for compatibility (we always restore fp32 slices)
-    elastic_checkpoint: bool = True    # accepted for compatibility (our checkpoints always re-partition)
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: masters + moments on host
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)      # stage 3: partitions on host
-    sub_group_size: int = 1_000_000_000        # fp32 elements per optimizer-step tile
-    stage3_prefetch_bucket_size: int = 50_000_000      # elements gathered ahead of use ("auto": 0.9 h^2)
-    stage3_param_persistence_threshold: int = 100_000  # parameters this small stay whole ("auto": 10 h)
-    stage3_max_live_parameters: int = 1_000_000_000    # at most this many elements gathered (prefetch stops)
-    stage3_max_reuse_distance: int = 1_000_000_000     # the forward's last units stay gathered into the backward
-    stage3_gather_16bit_weights_on_model_save: bool = False   # save_16bit_model() writes the whole weights
-    stage3_gather_fp16_weights_on_model_save: bool = False    # the old name of the previous key
-    ignore_unused_parameters: bool = True      # accepted for compatibility (unused parameters get zero gradients)
-    round_robin_gradients: bool = False        # accepted for compatibility
-
-    @property
-    def gather_16bit_weights_on_model_save(self):
-        return self.stage3_gather_16bit_weights_on_model_save or self.stage3_gather_fp16_weights_on_model_save
-
-
-@dataclass
-class ActivationCheckpointingConfig:
-    partition_activations: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: Optional[int] = None
-    cpu_checkpointing: bool = False
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-
-@dataclass
-class OptimizerConfig:
-    type: str = "AdamW"                # Adam | AdamW | Muon (case-insensitive, as in DeepSpeed)
-    params: dict = field(default_factory=dict)
-
-
-@dataclass
-class SchedulerConfig:
-    type: str = "WarmupLR"             # WarmupLR | WarmupDecayLR
-    params: dict = field(default_factory=dict)
-
-
-@dataclass
-class HybridEngineConfig:
-    """DeepSpeed's "hybrid_engine" block (megatron/zero/hybrid_engine.py). engine.generate(...) works whether it is
-    on or off; `enabled` also routes the client module's own `generate` through it, as DeepSpeed's Hybrid Engine
-    does (DeepSpeed-Chat calls `actor.module.generate(...)`). The other keys are DeepSpeed's inference-kernel
-    settings: accepted and typed so DeepSpeed files load, named with no effect (DEEPSPEED_KEYS)."""
-    enabled: bool = False
-    max_out_tokens: int = 512          # DeepSpeed: its inference workspace, in tokens (must be positive)
-    inference_tp_size: int = 1         # DeepSpeed: generation re-sharded over this many tensor-parallel ranks
-    release_inference_cache: bool = False   # DeepSpeed: free its inference workspace after each call
-    pin_parameters: bool = True        # DeepSpeed at ZeRO-3: gather every layer once per call (else layer by layer)
-    tp_gather_partition_size: int = 8  # DeepSpeed: layers gathered at a time when inference_tp_size > 1
-    enable_cuda_graph: bool = False    # DeepSpeed: capture decode steps in CUDA graphs
-
-
-@dataclass
-class ThroughputTimerConfig:
-    """DeepSpeed's "timers": {"throughput": {...}} block: engine.tput_timer (throughput.py)."""
-    enabled: bool = True               # False: the timer neither counts nor times (DeepSpeed's rule)
-    # wait for the device at each micro-step's start and stop; DeepSpeed's default is true, a host stall per
-    # micro-step: here only when asked (this key or wall_clock_breakdown)
-    synchronized: bool = False
-
-
-@dataclass
-class TimersConfig:
-    throughput: ThroughputTimerConfig = field(default_factory=ThroughputTimerConfig)
-
-
-@dataclass
-class Config:
-    train_batch_size: int
-    train_micro_batch_size_per_gpu: int
-    gradient_accumulation_steps: int
-    fp16: FP16Config = field(default_factory=FP16Config)
-    bf16: BF16Config = field(default_factory=BF16Config)
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
-    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)   # engine.generate's block
-    timers: TimersConfig = field(default_factory=TimersConfig)
-    optimizer: Optional[OptimizerConfig] = None
-    scheduler: Optional[SchedulerConfig] = None
-    gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
-    steps_per_print: int = 10
-    wall_clock_breakdown: bool = False
-    dataloader_drop_last: bool = False  # the training_data loader's last incomplete micro-batch (DeepSpeed's key)
-    source: Optional[str] = field(default=None, compare=False)   # the file it was read from, if any
-    no_effect: dict = field(default_factory=dict, compare=False)  # {key: why it has no effect here}, as given
-
-
-# Every DeepSpeed 0.19.8 key that is not a field of the dataclasses above (those are honoured), with what we do:
-#   NO_EFFECT: accepted at any value so existing files load unchanged, and named with the reason in one start-up
-#     line (Config.no_effect);
-#   REFUSED: accepted (and named) while off; refused by name when on, because it would change training in a way
-#     we do not implement. `off` is DeepSpeed's default: a scalar is on when it differs; a block is on when any
-#     "enabled" inside it is true, or, where `off` is a dict, when one of those switch keys differs.
-# Nested keys are dotted ("zero_optimization.memory_efficient_linear"). tests/zero/test_zero_config.py walks
-# DeepSpeed's own schema and checks that no key of it is "unknown" here.
-NO_EFFECT, REFUSED = "no effect", "refused when enabled"
-DEEPSPEED_KEYS = {
-    # top level
-    "zero_allow_untested_optimizer": (NO_EFFECT, "any torch Adam/AdamW client optimizer is stepped as it is"),
-    "zero_force_ds_cpu_optimizer": (NO_EFFECT, "offload steps any client Adam on the host, DeepSpeedCPUAdam "
-                                               "included"),
-    "communication_data_type": (NO_EFFECT, "gradients are reduced in the parameters' dtype (fp32 masters are "
-                                           "never sent)"),
-    "seq_parallel_communication_data_type": (NO_EFFECT, "there is no sequence parallelism"),
-    "prescale_gradients": (NO_EFFECT, "gradients are averaged once, after the reduction"),
-    "gradient_predivide_factor": (NO_EFFECT, "gradients are averaged once, after the reduction"),
-    "memory_breakdown": (NO_EFFECT, "memory is reported by --log-jsonl and the start-up estimate"),
-    "dump_state": (NO_EFFECT, "the config is printed by tools/estimate_memory.py"),
-    "graph_harvesting": (NO_EFFECT, "CUDA graphs are not captured"),
-    "disable_allgather": (NO_EFFECT, "stages 1-2 always gather the updated slices"),
-    "disable_python_gc": (NO_EFFECT, "Python's garbage collector is left as it is"),
-    "log_level": (NO_EFFECT, "megatron.zero prints on rank 0 only"),
-    "managed_gradient_accumulation": (NO_EFFECT, "the engine always counts micro-steps to the boundary"),
-    "vocabulary_size": (NO_EFFECT, "read by DeepSpeed's pipeline engine only"),
-    "use_data_before_expert_parallelism": (NO_EFFECT, "the expert groups come from --expert-model-parallel-size "
-                                                      "(mpu/expert_parallel.py)"),
-    "flops_profiler": (NO_EFFECT, "the log line prints TFLOP/s"),
-    "tensorboard": (NO_EFFECT, "use --tensorboard-dir"),
-    "csv_monitor": (NO_EFFECT, "use --log-jsonl"), "wandb": (NO_EFFECT, "use --log-jsonl"),
-    "comet": (NO_EFFECT, "use --log-jsonl"),
-    "comms_logger": (NO_EFFECT, "bench_zero prints the communication table"),
-    "aio": (NO_EFFECT, "there is no NVMe offload"),
-    "checkpoint": (NO_EFFECT, "checkpoints are written as docs/ describe"),
-    "autotuning": (NO_EFFECT, "there is no autotuner"),
-    "optimizer.legacy_fusion": (NO_EFFECT, "the optimizer is torch's"),
-    "gradient_allreduce_op": (REFUSED, "gradients are averaged (\"mean\"), never summed", "mean"),
-    "amp": (REFUSED, "use bf16 or fp16", None), "elasticity": (REFUSED, "launch with a fixed world size", None),
-    "compression_training": (REFUSED, "not supported", None), "sparse_attention": (REFUSED, "not supported", {}),
-    "curriculum_learning": (REFUSED, "not supported", None), "data_efficiency": (REFUSED, "not supported", None),
-    "progressive_layer_drop": (REFUSED, "not supported", None), "eigenvalue": (REFUSED, "not supported", None),
-    "quantize_training": (REFUSED, "not supported", None),
-    "pipeline": (REFUSED, "use --pipeline-model-parallel-size", None),
-    "sparse_gradients": (REFUSED, "not supported", False),
-    "nebula": (REFUSED, "checkpoints are written with torch.save", None),
-    "datastates_ckpt": (REFUSED, "checkpoints are written with torch.save", None),
-    "torch_autocast": (REFUSED, "use bf16 or fp16", None),
-    "compile": (REFUSED, "DeepCompile is not implemented; torch.compile the model yourself", {"deepcompile": False}),
-    "weight_quantization": (REFUSED, "weights are never quantized here",
-                            {"quantized_initialization": {}, "post_init_quant": {}}),
-    "data_types": (REFUSED, "gradients accumulate in the parameters' dtype; fp32 masters are kept by bf16/fp16",
-                   {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
-                    "keep_in_fp32_modules": "auto"}),
-    "tensor_parallel": (REFUSED, "use --tensor-model-parallel-size", {"autotp_size": 0}),
-    "expert_parallel": (REFUSED, "use --num-experts and --expert-model-parallel-size (docs/models.md)",
-                        {"enabled": False}),
-    # hybrid_engine ("enabled" is honoured: HybridEngineConfig); DeepSpeed's inference-kernel settings
-    "hybrid_engine.max_out_tokens": (NO_EFFECT, "the KV cache is sized per call, for its prompts and new tokens"),
-    "hybrid_engine.inference_tp_size": (NO_EFFECT, "generation runs at the training's tensor-parallel layout; the "
-                                                   "tokens are the same"),
-    "hybrid_engine.release_inference_cache": (NO_EFFECT, "the KV cache is built per call and dropped after it"),
-    "hybrid_engine.pin_parameters": (NO_EFFECT, "ZeRO-3 gathers every parameter once per call and releases them "
-                                                "after it"),
-    "hybrid_engine.tp_gather_partition_size": (NO_EFFECT, "generation is never re-sharded (inference_tp_size)"),
-    "hybrid_engine.enable_cuda_graph": (NO_EFFECT, "CUDA graphs are not captured"),
-    # fp16 / bf16
-    "fp16.auto_cast": (REFUSED, "the model runs in the dtype it is given", False),
-    "fp16.consecutive_hysteresis": (REFUSED, "the hysteresis budget is refilled only when the scale grows", False),
-    "fp16.fp16_master_weights_and_grads": (REFUSED, "masters are fp32", False),
-    "bf16.immediate_grad_update": (NO_EFFECT, "gradients are accumulated into the fp32 masters at the boundary"),
-    "bf16.check_grad_overflow": (NO_EFFECT, "bf16 steps are never skipped"),
-    "bf16.bf16_master_weights_and_grads": (REFUSED, "masters are fp32", False),
-    "bf16.bf16_optimizer_states": (REFUSED, "optimizer states are fp32", False),
-    # zero_optimization (the fields of ZeroConfig are honoured; these are accepted as shown)
-    "zero_optimization.allgather_partitions": (NO_EFFECT, "updated slices are always all-gathered"),
-    "zero_optimization.load_from_fp32_weights": (NO_EFFECT, "the fp32 slices are always restored"),
-    "zero_optimization.elastic_checkpoint": (NO_EFFECT, "checkpoints always re-partition"),
-    "zero_optimization.ignore_unused_parameters": (NO_EFFECT, "unused parameters get zero gradients"),
-    "zero_optimization.round_robin_gradients": (NO_EFFECT, "gradient partitions are contiguous ranges"),
-    "zero_optimization.memory_efficient_linear": (NO_EFFECT, "linears are torch's; their backward keeps no extra "
-                                                             "copy to save"),
-    "zero_optimization.use_multi_rank_bucket_allreduce": (NO_EFFECT, "each bucket is reduced to its owners"),
-    "zero_optimization.legacy_stage1": (NO_EFFECT, "there is one stage-1 implementation"),
-    "zero_optimization.parameter_alignment": (NO_EFFECT, "partitions are padded as partition.py draws"),
-    "zero_optimization.stage3_model_persistence_threshold": (NO_EFFECT, "stage3_param_persistence_threshold "
-                                                                        "alone decides what stays whole"),
-    "zero_optimization.stage3_module_granularity_threshold": (NO_EFFECT, "parameters are fetched per module"),
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (NO_EFFECT, "parameters are fetched by "
-                                                                            "all-gather"),
-    "zero_optimization.stage3_allgather_sequential": (NO_EFFECT, "parameters are fetched by all-gather"),
-    "zero_optimization.zero_hpz_partition_size": (NO_EFFECT, "there is one partition group (no ZeRO++ hpZ "
-                                                             "secondary copy); the numbers are the same"),
-    "zero_optimization.pipeline_loading_checkpoint": (NO_EFFECT, "checkpoints load into the partitions"),
-    "zero_optimization.override_module_apply": (NO_EFFECT, "module.apply is never patched"),
-    "zero_optimization.log_trace_cache_warnings": (NO_EFFECT, "there is no trace cache"),
-    "zero_optimization.enable_sanity_checks": (NO_EFFECT, "the engine's checks always run"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": (NO_EFFECT, "Muon's momentum is partitioned like "
-                                                               "Adam's moments, always in memory"),
-    "zero_optimization.leaf_module": (NO_EFFECT, "parameters are fetched per module"),
-    "zero_optimization.cpu_offload_use_pin_memory": (NO_EFFECT, "pin_memory is set in offload_optimizer / "
-                                                                "offload_param"),
-    "zero_optimization.compute_grad_norm": (REFUSED, "the gradient norm is always computed", True),
-    "zero_optimization.zero_quantized_weights": (REFUSED, "weights are gathered unquantized", False),
-    "zero_optimization.zero_quantized_nontrainable_weights": (REFUSED, "weights are never quantized", False),
-    "zero_optimization.zero_quantized_gradients": (REFUSED, "gradients are reduced unquantized", False),
-    "zero_optimization.zenflow": (REFUSED, "ZenFlow is not implemented", None),
-    "zero_optimization.mics_shard_size": (REFUSED, "MiCS was removed in DeepSpeed 0.19.8 too", -1),
-    "zero_optimization.mics_hierarchical_params_gather": (REFUSED, "MiCS was removed in DeepSpeed 0.19.8 too",
-                                                          False),
-    "zero_optimization.offload_optimizer.super_offload": (REFUSED, "SuperOffload is not implemented", False),
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (NO_EFFECT, "torch chooses its own threads"),
-    "zero_optimization.offload_optimizer.ratio": (NO_EFFECT, "the whole partition is offloaded; the numbers are "
-                                                             "the same"),
-    "zero_optimization.offload_optimizer.fast_init": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_optimizer.pipeline_read": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_optimizer.pipeline_write": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_optimizer.buffer_count": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_optimizer.nvme_path": (NO_EFFECT, "there is no NVMe offload (device \"nvme\" is "
-                                                                 "refused)"),
-    "zero_optimization.offload_param.buffer_count": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_param.buffer_size": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_param.max_in_cpu": (NO_EFFECT, "there is no NVMe offload"),
-    "zero_optimization.offload_param.nvme_path": (NO_EFFECT, "there is no NVMe offload (device \"nvme\" is "
-                                                             "refused)"),
-}
-# Types checked for top-level no-effect scalars (a wrong type is still an error).
-_NO_EFFECT_TYPES = {"zero_allow_untested_optimizer": bool, "prescale_gradients": bool,
-                    "gradient_predivide_factor": float, "memory_breakdown": bool, "dump_state": bool,
-                    "zero_force_ds_cpu_optimizer": bool, "communication_data_type": str,
-                    "seq_parallel_communication_data_type": str, "graph_harvesting": bool,
-                    "disable_allgather": bool}
-# DeepSpeed's pydantic field names for keys spelt with "stage3_" (it accepts both): the same keys here.
-ZERO_ALIASES = {name: "stage3_" + name for name in (
-    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
-    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
-    "use_all_reduce_for_fetch_params", "allgather_sequential")}
-_OPTIMIZER_PARAMS = {"lr": float, "betas": list, "eps": float, "weight_decay": float, "adam_w_mode": bool,
-                     "torch_adam": bool, "bias_correction": bool, "amsgrad": bool, "max_grad_norm": float}
-# DeepSpeed 0.19.8's Muon keys: muon_lr / adam_lr override lr for each half; momentum and ns_method are Muon's
-_MUON_PARAMS = {"muon_lr": float, "adam_lr": float, "momentum": float, "ns_method": str, "per_head_muon": bool}
-_SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
-                                  "warmup_type": str, "last_batch_iteration": int},
-                     "WarmupDecayLR": {"warmup_min_lr": float, "warmup_max_lr": float, "warmup_num_steps": int,
-                                       "warmup_type": str, "last_batch_iteration": int, "total_num_steps": int}}
 _SECTIONS = {"fp16": FP16Config, "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig,
              "activation_checkpointing": ActivationCheckpointingConfig, "hybrid_engine": HybridEngineConfig,
              "timers": TimersConfig}
@@ -385,13 +97,6 @@ def load_config(source, data_parallel_size=1):
     return config
 
 
-def _deepspeed_keys(prefix):
-    """{name: entry} of DEEPSPEED_KEYS directly under the dotted `prefix` ("" for the top level)."""
-    head = prefix + "." if prefix else ""
-    return {key[len(head):]: entry for key, entry in DEEPSPEED_KEYS.items()
-            if key.startswith(head) and "." not in key[len(head):]}
-
-
 def _accept_deepspeed_keys(raw, prefix, no_effect):
     """Refuse what `raw` (the block at `prefix`) switches on of the REFUSED keys; name the rest in `no_effect`."""
     for name, (what, why, *off) in _deepspeed_keys(prefix).items():
@@ -409,17 +114,6 @@ def _accept_deepspeed_keys(raw, prefix, no_effect):
                               f"{off[0]!r}")
         no_effect[key] = why if what == NO_EFFECT else f"off; refused when on: {why}"
     return no_effect
-
-
-def _is_on(value, off):
-    """Whether a REFUSED key's value switches its feature on (`off` as in DEEPSPEED_KEYS)."""
-    if isinstance(value, dict) and off == {}:      # on by being there, unless "enabled": false
-        return value.get("enabled", True) is not False
-    if isinstance(value, dict) and isinstance(off, dict):      # switch keys, missing ones at DeepSpeed's default
-        return any(value.get(switch, default) != default for switch, default in off.items())
-    if isinstance(value, dict):        # a block: on when any "enabled" inside it is true
-        return value.get("enabled") is True or any(_is_on(v, None) for v in value.values() if isinstance(v, dict))
-    return bool(value) if off is None else value != off
 
 
 def resolve_batch_triangle(train, micro, accumulation, data_parallel_size):

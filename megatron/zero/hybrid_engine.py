@@ -25,7 +25,7 @@ it). A greedy call draws nothing.
 `"hybrid_engine": {"enabled": true}` routes the client module's own `generate` here (DeepSpeed's engine sets
 `module.generate = engine.generate`): DeepSpeed-Chat calls `actor_model.module.generate(...)`, not the engine's.
 Its other keys (max_out_tokens, inference_tp_size, ...) configure DeepSpeed's inference kernels and have no effect
-here (config.DEEPSPEED_KEYS says why, at start-up).
+here (config_keys.DEEPSPEED_KEYS says why, at start-up).
 """
 import contextlib
 

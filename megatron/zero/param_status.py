@@ -6,7 +6,8 @@ DeepSpeed clients read them to decide what to gather before touching `.data` (De
     with zero.GatheredParameters(to_fetch): ...
 
 Both are plain attributes (a property cannot be put on one Parameter instance), written where the state changes:
-zero.Init's partitioning and GatheredParameters (zero_init.py), stage 3's gather and release (stage3._Buffer).
+zero.Init's partitioning and GatheredParameters (zero_init.py), stage 3's gather and release
+(stage3_buffer._Buffer).
 Parameters of stages 0-2 have neither, as in DeepSpeed: a client reads them directly.
 """
 import enum

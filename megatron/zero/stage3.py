@@ -28,6 +28,10 @@ optimizer step).
 Gathering one contiguous run [lo, hi) of a group's flat order is one broadcast from each rank owning part of
 it, into the buffer's slice. Every rank must run the same forwards: a rank that runs a forward alone waits for
 gathers nobody else joins; it raises (naming the unit) after `gather_timeout`, instead of hanging.
+
+Here: the units and their hooks (Stage3Parameters). The partitions and their construction are stage3_partition.py's
+(PartitionedGroup, partition_parameters), a buffer's gather and release stage3_buffer.py's (_Buffer,
+wait_for_gather).
 """
 import contextlib
 import datetime
@@ -37,93 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mpu.utils import full_numel, full_shape
+from mpu.utils import full_numel
 
-from . import offload
-from .param_status import ZeroParamStatus, assign_id, set_status
-from .partition import context_for, context_of, FlatLayout
+# The partitions (stage3_partition.py) and a unit's gathered storage (stage3_buffer.py), defined here before the
+# split: importable from here as they were (stage3._Buffer is the class the hooks below build).
+from .stage3_buffer import _Buffer, wait_for_gather  # noqa: F401
+from .stage3_partition import PartitionedGroup, partition_parameters  # noqa: F401
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
-
-
-class PartitionedGroup(FlatLayout):
-    """One optimizer group at stage 3: only this rank's partition of the flat buffer exists, on `device`.
-
-    `full_value(param)` returns the whole parameter (flat or shaped); it is called once per parameter, in group
-    order, on every rank (it may be a collective), so at most one full parameter exists at a time here.
-    """
-
-    def __init__(self, params, num_partitions, rank, full_value, dtype, device, offloaded=False, pin_memory=False):
-        """`offloaded` (offload_param): the partition is host offload memory (pinned with `pin_memory` on CUDA)."""
-        super().__init__(params, num_partitions, rank)
-        self.offloaded = offloaded
-        self.partition = offload.host_zeros(self.partition_size, dtype, pin_memory) if offloaded else \
-            torch.zeros(self.partition_size, dtype=dtype, device=device)
-        start, end = self.own_range
-        with torch.no_grad():
-            for index, param in enumerate(self.params):
-                value = full_value(param).reshape(-1)
-                p_start, p_end = self.offsets[index]
-                lo, hi = max(p_start, start), min(p_end, end)
-                if lo < hi:
-                    self.partition[lo - start:hi - start].copy_(value[lo - p_start:hi - p_start])
-
-    @property
-    def dtype(self):
-        return self.partition.dtype
-
-    @property
-    def device(self):
-        return self.partition.device
-
-    def own_partition(self):
-        return self.partition
-
-    def parameter_bytes(self):
-        return self.partition.numel() * self.partition.element_size()
-
-
-def partition_parameters(module, param_groups, ctx, zero_config, dtype, device):
-    """One PartitionedGroup per optimizer param group, in `dtype` (None: the parameters' own), then one more for
-    the frozen parameters (requires_grad False: in no optimizer group, e.g. LoRA's base weights) when there are
-    any: partitioned and gathered like the others, without optimizer state. Without an optimizer (no param
-    groups: an inference engine) every parameter is in that stateless group. A parameter built whole is first
-    broadcast from data-parallel rank 0 (as the other stages do); one built under zero.Init is gathered from its
-    pieces. One parameter is whole at a time. `device`: the engine's compute device (where the partitions live
-    without offload_param)."""
-    from .zero_init import gather_initial
-
-    def full_value(param, data_parallel):
-        if hasattr(param, "ds_tensor"):
-            if data_parallel is not ctx:
-                raise ValueError("an expert parameter built under zero.Init: under expert parallelism build the model "
-                                 "without zero.Init (zero.Init partitions over the data-parallel group, the experts "
-                                 "belong to the expert-data-parallel one)")
-            value = gather_initial(param, device)
-            del param.ds_tensor
-        else:
-            value = param.data
-            if data_parallel.data_parallel_size > 1:
-                dist.broadcast(value, group_src=0, group=data_parallel.data_parallel_group)
-            param.ds_shape, param.ds_numel = value.shape, value.numel()
-        return value if dtype is None else value.to(dtype)
-
-    in_groups = {id(p) for group in param_groups for p in group["params"]}
-    stateless = [p for p in module.parameters()
-                 if id(p) not in in_groups and (not p.requires_grad or not param_groups)]
-    groups = []
-    for params in [group["params"] for group in param_groups] + ([stateless] if stateless else []):
-        group_dtype = dtype or (params[0].dtype if params else torch.float32)
-        for param in params:
-            assign_id(param)
-        context = context_for(params, ctx)            # expert parameters: the expert-data-parallel group
-        data_parallel = context or ctx
-        groups.append(PartitionedGroup(params, data_parallel.data_parallel_size, data_parallel.data_parallel_rank,
-                                       lambda param, data_parallel=data_parallel: full_value(param, data_parallel),
-                                       group_dtype, device, zero_config.offload_param.enabled,
-                                       zero_config.offload_param.pin_memory))   # pinned: faster copies to the device
-        groups[-1].context = context
-    return groups
 
 
 class Unit:
@@ -131,101 +56,6 @@ class Unit:
         self.name, self.module = name, module
         self.params, self.external = params, external
         self.buffers = []          # the _Buffers this unit needs gathered (own, external owners', persistent)
-
-
-class _Buffer:
-    """The gathered storage of some parameters: runs of group flat ranges laid out one after another."""
-
-    def __init__(self, name, params, groups, ctx, device, persistent=False):
-        self.name, self.params, self.ctx, self.persistent = name, params, ctx, persistent
-        self.dtype = groups[0].dtype if groups else torch.float32
-        where = {id(p): (gi, group.offsets[i]) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
-        spans = sorted(where[id(p)] for p in params)          # (group index, (flat start, flat end))
-        self.runs = []                                          # (group, flat lo, flat hi, buffer offset)
-        self.view_of = {}                                       # id(param) -> buffer offset
-        offset = 0
-        for gi, (lo, hi) in spans:
-            if self.runs and self.runs[-1][0] is groups[gi] and self.runs[-1][2] == lo:
-                group, run_lo, _, run_offset = self.runs[-1]
-                self.runs[-1] = (group, run_lo, hi, run_offset)
-            else:
-                self.runs.append((groups[gi], lo, hi, offset))
-            offset += hi - lo
-        for p in params:
-            gi, (lo, _) = where[id(p)]
-            run = next(r for r in self.runs if r[0] is groups[gi] and r[1] <= lo < r[2])
-            self.view_of[id(p)] = run[3] + lo - run[1]
-        self.numel = offset
-        self.device = device
-        self.placeholder = torch.empty(0, dtype=self.dtype, device=device)
-        self.storage = self.placeholder  # a fresh tensor per gather (see release)
-        self.nbytes = self.numel * self.placeholder.element_size()
-        self.state = "released"          # released | in_flight | ready
-        self.handles = []
-        self.holders = 0                 # units using it in a forward now (GatheredParameters counts too)
-        self.pending_grads = set()       # ids of its trainable parameters whose gradient has not arrived
-        self.has_frozen = any(not p.requires_grad for p in params)
-        self.inputs_reached = False      # has_frozen: a unit using it has finished its backward (to its inputs)
-        self.stale = True                # persistent buffer: refresh at the next use
-        self.host_waits = ctx.data_parallel_size > 1 and dist.get_backend(ctx.data_parallel_group) == "gloo"
-
-    def start_gather(self):
-        """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""
-        self.storage = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        for flat_group, lo, hi, offset in self.runs:
-            data_parallel = context_of(flat_group, self.ctx)     # expert parameters: their own group
-            for owner, a, b in flat_group.owners(lo, hi):
-                piece = self.storage[offset + a - lo:offset + b - lo]
-                if owner == data_parallel.data_parallel_rank:
-                    own_start = flat_group.own_range[0]
-                    piece.copy_(flat_group.partition[a - own_start:b - own_start])
-                if data_parallel.data_parallel_size > 1:
-                    self.handles.append(dist.broadcast(piece, group_src=owner, group=data_parallel.data_parallel_group,
-                                                       async_op=True))
-        self.state = "in_flight"
-        self.publish_status()
-
-    def finish_gather(self, timeout, unit_name):
-        for handle in self.handles:
-            if not wait_for_gather(handle, timeout, self.host_waits):
-                raise RuntimeError(f"ZeRO-3: waiting for the parameters of {unit_name!r} did not complete")
-        self.handles = []
-        for p in self.params:
-            offset = self.view_of[id(p)]
-            p.data = self.storage[offset:offset + full_numel(p)].view(full_shape(p))
-        self.state, self.stale = "ready", False
-        self.publish_status()
-
-    def release(self):
-        for handle in self.handles:
-            handle.wait()
-        self.handles = []
-        for p in self.params:
-            p.data = self.placeholder
-        # Drop the reference instead of freeing the storage in place (DeepSpeed swaps param.data the same way): the
-        # memory returns to the allocator, unless a tensor taken while gathered still views it (`p.data.cpu()`
-        # inside GatheredParameters is such a view on the CPU), which stays valid, as a user expects.
-        self.storage = self.placeholder
-        self.state = "released"
-        self.publish_status()
-
-    def publish_status(self):
-        """`param.ds_status` for DeepSpeed clients (param_status.py): AVAILABLE only when ready and up to date."""
-        status = ZeroParamStatus.AVAILABLE if self.state == "ready" and not self.stale else \
-            ZeroParamStatus.INFLIGHT if self.state == "in_flight" else ZeroParamStatus.NOT_AVAILABLE
-        set_status(self.params, status)
-
-
-def wait_for_gather(handle, timeout, host_waits):
-    """Complete a gather's broadcast. `host_waits` (gloo: the host does the work anyway): wait at most `timeout`, so
-    a rank whose peers never join raises naming the unit. Otherwise (NCCL) a plain wait(): the compute stream waits
-    for the communication stream and the host runs on (a wait with a timeout would block the host at every unit,
-    and no prefetch could overlap); a peer that never joins is reported by the process group's timeout and the
-    breadcrumbs' slow-step watchdog. Returns whether the wait completed."""
-    if host_waits:
-        return handle.wait(timeout=timeout)
-    handle.wait()
-    return True
 
 
 class _CallInBackward(torch.autograd.Function):
