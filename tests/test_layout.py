@@ -216,7 +216,7 @@ MAX_LINES = 450
 # Split after the features now being added to them (Muon, context parallelism, MoE) are merged; until then the
 # bound below skips them, and fails once one of them fits (so this set is emptied as they are split, never stale).
 AWAITING_SPLIT = {"megatron/zero/config.py", "megatron/zero/engine.py", "megatron/zero/stage3.py",
-                  "megatron/training.py", "megatron/arguments.py"}
+                  "megatron/arguments.py"}
 # Generated or vendored source, exempt from the bound (none today).
 GENERATED_OR_VENDORED = set()
 
