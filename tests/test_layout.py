@@ -215,8 +215,7 @@ ENTRY_POINT_MAX_LINES = 80
 MAX_LINES = 450
 # Split after the features now being added to them (Muon, context parallelism, MoE) are merged; until then the
 # bound below skips them, and fails once one of them fits (so this set is emptied as they are split, never stale).
-AWAITING_SPLIT = {"megatron/zero/config.py", "megatron/zero/engine.py", "megatron/zero/stage3.py",
-                  "megatron/arguments.py"}
+AWAITING_SPLIT = {"megatron/zero/config.py", "megatron/zero/engine.py", "megatron/zero/stage3.py"}
 # Generated or vendored source, exempt from the bound (none today).
 GENERATED_OR_VENDORED = set()
 
