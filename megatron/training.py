@@ -1,6 +1,9 @@
 """Megatron's training loop, driven by three providers (datasets, model, forward step), so pretrain_gpt.py
 stays short. The ZeRO (--deepspeed) branches sit exactly where the DeepSpeed-Megatron tutorial puts them:
-get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line."""
+get_optimizer, setup_model_and_optimizer, backward_step, train_step and the log line.
+
+The parts that stand on their own are in megatron/trainer/ (each re-exported here): builders.py (the weight-decay
+groups, the lr schedule), log_line.py (training_log, flops_per_token), data_iterators.py."""
 import dataclasses
 import datetime
 import math
@@ -16,12 +19,14 @@ from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.guards import breadcrumbs, memory, operations
 from megatron.guards.exit_controller import ExitController
 from megatron.initialize import initialize_megatron
-from megatron.learning_rates import AnnealingLR
 from megatron.model import DistributedDataParallel as LocalDDP
-from megatron.model.gpt2_model import recompute_config_from_args
-from megatron.model.moe_args import moe_config_from_args, moe_log_fields, moe_log_text
+from megatron.model.moe_args import moe_log_fields
 from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
+from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_scheduler,  # noqa: F401
+                                       param_groups_for_weight_decay)
+from megatron.trainer.data_iterators import build_train_valid_test_data_iterators
+from megatron.trainer.log_line import flops_per_token, training_log  # noqa: F401
 from megatron.utils import print_rank_0, unwrap_model
 
 
@@ -74,29 +79,6 @@ def get_model(model_provider):
     return LocalDDP(model)
 
 
-NORMALIZATIONS = (torch.nn.LayerNorm, torch.nn.RMSNorm)   # mpu's LayerNorm and RMSNorm subclass these
-
-
-def param_groups_for_weight_decay(module):
-    """Biases and the parameters of every normalization (LayerNorm, RMSNorm) get no weight decay (Megatron-LM's
-    grouping); MoE expert parameters are grouped alike in groups of their own. Frozen parameters (LoRA's base weights) are in no group: no optimizer state; an empty group is left
-    out."""
-    decay, no_decay, expert_decay, expert_no_decay = [], [], [], []
-    for submodule in module.modules():
-        for name, param in submodule.named_parameters(recurse=False):
-            if not param.requires_grad:
-                continue
-            expert = mpu.is_expert_parameter(param)
-            if isinstance(submodule, NORMALIZATIONS) or name == "bias":
-                (expert_no_decay if expert else no_decay).append(param)
-            else:
-                (expert_decay if expert else decay).append(param)
-    # MoE experts in groups of their own (after the others): expert parallelism reduces them over another group
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0},
-              {"params": expert_decay}, {"params": expert_no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
-
-
 def get_optimizer(model, lr=None):
     """AdamW over the trainable parameters at --lr (or `lr`: train_rlhf.py's critic)."""
     args = get_args()
@@ -126,16 +108,6 @@ def _loss_scaler_config(args):
                             initial_scale_power=math.log2(args.initial_loss_scale),
                             loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                             min_loss_scale=args.min_scale)
-
-
-def get_learning_rate_scheduler(optimizer, lr=None):
-    """--lr's schedule; with `lr`, the same schedule scaled to peak at it (min_lr scaled alike)."""
-    args = get_args()
-    scale = 1.0 if lr is None else lr / args.lr
-    return AnnealingLR(optimizer, max_lr=args.lr * scale, min_lr=args.min_lr * scale,
-                       warmup_iter=int(args.warmup * args.lr_decay_iters), decay_iters=args.lr_decay_iters,
-                       decay_style=args.lr_decay_style, override_lr_scheduler=args.override_lr_scheduler,
-                       use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler)
 
 
 def setup_model_and_optimizer(model_provider, options=None, lr=None, accumulation=1):
@@ -322,80 +294,6 @@ def _combine(values):
     return sum(values) / len(values)
 
 
-def flops_per_token(num_layers, hidden_size, seq_length, padded_vocab_size, checkpoint_activations=False,
-                    recompute=None, num_stages=1, num_attention_heads=None, num_key_value_heads=None,
-                    ffn_hidden_size=None, swiglu=False, moe=None):
-    """Training FLOPs per token (Narayanan et al. 2021): a forward of the layers costs 24 L h^2 (1 + s/(6h)) (qkv
-    6h^2, projection 2h^2, MLP 16h^2, attention scores and values 4sh per layer); forward + backward = 3 such
-    passes; the LM head 2hV per pass, 3 passes (it is not recomputed). Recomputation (`recompute`, an
-    mpu.RecomputeConfig; checkpoint_activations=True is full uniform) adds one more forward of what it recomputes:
-    full uniform every layer (4 passes), full block num_layers of each stage's L / num_stages layers, selective the
-    attention core (4sh per layer). The Llama options (docs/models.md): K key/value heads make qkv 2h (h + 2 K h /
-    heads); an MLP f wide costs 4hf, 6hf with SwiGLU (gate, up, down). MoE (`moe`, an mpu.MoEConfig): an MoE layer
-    costs its router (2hE) and the MLPs of the k experts each token is routed to (the active parameters; capacity
-    drops are not subtracted)."""
-    L, h, s = num_layers, hidden_size, seq_length
-    if recompute is None:
-        recompute = mpu.RecomputeConfig.from_checkpoint_activations(checkpoint_activations)
-    kv_width = h if not num_key_value_heads else h // num_attention_heads * num_key_value_heads
-    f = ffn_hidden_size or 4 * h
-    layer_forward = 2 * h * (h + 2 * kv_width) + 2 * h * h + (3 if swiglu else 2) * 2 * h * f + 4 * s * h
-    if moe is not None:   # the MoE layers' extra k - 1 expert MLPs and router, spread over the L layers
-        moe_layers = sum(moe.is_moe_layer(number) for number in range(L))
-        layer_forward += moe_layers * ((moe.topk - 1) * (3 if swiglu else 2) * 2 * h * f + 2 * h * moe.num_experts) / L
-    recomputed = 0.0
-    if recompute.full:
-        per_stage = L // num_stages
-        recomputed = L * layer_forward * (1 if recompute.method == "uniform" else
-                                          min(recompute.num_layers, per_stage) / per_stage)
-    elif recompute.selective:
-        recomputed = L * 4 * s * h
-    return 3 * L * layer_forward + recomputed + 3 * 2 * h * padded_vocab_size
-
-
-def _flops_per_iteration(args):
-    return args.global_batch_size * args.seq_length * flops_per_token(
-        args.num_layers, args.hidden_size, args.seq_length, args.padded_vocab_size,
-        recompute=recompute_config_from_args(args),   # block recomputation: the first layers of each model chunk
-        num_stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
-        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-        ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu, moe=moe_config_from_args(args))
-
-
-def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer, moe=None):
-    """Print the log line (rank 0); returns the same fields as a dict (the --log-jsonl record's core). `moe`: the
-    MoE fields (megatron.model.moe_args.moe_log_fields; rank 0's last micro-batch), appended when there are any."""
-    args = get_args()
-    iteration = train_state.iteration
-    tokens_per_second = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
-    tflops = _flops_per_iteration(args) / (elapsed_ms / 1000.0) / args.world_size / 1e12
-    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {train_state.consumed_train_samples:10d}"
-            f" | learning rate: {lr:.3E}")
-    for key, value in loss_dict.items():
-        line += f" | {key}: {value:.6E}"
-    line += (f" | loss scale: {loss_scale:.1f} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
-             f" | skipped iterations: {train_state.skipped_iterations:3d} | elapsed time per iteration (ms): {elapsed_ms:.1f}"
-             f" | tokens/s: {tokens_per_second:.0f} | TFLOP/s per rank: {tflops:.3f}") + moe_log_text(moe)
-    print_rank_0(line)
-    if writer is not None:
-        writer.add_scalar("learning_rate", lr, iteration)
-        writer.add_scalar("loss_scale", loss_scale, iteration)
-        for key, value in loss_dict.items():
-            writer.add_scalar(key, value, iteration)
-        if grad_norm is not None:
-            writer.add_scalar("grad_norm", float(grad_norm), iteration)
-        writer.add_scalar("skipped_iterations", train_state.skipped_iterations, iteration)
-        writer.add_scalar("ms_per_iteration", elapsed_ms, iteration)
-        writer.add_scalar("tokens_per_second", tokens_per_second, iteration)
-        writer.add_scalar("tflops_per_rank", tflops, iteration)
-    return {"type": "train", "iteration": iteration, "train_iters": args.train_iters,
-            "consumed_samples": train_state.consumed_train_samples, "learning_rate": lr,
-            "losses": dict(loss_dict), "loss_scale": float(loss_scale),
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "skipped_iterations": train_state.skipped_iterations, "ms_per_iteration": elapsed_ms,
-            "tokens_per_second": tokens_per_second, "tflops_per_rank": tflops, **({"moe": moe} if moe else {})}
-
-
 def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     module = unwrap_model(model)
@@ -528,39 +426,3 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
         for key, value in results.items():
             writer.add_scalar(f"{key} validation", value, train_state.iteration)
     return results
-
-
-def _cyclic(loader):
-    """Restart the validation loader when it runs out (validation may need more batches than one epoch)."""
-    while True:
-        yielded = False
-        for batch in loader:
-            yielded = True
-            yield batch
-        if not yielded:
-            raise RuntimeError("the validation dataset is too small for one batch")
-        loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
-
-
-def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state):
-    """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
-    rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group. The samplers start
-    where `train_state`'s consumed samples say."""
-    from megatron.data.samplers import pretraining_loader, train_valid_test_num_samples
-    args = get_args()
-    datasets = train_valid_test_dataset_provider(train_valid_test_num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
-    # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
-    args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
-    args.do_test = datasets[2] is not None and len(datasets[2]) > 0 and args.eval_iters > 0
-    iterators = []
-    for index, dataset in enumerate(datasets):
-        finished = index == 0 and train_state.iteration >= args.train_iters
-        if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
-            iterators.append(None)
-            continue
-        consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
-        loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
-                                    mpu.get_data_parallel_world_size(), args.num_workers)
-        iterators.append(iter(loader) if index == 0 else _cyclic(loader))
-    return tuple(iterators)

@@ -3,8 +3,8 @@ MoE fields of the training log.
 
     --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2
 
-megatron/arguments.py adds the group and calls check_moe_args; GPT2ModelConfig.from_args reads them through
-moe_config_from_args; the expert groups are built in megatron/initialize.py.
+megatron/flags/groups.py adds the group and megatron/arguments.py calls check_moe_args; GPT2ModelConfig.from_args
+reads them through moe_config_from_args; the expert groups are built in megatron/initialize.py.
 """
 import torch
 

@@ -1,0 +1,41 @@
+"""The train/valid/test data iterators of megatron/training.py's pretrain: datasets on every rank, loaders on
+model-parallel rank 0 starting where the TrainState's consumed samples say, the validation one restarting when it
+runs out."""
+import mpu
+from megatron.global_vars import get_args
+
+
+def _cyclic(loader):
+    """Restart the validation loader when it runs out (validation may need more batches than one epoch)."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise RuntimeError("the validation dataset is too small for one batch")
+        loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
+
+
+def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state):
+    """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
+    rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group. The samplers start
+    where `train_state`'s consumed samples say."""
+    from megatron.data.samplers import pretraining_loader, train_valid_test_num_samples
+    args = get_args()
+    datasets = train_valid_test_dataset_provider(train_valid_test_num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
+    # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
+    args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
+    args.do_test = datasets[2] is not None and len(datasets[2]) > 0 and args.eval_iters > 0
+    iterators = []
+    for index, dataset in enumerate(datasets):
+        finished = index == 0 and train_state.iteration >= args.train_iters
+        if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
+            iterators.append(None)
+            continue
+        consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
+        loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
+                                    mpu.get_data_parallel_world_size(), args.num_workers)
+        iterators.append(iter(loader) if index == 0 else _cyclic(loader))
+    return tuple(iterators)
