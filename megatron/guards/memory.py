@@ -340,3 +340,21 @@ def format_bytes(result):
     parts = [f"{key}={value}" for key, value in result.items() if value is not None]
     total = result.get("total")
     return " ".join(parts) + (f" ({total / 2 ** 20:.2f} MiB)" if total is not None else "")
+
+
+def saved_activation_bytes(model, x):
+    """Bytes of the distinct storages autograd keeps for backward during one forward of `model` on `x` (a copy that
+    requires grad), parameters excluded: the measured side of the activation formulas (tests, benchmarks)."""
+    import torch
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage        # held: no address is reused while we count
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x.clone().requires_grad_())
+    return sum(storage.nbytes() for storage in kept.values())

@@ -13,6 +13,7 @@ import torch
 
 import mpu
 from megatron.guards import memory
+from megatron.guards.memory import saved_activation_bytes as _saved_activation_bytes  # tests import this name
 from megatron.spawn import run_distributed
 from tests.helpers import TINY, parser_error, train_each
 
@@ -67,22 +68,6 @@ def _checkpointed_layers(model, x):
     for handle in handles:
         handle.remove()
     return seen
-
-
-def _saved_activation_bytes(model, x):
-    """Bytes of the distinct storages autograd keeps for backward during one forward, parameters excluded."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage        # held: no address is reused while we count
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x.clone().requires_grad_())
-    return sum(storage.nbytes() for storage in kept.values())
 
 
 def _worker(modes):

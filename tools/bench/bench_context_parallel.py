@@ -51,22 +51,6 @@ def _current_rss_mb():
     return float("nan")
 
 
-def _saved_activation_bytes(model, x):
-    """Bytes of the distinct storages autograd keeps for backward during one forward, parameters excluded."""
-    import torch
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage        # held: no address is reused while we count
-        return tensor
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x.clone().requires_grad_())
-    return sum(storage.nbytes() for storage in kept.values())
-
-
 def _rank(options):
     """One rank: (saved activation bytes, peak memory growth MiB, step seconds)."""
     import torch
@@ -86,7 +70,8 @@ def _rank(options):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    saved = _saved_activation_bytes(stack, x)
+    from megatron.guards.memory import saved_activation_bytes
+    saved = saved_activation_bytes(stack, x)
     times = []
     for _ in range(options["steps"]):
         start = time.perf_counter()
