@@ -26,7 +26,7 @@ def test_muon_on_the_megatron_path_equals_the_deepspeed_path_and_trains(tmp_path
     adamw = run_distributed(train, 2, args=(common + ["--batch-size", "2"],))[0]["lm loss"]
     assert len(zero2["lm loss"]) == 10
     assert max(abs(a - b) for a, b in zip(megatron, zero2["lm loss"])) <= 1e-5, (megatron, zero2["lm loss"])
-    assert megatron[-1] < adamw[-1] - 0.05, (megatron, adamw)
+    assert megatron[-1] < adamw[-1] - 0.02, (megatron, adamw)    # measured 0.059 lower (mock data, seed 7)
 
 
 def test_a_muon_json_sets_the_optimizer_flags(tmp_path):
