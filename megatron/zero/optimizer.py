@@ -10,7 +10,8 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
                 same for a NaN/inf gradient when `skip_nonfinite` is set (the training loop sets it, then stops
                 the run or counts the skip)
              3. master.grad = partition gradient x (clip coefficient / loss scale)
-             4. inner optimizer step on the fp32 master slices (in tiles of sub_group_size elements)
+             4. inner optimizer step on the fp32 master slices (in tiles of sub_group_size elements; offloaded:
+                on the host, torch's fused CPU Adam unless the client chose a kernel, see _host_kernel)
              5. copy slices into the low-precision parameters; launch the slices' all-gathers (param_gather.py):
                 with overlap_param_gather they complete during the next forward, otherwise here
              6. zero gradients; return True
@@ -69,8 +70,8 @@ class ZeroOptimizer:
                       for m, muon in zip(self.masters, self.muon_groups)]
         for group, tiles in zip(optimizer.param_groups, self.tiles):
             group["params"] = tiles
-            if self.host is not None and not group.get("fused") and group.get("foreach") is None:
-                group["foreach"] = True          # torch's multi-tensor AdamW on the host
+            if self.host is not None:
+                group.update(_host_kernel(optimizer, group))
         params = list(param_order)
         # where collectives run: the compute device (the parameters'), also when partitions and gradients live in
         # host memory (offload): NCCL takes device tensors only
@@ -372,6 +373,20 @@ class ZeroOptimizer:
                 partition = group.own_partition()
                 if partition.data_ptr() != master.data_ptr():
                     master.copy_(partition)
+
+
+def _host_kernel(optimizer, group):
+    """Kernel options for a param group the offloaded optimizer steps on the host, where the client chose none:
+    a torch Adam/AdamW gets the fastest kernel torch runs on the CPU (`fused`: one vectorised pass per tile, where
+    this torch has it; else `foreach`), any other optimizer `foreach`. A client's explicit choice is kept, and its
+    `fused=False` gets `foreach`."""
+    if group.get("fused") or group.get("foreach") is not None:
+        return {}
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if adam and group.get("fused") is None and not group.get("capturable") and not group.get("differentiable"):
+        from .builder import adam_kernel_options      # here: builder imports the engine, which imports this module
+        return adam_kernel_options(torch.device("cpu"))
+    return {"foreach": True}
 
 
 def _host_copy(tensor):
