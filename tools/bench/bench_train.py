@@ -200,14 +200,19 @@ def summarize(samples, baseline="plain PyTorch"):
 ADAM_KERNELS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-def measure_adam_step(config_name, rounds, steps=3):
+def measure_adam_step(config_name, rounds, steps=3, deepspeed_cpu_adam=False):
     """{kernel: [ms per AdamW.step() of round 0, ...]} on fp32 parameters of the config's model (random
-    gradients), the kernels alternating (reversed every other round)."""
+    gradients), the kernels alternating (reversed every other round). deepspeed_cpu_adam: DeepSpeed's
+    DeepSpeedCPUAdam (AdamW mode, torch's default weight decay) too, its C++ op JIT-built on first use (minutes)."""
     torch.manual_seed(0)
     params = list(PlainGPT(CONFIGS[config_name]).to(DEVICE).parameters())
     for p in params:
         p.grad = torch.randn_like(p)
     optimizers = {name: torch.optim.AdamW(params, lr=1e-4, **options) for name, options in ADAM_KERNELS.items()}
+    if deepspeed_cpu_adam:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizers["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.01, adamw_mode=True)
     for optimizer in optimizers.values():
         optimizer.step()      # allocates the moments
     samples, names = {name: [] for name in optimizers}, list(optimizers)
@@ -247,6 +252,8 @@ def main():
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     parser.add_argument("--adam-step-only", action="store_true",
                         help="time AdamW.step() alone (for-loop, foreach, fused kernels) on each config's parameters")
+    parser.add_argument("--deepspeed-cpu-adam", action="store_true",
+                        help="with --adam-step-only on the CPU: DeepSpeed's DeepSpeedCPUAdam too (JIT-built, minutes)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds {args.rounds} --steps {args.steps}: both must be >= 1")
@@ -257,13 +264,16 @@ def main():
     args.dtypes = args.dtypes or default_precisions()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     if args.adam_step_only:
-        print("| config | parameters | AdamW kernel | ms per step | vs for-loop |\n|---|---:|---|---:|---:|")
+        print(f"# {torch.get_num_threads()} thread(s); ratios: per-round medians (min-max)")
+        print("| config | parameters | AdamW kernel | ms per step | ns per parameter | vs for-loop |\n"
+              "|---|---:|---|---:|---:|---:|")
         for config_name in args.configs:
-            samples = measure_adam_step(config_name, args.rounds)
+            samples = measure_adam_step(config_name, args.rounds, deepspeed_cpu_adam=args.deepspeed_cpu_adam)
             count = sum(p.numel() for p in PlainGPT(CONFIGS[config_name]).parameters())
             for name, ms in samples.items():
                 ratio = median_and_spread([a / b for a, b in zip(samples["for-loop"], ms)])
-                print(f"| {config_name} | {count / 1e6:.2f}M | {name} | {median_and_spread(ms)[0]:.2f} | "
+                median = median_and_spread(ms)[0]
+                print(f"| {config_name} | {count / 1e6:.2f}M | {name} | {median:.2f} | {median * 1e6 / count:.2f} | "
                       f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f}) |")
         return
     init_single_process()
