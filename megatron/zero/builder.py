@@ -4,7 +4,6 @@ Which value wins: the JSON config is the only source for the engine (batch sizes
 clipping); a client optimizer object overrides the JSON "optimizer" block and a client lr scheduler the JSON
 "scheduler" block. Passing both `args.deepspeed_config` and `config=` is an error.
 """
-import functools
 import os
 
 import torch
@@ -14,6 +13,7 @@ from mpu.utils import get_device, init_distributed
 
 from .config import Config, ConfigError, load_config, resolve_auto_values
 from .engine import ZeroEngine
+from .optimizer import adam_kernel_options
 from .lr_schedules import SCHEDULERS
 from .muon import Muon, muon_settings, split_param_groups
 from .partition import ParallelContext
@@ -142,23 +142,6 @@ def _first_tensor(params):
         for tensor in (item["params"] if isinstance(item, dict) else [item]):
             return tensor
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def adam_kernel_options(device, dtype=torch.float32):
-    """The fastest torch Adam kernel that steps `dtype` tensors on `device`: {"fused": True}, else
-    {"foreach": True}, else {} (torch's default). Decided by one probe step on a 1-element tensor, so the answer
-    follows the installed torch rather than a list of devices. Both the engine and Megatron's FP16_Optimizer step
-    fp32 masters, hence the default dtype."""
-    for options in ({"fused": True}, {"foreach": True}):
-        try:
-            probe = torch.zeros(1, dtype=dtype, device=device, requires_grad=True)
-            probe.grad = torch.ones_like(probe)
-            torch.optim.AdamW([probe], lr=1e-3, **options).step()
-            return options
-        except (RuntimeError, ValueError, TypeError, NotImplementedError):
-            continue
-    return {}
 
 
 def _config_source(args, config):

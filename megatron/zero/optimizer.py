@@ -16,6 +16,8 @@ keeps working. In fp32 the master slice is a view of the parameters' own flat bu
                 with overlap_param_gather they complete during the next forward, otherwise here
              6. zero gradients; return True
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -375,6 +377,23 @@ class ZeroOptimizer:
                     master.copy_(partition)
 
 
+@functools.lru_cache(maxsize=None)
+def adam_kernel_options(device, dtype=torch.float32):
+    """The fastest torch Adam kernel that steps `dtype` tensors on `device`: {"fused": True}, else
+    {"foreach": True}, else {} (torch's default). Decided by one probe step on a 1-element tensor, so the answer
+    follows the installed torch rather than a list of devices. Both the engine and Megatron's FP16_Optimizer step
+    fp32 masters, hence the default dtype."""
+    for options in ({"fused": True}, {"foreach": True}):
+        try:
+            probe = torch.zeros(1, dtype=dtype, device=device, requires_grad=True)
+            probe.grad = torch.ones_like(probe)
+            torch.optim.AdamW([probe], lr=1e-3, **options).step()
+            return options
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            continue
+    return {}
+
+
 def _host_kernel(optimizer, group):
     """Kernel options for a param group the offloaded optimizer steps on the host, where the client chose none:
     a torch Adam/AdamW gets the fastest kernel torch runs on the CPU (`fused`: one vectorised pass per tile, where
@@ -384,7 +403,6 @@ def _host_kernel(optimizer, group):
         return {}
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     if adam and group.get("fused") is None and not group.get("capturable") and not group.get("differentiable"):
-        from .builder import adam_kernel_options      # here: builder imports the engine, which imports this module
         return adam_kernel_options(torch.device("cpu"))
     return {"foreach": True}
 
