@@ -97,7 +97,10 @@ def _train(library, config, steps, model_name):
     model = make_model()
     if model_name == "gpt":   # the tied head reads wte outside its module (the same client call on both)
         library.zero.register_external_parameter(model.gpt.lm_head, model.gpt.word_embeddings.weight)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    # foreach=False: both libraries step torch's for-loop AdamW (the client's kernel choice is kept by both). Left
+    # unset, ours would pick torch's fused CPU AdamW for an offloaded step: the same update to the last bits, and
+    # a last-bit change turns GPT-2's key-bias gradient (rounding noise) into a different +-lr step under Adam
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False)
     engine, _, _, _ = library.initialize(model=model, optimizer=optimizer, config=_full_config(config))
     rank, world = dist.get_rank(), dist.get_world_size()
     accumulation = config.get("gradient_accumulation_steps", 1)
