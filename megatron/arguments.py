@@ -5,13 +5,12 @@ reconciled with the flags by megatron/flags/deepspeed_json.py).
 Every inconsistency is reported with `parser.error` (one line naming the flags and numbers, exit status 2; see
 megatron/cli.py).
 """
-import importlib.util
 import os
-import shutil
 
 import mpu
 from megatron import cli
 from megatron.flags.deepspeed_json import reconcile_with_deepspeed_config
+from megatron.flags.compile_choice import resolve_torch_compile
 from megatron.flags.groups import build_parser
 from megatron.model.moe_args import check_moe_args
 
@@ -19,7 +18,7 @@ from megatron.model.moe_args import check_moe_args
 def parse_args(extra_args_provider=None, args_list=None):
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(args_list)
-    validate_args(args, parser)
+    validate_args(args, parser, pretraining=extra_args_provider is None)
     if extra_args_provider is not None and args.context_parallel_size > 1:
         # the post-training, evaluation and generation entry points read whole sequences
         parser.error(f"--context-parallel-size {args.context_parallel_size} is for pretrain_gpt.py: this entry "
@@ -41,26 +40,7 @@ def _check_lora_args(args, parser):
     if unknown or len(set(targets)) != len(targets):
         parser.error(f"--lora-targets {args.lora_targets!r}: name each of {','.join(mpu.LORA_TARGETS)} at most once, "
                      "comma-separated")
-    if args.lora_rank and args.torch_compile:
-        parser.error("--lora-rank runs the eager layers: drop --torch-compile")
     args.lora_targets = targets
-
-
-def _check_torch_compile_toolchain(args, parser):
-    """--torch-compile needs inductor's compiler: Triton on CUDA, a C++ compiler (CXX, default g++) on the CPU."""
-    if not args.torch_compile:
-        return
-    import torch
-    if torch.cuda.is_available():
-        if importlib.util.find_spec("triton") is None:
-            parser.error("--torch-compile on CUDA needs triton (pip install the triton your torch build names), "
-                         "or drop --torch-compile")
-        return
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        parser.error(f"--torch-compile on the CPU needs a C++ compiler for inductor: {compiler!r} (the CXX "
-                     "variable, default g++) is not on PATH; install g++ (apt install g++), set CXX, or drop "
-                     "--torch-compile")
 
 
 # Sizes, lengths and intervals: zero or a negative value is a typo, refused by name before anything is built.
@@ -84,8 +64,6 @@ def _check_sequence_parallel(args, parser):
     if args.seq_length % args.model_parallel_size:
         parser.error(f"--sequence-parallel: --seq-length ({args.seq_length}) is not divisible by "
                      f"--model-parallel-size ({args.model_parallel_size})")
-    if args.torch_compile:
-        parser.error("--sequence-parallel runs the eager layers: drop --torch-compile or --sequence-parallel")
 
 
 def _check_context_parallel(args, parser):
@@ -104,8 +82,6 @@ def _check_context_parallel(args, parser):
                      "--attention-dropout 0")
     if args.reset_attention_mask:
         parser.error("--context-parallel-size runs plain causal attention: drop --reset-attention-mask")
-    if args.torch_compile:
-        parser.error("--context-parallel-size runs the eager layers: drop --torch-compile")
     if getattr(args, "num_experts", None):     # its router and capacity see one rank's tokens, its groups ignore C
         parser.error(f"--context-parallel-size {cp} cannot be combined with --num-experts yet: drop one of them")
 
@@ -121,8 +97,9 @@ def _check_backend(args, parser):
                  "or drop the flag (its default)")
 
 
-def validate_args(args, parser):
-    """Check every cross-flag constraint before anything is built; fill derived defaults."""
+def validate_args(args, parser, pretraining=True):
+    """Check every cross-flag constraint before anything is built; fill derived defaults. pretraining: the entry
+    point is pretrain_gpt.py (fixed-shape batches; post-training, evaluation and generation pass their own flags)."""
     cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mp, pp, cp = args.model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -163,13 +140,13 @@ def validate_args(args, parser):
         parser.error("--optimizer muon with zero_optimization.offload_optimizer is not supported: remove the "
                      "offload block from the --deepspeed_config JSON, or use --optimizer adam")
     _check_pipeline_combinations(args, parser)
-    _check_torch_compile_toolchain(args, parser)
     _check_lora_args(args, parser)
     check_moe_args(args, parser)
     _check_sequence_parallel(args, parser)
     _check_context_parallel(args, parser)
     _check_backend(args, parser)
     _resolve_recompute_args(args, parser)
+    resolve_torch_compile(args, parser, pretraining)
     if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):
         parser.error("--deepspeed_activation_checkpointing sets how full recomputation keeps each checkpointed "
                      "group's input (megatron.zero.checkpointing, the JSON activation_checkpointing block): it needs "
@@ -241,8 +218,6 @@ def _resolve_recompute_args(args, parser):
         if args.recompute_num_layers > per_stage:
             parser.error(f"--recompute-num-layers ({args.recompute_num_layers}) is more than the layers per "
                          f"pipeline stage ({args.num_layers} / {args.pipeline_model_parallel_size} = {per_stage})")
-    if args.recompute_granularity == "selective" and args.torch_compile:
-        parser.error("--recompute-granularity selective recomputes the eager attention core: drop --torch-compile")
 
 
 def _resolve_virtual_pipeline(args, parser):

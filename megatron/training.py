@@ -61,6 +61,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
 def get_model(model_provider):
     """Build the model on this rank's device, cast to the training dtype, wrap for data parallelism."""
     args = get_args()
+    print_rank_0(f" > {getattr(args, 'torch_compile_choice', 'fused compute path: off')}")
     model = model_provider()
     if args.rank == 0 or mpu.get_data_parallel_rank() == 0 and mpu.get_model_parallel_rank() > 0:
         count = sum(mpu.full_numel(p) for p in model.parameters())   # whole sizes, also under zero.Init

@@ -1,6 +1,8 @@
 """Megatron's command line as an argparse parser: build_parser and its `_add_*_args` groups (every flag, its
 default and its help). megatron/arguments.py parses with it and validates the result; the post-training drivers
 add their own group through `extra_args_provider`."""
+import argparse
+
 import mpu
 from megatron import cli, zero
 from megatron.model.moe_args import add_moe_args
@@ -75,10 +77,11 @@ def _add_regularization_args(parser):
 
 def _add_training_args(parser):
     group = parser.add_argument_group("training")
-    group.add_argument("--torch-compile", action="store_true",
+    group.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                        help="the fused compute path: each layer's layer norm, bias + GeLU, bias + dropout + residual "
                             "and attention around SDPA, and the loss, compiled with torch.compile between the "
-                            "tensor-parallel collectives (the same math; the first step compiles)")
+                            "tensor-parallel collectives (the same math; the first step compiles). Default: on with "
+                            "CUDA where the layers can be compiled, eager on the CPU (megatron/flags/compile_choice.py)")
     group.add_argument("--batch-size", "--micro-batch-size", dest="batch_size", type=int, default=4,
                        help="micro batch per data-parallel rank")
     group.add_argument("--global-batch-size", type=int, default=None,

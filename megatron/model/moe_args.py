@@ -49,7 +49,6 @@ def check_moe_args(args, parser):
         parser.error(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
                      f"({args.data_parallel_size}) and --num-experts ({args.num_experts})")
     refused = [(args.sequence_parallel, "--sequence-parallel (the MoE layer runs on whole sequences)"),
-               (args.torch_compile, "--torch-compile (the compiled layers are GPT-2's dense ones)"),
                (bool(args.lora_rank), "--lora-rank (LoRA targets the dense MLP's linears)")]
     for given, what in refused:
         if given:
