@@ -23,9 +23,17 @@ def local_square_sums(partition_grads, ranges, device):
     for grad, (counted, other) in zip(partition_grads, ranges):
         for slot, pieces in enumerate((counted, other)):
             for lo, hi in pieces:
-                piece = grad[lo:hi].float()
-                sums[slot] += torch.dot(piece, piece).to(device)
+                sums[slot] += _square_sum(grad[lo:hi]).to(device)
     return sums
+
+
+def _square_sum(piece):
+    """Sum of squares in fp32. A 16-bit piece is reduced with fp32 accumulation as it is read (vector_norm's dtype):
+    `.float()` would write an fp32 copy of every gradient once more per step, beside the one the masters take."""
+    if piece.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(piece, dtype=torch.float32).square()
+    piece = piece.float()
+    return torch.dot(piece, piece)
 
 
 def global_norm_and_overflow(partition_grads, ranges, ctx, device, scale=1.0, partitioned=True, experts=()):
