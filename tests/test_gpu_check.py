@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 import bench_gpu  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tools", "gpu_check.sh")
-ROW = {"model": "124m", "precision": "bf16", "stage": 2, "micro_batch": 8, "device": "NVIDIA H100 80GB HBM3",
+ROW = {"model": "124m", "precision": "bf16", "stage": 2, "compile": "compiled", "micro_batch": 8, "device": "NVIDIA H100 80GB HBM3",
        "peak_tflops": 989.5, "tokens_per_s": 123456.7, "tflops": 345.6, "mfu": 0.3494, "max_allocated_gb": 20.5,
        "model_state_formula_gb": 2.0, "activation_estimate_gb": 8.25, "skipped": 0, "error": None}
 TESTS = ("model/test_mpu.py", "model/test_gpt2_model.py", "zero/test_zero_engine.py",
@@ -198,7 +198,7 @@ def test_activation_estimate_knows_flash_attention_and_the_chunked_loss(monkeypa
 
 def test_rows_and_table():
     line = bench_gpu.format_row(ROW)
-    assert line == "| 124m | bf16 | 2 | 8 | 123,457 | 345.6 | 34.9% | 20.50 | 2.00 | 10.25 |  |"
+    assert line == "| 124m | bf16 | 2 | compiled | 8 | 123,457 | 345.6 | 34.9% | 20.50 | 2.00 | 10.25 |  |"
     failed = bench_gpu.format_row({"model": "350m", "precision": "bf16", "stage": 3, "error": "CUDA out of memory"})
     assert failed.startswith("| 350m | bf16 | 3 |") and "failed: CUDA out of memory" in failed
     cpu = bench_gpu.format_row({**ROW, "mfu": None, "max_allocated_gb": None, "skipped": 3,
@@ -220,12 +220,12 @@ def test_a_row_printed_before_a_teardown_abort_or_timeout_is_kept(monkeypatch):
     args = bench_gpu.parse_args(["--device", "cpu"])
     printed = "noise\nBENCH_GPU_ROW " + json.dumps(ROW) + "\n"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: _completed(printed, "Aborted", -6))
-    assert bench_gpu.measure_cell(("124m", "bf16", 2), args) == {**ROW, "note": "exit status -6 in teardown"}
+    assert bench_gpu.measure_cell(("124m", "bf16", 2, "default"), args) == {**ROW, "note": "exit status -6 in teardown"}
 
     def timeout(*a, **k):
         raise subprocess.TimeoutExpired([], 75, output=printed.encode())
     monkeypatch.setattr(subprocess, "run", timeout)
-    assert bench_gpu.measure_cell(("124m", "bf16", 2), args)["note"] == "timed out in teardown after 75 s"
+    assert bench_gpu.measure_cell(("124m", "bf16", 2, "default"), args)["note"] == "timed out in teardown after 75 s"
 
 
 def test_each_cell_gets_a_free_port_and_a_taken_one_is_retried_once(monkeypatch):
@@ -238,10 +238,10 @@ def test_each_cell_gets_a_free_port_and_a_taken_one_is_retried_once(monkeypatch)
         assert env["CUDA_VISIBLE_DEVICES"] == "" and env["WORLD_SIZE"] == "1"
         return outcomes.pop(0)
     monkeypatch.setattr(subprocess, "run", run)
-    assert bench_gpu.measure_cell(("124m", "bf16", 2), args) == ROW
+    assert bench_gpu.measure_cell(("124m", "bf16", 2, "default"), args) == ROW
     assert len(ports) == 2 and all(port.isdigit() for port in ports)
     outcomes[:] = [_completed(stderr="EADDRINUSE")] * 2
-    assert "EADDRINUSE" in bench_gpu.measure_cell(("124m", "bf16", 2), args)["error"]
+    assert "EADDRINUSE" in bench_gpu.measure_cell(("124m", "bf16", 2, "default"), args)["error"]
 
 
 def test_rows_reach_the_json_as_they_are_measured(monkeypatch, tmp_path):
@@ -278,7 +278,25 @@ def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(flops_per_token, rel=1e-6)
     assert row["model_state_formula_gb"] * 2 ** 30 == pytest.approx(16 * _params(m), rel=0.01)
     assert row.get("note") is None                                   # the cell left its process group cleanly
+    assert row["compile"] == "eager"                                 # the run's own default on a CPU
     assert done.stdout.strip().splitlines()[-1] == bench_gpu.format_row(row)
+
+
+def test_compile_modes_and_the_llama_cell_pass_their_flags():
+    """--compile eager,compiled doubles the cells; each passes its flag (default: none, the run decides); the Llama
+    cell trains scripts/pretrain_llama.sh's shape and counts SwiGLU's and grouped attention's FLOPs."""
+    args = bench_gpu.parse_args(["--models", "124m,llama-1b", "--stages", "2", "--compile", "eager,compiled"])
+    assert bench_gpu.cells(args) == [("124m", "bf16", 2, "eager"), ("124m", "bf16", 2, "compiled"),
+                                     ("llama-1b", "bf16", 2, "eager"), ("llama-1b", "bf16", 2, "compiled")]
+    flags = {mode: bench_gpu.training_flags("llama-1b", "bf16", 4, 10, "c.json", "l.jsonl", False, mode)
+             for mode in bench_gpu.COMPILE_MODES}
+    assert "--no-torch-compile" in flags["eager"] and "--torch-compile" in flags["compiled"]
+    assert not {"--torch-compile", "--no-torch-compile"} & set(flags["default"])
+    assert {"--swiglu", "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights"} <= set(flags["eager"])
+    L, h, s, V, kv, f = 22, 2048, 2048, 32000, 4 * 2048 // 32, 5632
+    layer = 2 * h * (h + 2 * kv) + 2 * h * h + 3 * 2 * h * f + 4 * s * h
+    assert bench_gpu.flops_per_token("llama-1b") == 3 * (L * layer + 2 * h * V)
+    assert bench_gpu.activation_estimate_bytes("llama-1b", 4, "bf16") is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a test requirement")

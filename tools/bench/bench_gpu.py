@@ -37,7 +37,12 @@ MODELS = {
     "124m": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, micro=16),
     "350m": dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, micro=8),
     "1.3b": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257, micro=4),
+    # scripts/pretrain_llama.sh's GPU default (TinyLlama 1.1B's shape); its layers run eagerly (compile_choice.py)
+    "llama-1b": dict(layers=22, hidden=2048, heads=32, seq=2048, vocab=32000, micro=4,
+                     llama=dict(kv_heads=4, ffn=5632)),
 }
+COMPILE_MODES = ("default", "eager", "compiled")   # the run's default (compiled on CUDA where the layers compile),
+# --no-torch-compile, --torch-compile
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak in TFLOP/s by the EXACT name torch.cuda.get_device_name() reports.
@@ -79,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="124m,350m", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--precisions", default="bf16", help=f"comma-separated, of {', '.join(PRECISIONS)}")
     parser.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages")
+    parser.add_argument("--compile", default="default",
+                        help="comma-separated, of default (the run's own choice: compiled on CUDA for GPT-2 shapes), "
+                             "eager (--no-torch-compile), compiled (--torch-compile); eager,compiled gives both rows")
     parser.add_argument("--steps", type=int, default=20, help="timed iterations per cell (after as many warm-up)")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: per model (MODELS)")
     parser.add_argument("--checkpoint-activations", action="store_true")
@@ -94,10 +102,12 @@ def parse_args(argv=None):
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)    # MODEL,PRECISION,STAGE: one cell
     args = parser.parse_args(argv)
     args.models, args.precisions = _split(args.models), _split(args.precisions)
-    bad = [m for m in args.models if m not in MODELS] + [p for p in args.precisions if p not in PRECISIONS]
+    args.compile = _split(args.compile)
+    bad = [m for m in args.models if m not in MODELS] + [p for p in args.precisions if p not in PRECISIONS] + \
+        [c for c in args.compile if c not in COMPILE_MODES]
     if bad:
-        parser.error(f"unknown model/precision {', '.join(bad)}: models are {', '.join(MODELS)}, precisions "
-                     f"{', '.join(PRECISIONS)}")
+        parser.error(f"unknown model/precision/compile {', '.join(bad)}: models are {', '.join(MODELS)}, precisions "
+                     f"{', '.join(PRECISIONS)}, compile {', '.join(COMPILE_MODES)}")
     try:
         args.stages = [int(s) for s in _split(args.stages)]
     except ValueError:
@@ -112,8 +122,8 @@ def _split(text):
 
 
 def cells(args):
-    return [(model, precision, stage) for model in args.models for precision in args.precisions
-            for stage in args.stages]
+    return [(model, precision, stage, mode) for model in args.models for precision in args.precisions
+            for stage in args.stages for mode in args.compile]
 
 
 def padded_vocab(model):
@@ -125,7 +135,11 @@ def flops_per_token(model, checkpoint_activations=False):
     """Training FLOPs per token of `model`: the training log's own count (megatron.training.flops_per_token)."""
     from megatron.training import flops_per_token as training_flops_per_token
     m = MODELS[model]
-    return training_flops_per_token(m["layers"], m["hidden"], m["seq"], padded_vocab(model), checkpoint_activations)
+    llama = m.get("llama")
+    shape = dict(num_attention_heads=m["heads"], num_key_value_heads=llama["kv_heads"], ffn_hidden_size=llama["ffn"],
+                 swiglu=True) if llama else {}
+    return training_flops_per_token(m["layers"], m["hidden"], m["seq"], padded_vocab(model), checkpoint_activations,
+                                    **shape)
 
 
 def peak_tflops(device_name, power_limits_w=()):
@@ -171,8 +185,11 @@ def activation_estimate_bytes(model, micro, precision, checkpoint_activations=Fa
     - the loss (mpu/cross_entropy.py, chunked over tokens) holds at its peak, the end of its backward, the logits
       [b, s, V] it saved and their gradient, both in the training precision, plus one fp32 chunk of
       default_chunk_tokens(V, "cuda") tokens (64 MiB at most), while every layer's activations are still alive.
-    The embeddings' and the final LayerNorm's few s b h are left out."""
+    The embeddings' and the final LayerNorm's few s b h are left out. None for a Llama shape (its SwiGLU, grouped
+    attention and RMSNorm keep other constants)."""
     m = MODELS[model]
+    if m.get("llama"):
+        return None
     s, b, h, a = m["seq"], micro, m["hidden"], m["heads"]
     element = 4 if precision == "fp32" else 2
     full_layer = int(34 * s * b * h * element / 2) + 4 * a * s * b
@@ -192,7 +209,8 @@ def zero_config(precision, stage, micro):
                                   "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}}
 
 
-def training_flags(model, precision, micro, steps, config_path, jsonl_path, checkpoint_activations):
+def training_flags(model, precision, micro, steps, config_path, jsonl_path, checkpoint_activations,
+                   compile_mode="default"):
     m = MODELS[model]
     flags = ["--mock-data", "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
              "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]), "--vocab-size", str(m["vocab"]),
@@ -203,10 +221,16 @@ def training_flags(model, precision, micro, steps, config_path, jsonl_path, chec
         flags.append(f"--{precision}")
     if checkpoint_activations:
         flags.append("--checkpoint-activations")
+    llama = m.get("llama")
+    if llama:   # scripts/pretrain_llama.sh's LLAMA_ARGS
+        flags += ["--swiglu", "--ffn-hidden-size", str(llama["ffn"]), "--num-key-value-heads", str(llama["kv_heads"]),
+                  "--use-rotary-position-embeddings", "--no-position-embedding", "--normalization", "rmsnorm",
+                  "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+    flags += {"default": [], "eager": ["--no-torch-compile"], "compiled": ["--torch-compile"]}[compile_mode]
     return flags
 
 
-def run_cell(model, precision, stage, args):
+def run_cell(model, precision, stage, args, compile_mode="default"):
     """Train one cell in this process (its process group from the environment bench_gpu's parent set); returns its
     row (dict)."""
     import torch
@@ -218,20 +242,23 @@ def run_cell(model, precision, stage, args):
         with open(config_path, "w") as handle:
             json.dump(zero_config(precision, stage, micro), handle)
         history = pretrain_gpt.main(training_flags(model, precision, micro, args.steps, config_path, jsonl_path,
-                                                   args.checkpoint_activations))
+                                                   args.checkpoint_activations, compile_mode))
+        from megatron.global_vars import get_args
+        compiled = bool(get_args().torch_compile)
         with open(jsonl_path) as handle:
             record = [json.loads(line) for line in handle][-1]
     cuda = torch.cuda.is_available()
     peak = args.peak_tflops if precision != "fp32" else None
     tflops = record["tokens_per_second"] * flops_per_token(model, args.checkpoint_activations) / 1e12
+    activations = activation_estimate_bytes(model, micro, precision, args.checkpoint_activations)
     return {"model": model, "precision": precision, "stage": stage, "micro_batch": micro,
+            "compile": "compiled" if compiled else "eager",
             "device": torch.cuda.get_device_name() if cuda else "cpu", "peak_tflops": peak,
             "tokens_per_s": record["tokens_per_second"], "tflops": tflops, "mfu": tflops / peak if peak else None,
             "log_tflops": record["tflops_per_rank"],
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
             "model_state_formula_gb": history["model_state_estimate"]["total"] / 2 ** 30,
-            "activation_estimate_gb": activation_estimate_bytes(model, micro, precision,
-                                                                args.checkpoint_activations) / 2 ** 30,
+            "activation_estimate_gb": activations / 2 ** 30 if activations is not None else None,
             "skipped": sum(history["skipped"][args.steps:]), "error": None}
 
 
@@ -259,8 +286,8 @@ def measure_cell(cell, args):
     """Run one cell in a fresh process: its row, or a row with the error. A row printed before the process
     failed (in teardown) is kept, with the exit status in its note. A port another process took between
     free_port() and the rendezvous is retried once on a new one."""
-    model, precision, stage = cell
-    command = [sys.executable, os.path.abspath(__file__), "--cell", f"{model},{precision},{stage}"]
+    model, precision, stage, mode = cell
+    command = [sys.executable, os.path.abspath(__file__), "--cell", f"{model},{precision},{stage},{mode}"]
     command += _cell_options(args)
     for attempt in (1, 2):
         try:
@@ -269,14 +296,14 @@ def measure_cell(cell, args):
         except subprocess.TimeoutExpired as expired:
             row = _row_from_output(_text(expired.stdout))
             return _with_note(row, f"timed out in teardown after {args.cell_timeout} s") if row else \
-                {"model": model, "precision": precision, "stage": stage,
+                {"model": model, "precision": precision, "stage": stage, "compile": mode,
                  "error": f"timed out after {args.cell_timeout} s"}
         row = _row_from_output(done.stdout)
         if row:
             return row if done.returncode == 0 else _with_note(row, f"exit status {done.returncode} in teardown")
         if attempt == 1 and "EADDRINUSE" in done.stdout + done.stderr:
             continue
-        return {"model": model, "precision": precision, "stage": stage,
+        return {"model": model, "precision": precision, "stage": stage, "compile": mode,
                 "error": _last_error(done.stdout + done.stderr)}
 
 
@@ -307,9 +334,9 @@ def _last_error(output):
     return (errors or lines or ["no output"])[-1][:160]
 
 
-HEADER = ("| model | precision | ZeRO | micro-batch | tokens/s | TFLOP/s | MFU | max allocated GB | "
+HEADER = ("| model | precision | ZeRO | compile | micro-batch | tokens/s | TFLOP/s | MFU | max allocated GB | "
           "model-state formula GB | + activation estimate GB | note |")
-RULE = "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+RULE = "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
 
 
 def _number(value, spec):
@@ -318,14 +345,17 @@ def _number(value, spec):
 
 def format_row(row):
     if row.get("error"):
-        return f"| {row['model']} | {row['precision']} | {row['stage']} | | | | | | | | failed: {row['error']} |"
+        return (f"| {row['model']} | {row['precision']} | {row['stage']} | {row.get('compile', '')} | | | | | | | | "
+                f"failed: {row['error']} |")
     mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
     notes = [f"{row['skipped']} skipped (fp16 overflow)"] if row.get("skipped") else []
     notes += [row["note"]] if row.get("note") else []
-    return (f"| {row['model']} | {row['precision']} | {row['stage']} | {row['micro_batch']} | "
+    estimate = None if row["activation_estimate_gb"] is None else \
+        row["model_state_formula_gb"] + row["activation_estimate_gb"]
+    return (f"| {row['model']} | {row['precision']} | {row['stage']} | {row.get('compile', '')} | {row['micro_batch']} | "
             f"{_number(row['tokens_per_s'], ',.0f')} | {_number(row['tflops'], '.1f')} | {mfu} | "
             f"{_number(row['max_allocated_gb'], '.2f')} | {_number(row['model_state_formula_gb'], '.2f')} | "
-            f"{_number(row['model_state_formula_gb'] + row['activation_estimate_gb'], '.2f')} | {'; '.join(notes)} |")
+            f"{_number(estimate, '.2f')} | {'; '.join(notes)} |")
 
 
 def device_line(device_name, peak, how):
@@ -352,13 +382,14 @@ def plan(args):
     """The cells, each with its expected seconds, and their sum (a time model with stated guesses: no GPU run has
     measured it)."""
     lines, total = [], 0.0
-    for model, precision, stage in cells(args):
+    for model, precision, stage, mode in cells(args):
         m = MODELS[model]
         micro = args.micro_batch or m["micro"]
         compute = 2 * args.steps * micro * m["seq"] * flops_per_token(model, args.checkpoint_activations) \
             / (PLAN_MFU * PLAN_PEAK * 1e12)
         total += PLAN_STARTUP_S + compute
-        lines.append(f"    {model} {precision} ZeRO-{stage}: micro-batch {micro} x {m['seq']} tokens, {2 * args.steps} "
+        label = "" if mode == "default" else f" {mode}"
+        lines.append(f"    {model} {precision} ZeRO-{stage}{label}: micro-batch {micro} x {m['seq']} tokens, {2 * args.steps} "
                      f"steps, ~{PLAN_STARTUP_S + compute:.0f} s")
     lines.append(f"    (guesses, not measurements: {PLAN_STARTUP_S} s of start-up per cell, the steps at "
                  f"{PLAN_MFU:.0%} MFU of {PLAN_GPU}'s {PLAN_PEAK:g} TFLOP/s; stage 3 may take longer)")
@@ -398,8 +429,8 @@ def main(argv=None):
         print(plan(args))
         return 0
     if args.cell:
-        model, precision, stage = args.cell.split(",")
-        print("BENCH_GPU_ROW " + json.dumps(run_cell(model, precision, int(stage), args)), flush=True)
+        model, precision, stage, mode = args.cell.split(",")
+        print("BENCH_GPU_ROW " + json.dumps(run_cell(model, precision, int(stage), args, mode)), flush=True)
         teardown()
         return 0
     device_name, args.peak_tflops, how = device_and_peak(args)
