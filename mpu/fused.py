@@ -5,14 +5,17 @@ A layer's forward runs as (collectives and the RNG fork stay eager, outside ever
 
     ln1 = input_layernorm(x)                          eager (one kernel already)
     copy_to_model_parallel_region(ln1)                identity forward, all-reduce backward
-    partial = attention(ln1, Wqkv, bqkv, Wdense)      compiled: qkv + bias, SDPA, the dense matmul (no bias)
-                                                      (under the model-parallel RNG fork: attention dropout)
+    partial = attention(ln1, Wqkv, bqkv, Wdense, ...) compiled: qkv + bias, rotary, GQA's repeat, SDPA, the dense
+                                                      matmul (no bias) (under the model-parallel RNG fork: dropout)
     reduce_from_model_parallel_region(partial)        all-reduce
-    x, ln2 = bias_dropout_add_layernorm(...)          compiled: x + dropout(out + b), then LayerNorm
+    x, ln2 = bias_dropout_add_norm(...)               compiled: x + dropout(out + b), then LayerNorm or RMSNorm
     copy_to_model_parallel_region(ln2)
-    partial = mlp(ln2, W1, b1, W2)                    compiled: fc1 + bias + GeLU, the fc2 matmul (no bias)
+    partial = mlp(ln2, W1, b1, W2, swiglu)            compiled: fc1 + bias + GeLU or SwiGLU, the fc2 matmul (no bias)
     reduce_from_model_parallel_region(partial)
     x = bias_dropout_add(out, b2, x)                  compiled
+
+The Llama options (mpu/architecture.py: grouped-query attention, SwiGLU, RMSNorm, no biases; rotary tables passed
+in) run through the same pieces; a layer with experts (MoE) does not.
 
 The math is the eager layer's (the bias of a row-parallel linear is added after the all-reduce in both), so
 model parallelism, pipeline stages, ZeRO and activation checkpointing see the same tensors. Dropout inside a
@@ -30,6 +33,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .rotary import apply_rotary
+
 
 def compiled(fn):
     """`fn` compiled with torch.compile on its first call (static shapes; aten's random kernels)."""
@@ -44,13 +49,22 @@ def compiled(fn):
 
 
 @compiled
-def attention(ln1, qkv_weight, qkv_bias, dense_weight, attention_mask, heads, dropout_p):
+def attention(ln1, qkv_weight, qkv_bias, dense_weight, attention_mask, heads, kv_heads, dropout_p, rotary_cos,
+              rotary_sin):
     """[b, s, h] -> this rank's partial dense output [b, s, h] (before the all-reduce and the bias).
-    attention_mask: None (causal) or bool [b|1, 1, s, s], True = masked out."""
+    attention_mask: None (causal) or bool [b|1, 1, s, s], True = masked out. qkv_bias: None without biases.
+    kv_heads < heads: grouped-query attention (key/value head j serves query heads j * group ...). rotary_cos/sin:
+    None, or the tables mpu/rotary.py applies to q and k."""
     b, s, _ = ln1.shape
-    qkv = F.linear(ln1, qkv_weight, qkv_bias)                                # [b, s, 3h/p]
-    q, k, v = qkv.chunk(3, dim=-1)                                           # 3 x [b, s, h/p]
-    q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))
+    qkv = F.linear(ln1, qkv_weight, qkv_bias)                                # [b, s, (n + 2 n_kv) d / p]
+    head_dim = qkv.size(-1) // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(b, s, heads, head_dim).transpose(1, 2)                        # [b, n/p, s, d]
+    k, v = (t.view(b, s, kv_heads, head_dim).transpose(1, 2) for t in (k, v))
+    if rotary_cos is not None:
+        q, k = (apply_rotary(t, (rotary_cos, rotary_sin)) for t in (q, k))
+    if heads > kv_heads:
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     if attention_mask is None:
         context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     else:
@@ -60,21 +74,33 @@ def attention(ln1, qkv_weight, qkv_bias, dense_weight, attention_mask, heads, dr
 
 
 @compiled
-def mlp(ln2, fc1_weight, fc1_bias, fc2_weight):
-    """[b, s, h] -> this rank's partial fc2 output [b, s, h] (before the all-reduce and the bias)."""
-    return F.linear(F.gelu(F.linear(ln2, fc1_weight, fc1_bias), approximate="tanh"), fc2_weight)
+def mlp(ln2, fc1_weight, fc1_bias, fc2_weight, swiglu):
+    """[b, s, h] -> this rank's partial fc2 output [b, s, h] (before the all-reduce and the bias). swiglu: fc1 is
+    [gate; up] and the activation silu(gate) * up, else GeLU (tanh)."""
+    projected = F.linear(ln2, fc1_weight, fc1_bias)
+    if swiglu:
+        gate, up = projected.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, fc2_weight)
+    return F.linear(F.gelu(projected, approximate="tanh"), fc2_weight)
+
+
+def _bias_dropout_add(out, bias, residual, dropout_p, training):
+    return residual + F.dropout(out if bias is None else out + bias, p=dropout_p, training=training)
 
 
 @compiled
 def bias_dropout_add(out, bias, residual, dropout_p, training):
-    return residual + F.dropout(out + bias, p=dropout_p, training=training)
+    """residual + dropout(out + bias); bias None: no bias."""
+    return _bias_dropout_add(out, bias, residual, dropout_p, training)
 
 
 @compiled
-def bias_dropout_add_layernorm(out, bias, residual, dropout_p, training, ln_weight, ln_bias, eps):
-    """(residual + dropout(out + bias), its LayerNorm)."""
-    hidden = residual + F.dropout(out + bias, p=dropout_p, training=training)
-    return hidden, F.layer_norm(hidden, hidden.shape[-1:], ln_weight, ln_bias, eps)
+def bias_dropout_add_norm(out, bias, residual, dropout_p, training, norm_weight, norm_bias, eps, rms):
+    """(residual + dropout(out + bias), its LayerNorm, or RMSNorm with `rms` (no bias))."""
+    hidden = _bias_dropout_add(out, bias, residual, dropout_p, training)
+    if rms:
+        return hidden, F.rms_norm(hidden, hidden.shape[-1:], norm_weight, eps)
+    return hidden, F.layer_norm(hidden, hidden.shape[-1:], norm_weight, norm_bias, eps)
 
 
 def _real_logits(logits, real):

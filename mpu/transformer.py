@@ -51,8 +51,8 @@ class ParallelTransformerLayer(nn.Module):
                  layernorm_epsilon, init_method, output_layer_init_method, rng_tracker=None, fused=False,
                  architecture=GPT2_ARCHITECTURE, sequence_parallel=False):
         super().__init__()
-        if fused and architecture != GPT2_ARCHITECTURE:
-            raise ValueError("--torch-compile (fused_compute) runs GPT-2's layers only: drop it, or the Llama options")
+        if fused and architecture.moe is not None:
+            raise ValueError("--torch-compile (fused_compute) runs dense layers only: drop it, or --num-experts")
         self.fused = fused
         self.sequence_parallel = sequence_parallel
         device = get_device()
@@ -74,7 +74,7 @@ class ParallelTransformerLayer(nn.Module):
         hidden_states (and the result) are this rank's sequence slice [b, s/p, h]; None: the layer's own setting,
         except while decoding."""
         if self.fused and layer_past is None:
-            return self._fused_forward(hidden_states, attention_mask)
+            return self._fused_forward(hidden_states, attention_mask, rotary)
         sp = self.sequence_parallel and layer_past is None if sequence_parallel is None else sequence_parallel
         with replicated_gradients_together(self.replicated_parameters() if sp else ()):
             hidden_states = hidden_states + self.attention(self.input_layernorm(hidden_states, sequence_parallel=sp),
@@ -88,20 +88,22 @@ class ParallelTransformerLayer(nn.Module):
         return [param for param in (*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters(),
                                     self.attention.dense.bias, self.mlp.dense_4h_to_h.bias) if param is not None]
 
-    def _fused_forward(self, hidden_states, attention_mask):
+    def _fused_forward(self, hidden_states, attention_mask, rotary=None):
         """The eager forward's math, compiled between the collectives (see mpu/fused.py)."""
         attention, mlp, norm = self.attention, self.mlp, self.post_attention_layernorm
         ln1 = copy_to_model_parallel_region(self.input_layernorm(hidden_states))
         dropout_p = attention.attention_dropout_prob if self.training else 0.0
+        cos, sin = rotary if rotary is not None else (None, None)
         with attention.rng_tracker.fork():
             partial = compiled_ops.attention(ln1, attention.query_key_value.weight, attention.query_key_value.bias,
                                              attention.dense.weight, attention_mask, attention.heads_per_partition,
-                                             dropout_p)
-        hidden_states, ln2 = compiled_ops.bias_dropout_add_layernorm(
+                                             attention.kv_heads_per_partition, dropout_p, cos, sin)
+        hidden_states, ln2 = compiled_ops.bias_dropout_add_norm(
             reduce_from_model_parallel_region(partial), attention.dense.bias, hidden_states,
-            attention.output_dropout.p, self.training, norm.weight, norm.bias, norm.eps)
+            attention.output_dropout.p, self.training, norm.weight, getattr(norm, "bias", None), norm.eps,
+            isinstance(norm, nn.RMSNorm))
         partial = compiled_ops.mlp(copy_to_model_parallel_region(ln2), mlp.dense_h_to_4h.weight,
-                                   mlp.dense_h_to_4h.bias, mlp.dense_4h_to_h.weight)
+                                   mlp.dense_h_to_4h.bias, mlp.dense_4h_to_h.weight, mlp.swiglu)
         return compiled_ops.bias_dropout_add(reduce_from_model_parallel_region(partial), mlp.dense_4h_to_h.bias,
                                              hidden_states, mlp.dropout.p, self.training)
 

@@ -17,12 +17,6 @@ import mpu
 
 def eager_only_options(args):
     """The options given whose layers the fused path cannot run, each as '<flag> <why>' (empty: it can run all)."""
-    llama = [flag for flag, given in (("--swiglu", args.swiglu), ("--normalization rmsnorm", args.normalization != "layernorm"),
-                                      ("--num-key-value-heads", args.num_key_value_heads is not None),
-                                      ("--ffn-hidden-size", args.ffn_hidden_size is not None),
-                                      ("--disable-bias-linear", args.disable_bias_linear),
-                                      ("--use-rotary-position-embeddings", args.use_rotary_position_embeddings))
-             if given]
     options = [(args.sequence_parallel, "--sequence-parallel runs the eager layers (its collectives split the "
                                         "regions the compiled pieces span)"),
                (args.context_parallel_size > 1, "--context-parallel-size runs the eager layers (ring attention)"),
@@ -30,9 +24,7 @@ def eager_only_options(args):
                (args.recompute_granularity == "selective",
                 "--recompute-granularity selective recomputes the eager attention core"),
                (bool(getattr(args, "num_experts", None)), "--num-experts runs the eager layers (the compiled layers "
-                                                          "are GPT-2's dense ones)"),
-               (bool(llama), f"{' '.join(llama)}: the compiled layers are GPT-2's (LayerNorm, GeLU, learned "
-                             "positions, biases)")]
+                                                          "are dense ones)")]
     return [why for given, why in options if given]
 
 

@@ -236,9 +236,6 @@ class GPT2Model(nn.Module):
         if config is None:  # the seed's GPT2Model(num_tokentypes=0, parallel_output=True)
             from megatron.global_vars import get_args
             config = GPT2ModelConfig.from_args(get_args())
-        if config.fused_compute and config.rotary:   # the compiled attention has no rotation: it would skip it
-            raise ValueError("rotary position embeddings run the eager layers: drop --torch-compile (fused_compute) "
-                             "or --use-rotary-position-embeddings")
         self.config = config
         self.parallel_output = parallel_output
         stages, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()

@@ -13,6 +13,12 @@ ITERS_20 = ["--train-iters", "20"]
 MICRO_2 = ["--batch-size", "2", "--global-batch-size", "4"]     # one process: 2 micro-batches of 2 per step
 MP2 = ["--batch-size", "4", "--model-parallel-size", "2"]
 CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16)
+# scripts/pretrain_llama.sh's options: grouped-query attention (2 key/value heads of 4), rotary, SwiGLU, RMSNorm,
+# no biases, an untied head
+LLAMA = ["--swiglu", "--ffn-hidden-size", "48", "--num-key-value-heads", "2", "--use-rotary-position-embeddings",
+         "--no-position-embedding", "--normalization", "rmsnorm", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+LLAMA_ONE_KV_HEAD = [flag if flag != "2" else "1" for flag in LLAMA]     # at mp2: the key/value head replicated
 ZERO3 = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -32,11 +38,16 @@ def losses(tmp_path_factory):
     (checkpointing's first forward)."""
     config = tmp_path_factory.mktemp("zero3") / "ds_config.json"
     config.write_text(json.dumps(ZERO3))
-    single = _launch(1, {"eager_20": ITERS_20 + MICRO_2, "fused_20": ITERS_20 + MICRO_2 + ["--torch-compile"]})
+    single = _launch(1, {"eager_20": ITERS_20 + MICRO_2, "fused_20": ITERS_20 + MICRO_2 + ["--torch-compile"],
+                         "llama_eager_20": ITERS_20 + MICRO_2 + LLAMA,
+                         "llama_fused_20": ITERS_20 + MICRO_2 + LLAMA + ["--torch-compile"]})
     zero3 = ["--batch-size", "2", "--deepspeed", "--deepspeed_config", str(config)]
     runs = {"mp2_dropout_eager": MP2, "mp2_dropout_fused": MP2 + ["--torch-compile"],
             "mp2_dropout_fused_checkpointed": MP2 + ["--torch-compile", "--checkpoint-activations"],
-            "dp2_zero3_eager": zero3, "dp2_zero3_fused": zero3 + ["--torch-compile"]}
+            "dp2_zero3_eager": zero3, "dp2_zero3_fused": zero3 + ["--torch-compile"],
+            "mp2_llama_eager": MP2 + LLAMA, "mp2_llama_fused": MP2 + LLAMA + ["--torch-compile"],
+            "mp2_llama_one_kv_head_eager": MP2 + LLAMA_ONE_KV_HEAD,
+            "mp2_llama_one_kv_head_fused": MP2 + LLAMA_ONE_KV_HEAD + ["--torch-compile"]}
     ranks = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()], CROSS_ENTROPY_DTYPES))
     histories, cross_entropy, _ = ranks[0]
     parallel = {name: history["lm loss"] for name, history in zip(runs, histories)}
@@ -59,15 +70,18 @@ def _max_abs_difference(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def test_fused_equals_eager_over_20_steps_with_dropout(losses):
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_fused_equals_eager_over_20_steps_with_dropout(losses, model):
     """Dropout on (0.1), 2 micro-batches a step: the compiled pieces draw aten's masks from the same generator states
-    as eager."""
-    eager, fused = losses["eager_20"], losses["fused_20"]
+    as eager. Llama: grouped-query attention with rotary tables, SwiGLU, RMSNorm, no biases."""
+    prefix = "" if model == "gpt2" else "llama_"
+    eager, fused = losses[f"{prefix}eager_20"], losses[f"{prefix}fused_20"]
     assert len(fused) == 20 and fused[-1] < fused[0]
     assert _max_abs_difference(fused, eager) <= 1e-5, (fused, eager)
 
 
-@pytest.mark.parametrize("path", ["mp2_dropout", "dp2_zero3"], ids=["mp2-megatron", "dp2-zero3"])
+@pytest.mark.parametrize("path", ["mp2_dropout", "dp2_zero3", "mp2_llama", "mp2_llama_one_kv_head"],
+                         ids=["mp2-megatron", "dp2-zero3", "mp2-llama", "mp2-llama-replicated-kv-head"])
 def test_fused_parallel_equals_eager_parallel_with_dropout(losses, path):
     """The Megatron path at mp2: the attention dropout stays under the model-parallel RNG fork and each row-parallel
     bias is added once, after the all-reduce. The ZeRO path at stage 3: every layer's weights gathered around its

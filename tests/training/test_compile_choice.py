@@ -19,12 +19,6 @@ EAGER_ONLY = [
     (["--lora-rank", "4"], 1, "--lora-rank runs the eager layers"),
     (["--recompute-granularity", "selective"], 1, "--recompute-granularity selective recomputes the eager attention"),
     (["--num-experts", "2"], 1, "--num-experts runs the eager layers"),
-    (["--swiglu"], 1, "--swiglu: the compiled layers are GPT-2's"),
-    (["--normalization", "rmsnorm"], 1, "--normalization rmsnorm: the compiled layers are GPT-2's"),
-    (["--num-key-value-heads", "2"], 1, "--num-key-value-heads: the compiled layers are GPT-2's"),
-    (["--ffn-hidden-size", "48"], 1, "--ffn-hidden-size: the compiled layers are GPT-2's"),
-    (["--disable-bias-linear"], 1, "--disable-bias-linear: the compiled layers are GPT-2's"),
-    (["--use-rotary-position-embeddings"], 1, "--use-rotary-position-embeddings: the compiled layers are GPT-2's"),
 ]
 IDS = [flags[-1].lstrip("-") if not flags[-1].isdigit() else flags[-2].lstrip("-") for flags, _, _ in EAGER_ONLY]
 
@@ -78,9 +72,11 @@ def test_an_option_whose_layers_run_eagerly(flags, world, reason, cuda_with_trit
     assert line.split(": error: ", 1)[1].startswith(reason) and line.endswith(": drop --torch-compile (see --help)")
 
 
-def test_the_fused_model_refuses_rotary():
-    """The compiled attention has no rotation: a GPT2Model asked for both refuses instead of skipping it."""
-    from megatron.model.gpt2_model import GPT2Model, GPT2ModelConfig
-    with pytest.raises(ValueError, match="rotary position embeddings run the eager layers"):
-        GPT2Model(GPT2ModelConfig(num_layers=1, vocab_size=64, hidden_size=32, num_attention_heads=4,
-                                  max_sequence_length=16, fused_compute=True, rotary=True))
+def test_the_llama_options_compile(cuda_with_triton):
+    """The fused pieces run grouped-query attention, rotary embeddings, SwiGLU, RMSNorm and no biases (their numbers:
+    tests/model/test_fused_compute.py): the default compiles them on CUDA and --torch-compile is accepted."""
+    llama = ["--swiglu", "--normalization", "rmsnorm", "--num-key-value-heads", "2", "--ffn-hidden-size", "48",
+             "--disable-bias-linear", "--use-rotary-position-embeddings", "--no-position-embedding",
+             "--untie-embeddings-and-output-weights"]
+    assert parse_args(args_list=TINY + llama).torch_compile is True
+    assert parse_args(args_list=TINY + llama + ["--torch-compile"]).torch_compile is True
