@@ -38,17 +38,22 @@ def test_dry_run_shows_plan_commands_and_expected_time_within_8_minutes():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "gpu_check dry run (nothing runs): the plan for 1 GPU"
-    assert lines[1].startswith("(a) device-agnostic tests on CUDA, limit 120 s, expected ~30 s (measured on one H200)")
+    assert lines[1].startswith("(a) device-agnostic tests on CUDA, limit 60 s, expected ~30 s (measured on one H200)")
     assert lines[2].split() == [f"tests/{name}" for name in TESTS]
     assert "1-rank NCCL group" in done.stdout and "NCCL refuses two ranks on one GPU" in done.stdout
     (tests,) = [line for line in lines if "-m pytest" in line]
-    assert tests.strip().startswith("$ timeout 120 ") and "-m pytest -q -rs --device cuda" in tests
+    assert tests.strip().startswith("$ timeout 60 ") and "-m pytest -q -rs --device cuda" in tests
     assert all(f"tests/{name}" in tests for name in TESTS)
     cells = [line.split(":")[0].strip() for line in lines if re.match(r"\s+\S+ \S+ ZeRO-\d:", line)]
     assert cells == ["124m bf16 ZeRO-2", "124m bf16 ZeRO-3", "350m bf16 ZeRO-2", "350m bf16 ZeRO-3"]
     (bench,) = [line for line in lines if "bench_gpu.py" in line and "$ timeout" in line]
     assert bench.strip().startswith("$ timeout 300 ") and "--json runs/gpu_check/bench_gpu.json" in bench
     assert bench.endswith("--cell-timeout 75")
+    (generate,) = [line for line in lines if "bench_generate.py" in line]
+    assert generate.strip().startswith("$ timeout 60 ") and "--device cuda --dtype bfloat16" in generate
+    assert "--json runs/gpu_check/generate.json" in generate
+    (targets,) = [line for line in lines if "gpu_targets.py" in line]
+    assert "--training runs/gpu_check/bench_gpu.json --generation runs/gpu_check/generate.json" in targets
     (client,) = [line for line in lines if "ds_client_check.py" in line]
     assert client.strip() == f"$ timeout 45 {sys.executable} tools/ds_client_check.py"
     assert any(line.startswith("(c) a DeepSpeed-style client") and "limit 45 s" in line for line in lines)
@@ -61,7 +66,7 @@ def test_dry_run_passes_bench_options_and_parts_alone():
     assert done.returncode == 0, done.stderr
     assert "(a)" not in done.stdout and "ZeRO-3" not in done.stdout
     assert "expected: ~" in done.stdout and " 1 cell " in done.stdout
-    (bench,) = [line for line in done.stdout.splitlines() if "$ timeout" in line]
+    (bench,) = [line for line in done.stdout.splitlines() if "$ timeout" in line and "bench_gpu.py" in line]
     assert bench.endswith("--cell-timeout 75 --models 124m --stages 2")
     only = _gpu_check("--dry-run", "--tests-only", env={"GPU_COUNT": "2"}).stdout
     assert "(b)" not in only and "bench_gpu.py" not in only and "(c)" not in only
@@ -353,3 +358,27 @@ def test_bench_zero_comm_table_gives_bytes_ideal_and_calls_per_op():
     # stage 3, dp 2, no persistent parameters: reduce-scatter + one gather = (1/2 + 1/2) x 20 MB
     assert rows[0] == ["2", "zero3-fp32", "20.00", "20.00", "1.000", "broadcast 10.00 (9 calls), reduce 10.00 (6 calls)"]
     assert rows[1] == ["2", "zero2-fp32", "15.00", "20.00", "0.750", "broadcast 5.00 (1 call), reduce 10.00 (6 calls)"]
+
+
+def test_targets_are_marked_met_missed_or_not_measured():
+    """gpu_targets.py: the best row per target (an error row measures nothing, an fp32 or a CPU generation row
+    neither); ZeRO-3 at dp 1 is the worst ZeRO-3 / ZeRO-2 pair measured alike; a target exactly at its bound is met."""
+    import gpu_targets
+    row = dict(ROW, precision="bf16", compile="compiled", micro_batch=16)
+    training = [dict(row, model="124m", stage=2, tokens_per_s=470_000, mfu=0.3),
+                dict(row, model="124m", stage=3, tokens_per_s=460_000, mfu=0.3),    # 0.979x of ZeRO-2: met
+                dict(row, model="350m", stage=2, tokens_per_s=100_000, mfu=0.399),
+                dict(row, model="350m", stage=3, tokens_per_s=95_000, mfu=0.38),     # 0.95x: the worst pair
+                dict(row, model="350m", stage=2, precision="fp32", tokens_per_s=1, mfu=0.9),
+                {"model": "1.3b", "precision": "bf16", "stage": 2, "compile": "eager", "error": "CUDA out of memory"}]
+    generation = [{"batch": 1, "device": "cuda", "ours_over_hf": 3.0}, {"batch": 8, "device": "cuda", "ours_over_hf": 1.9},
+                  {"batch": 32, "device": "cpu", "ours_over_hf": 9.0}]
+    lines = gpu_targets.targets_table(training, generation).splitlines()
+    verdicts = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[3] for line in lines[2:]}
+    assert verdicts == {"GPT-2 124M tokens/s": "met", "GPT-2 350M MFU": "missed", "GPT-2 1.3B MFU": "-",
+                        "Llama 1B MFU": "-", "ZeRO-3 / ZeRO-2 tokens/s at dp 1 (worst pair)": "missed",
+                        "generation batch 1, ours / HF generate": "met",
+                        "generation batch 8, ours / HF generate": "missed",
+                        "generation batch 32, ours / HF generate": "-"}
+    assert "| 470,000 | met |" in lines[2] and "| 39.9% | missed |" in lines[3] and "| 0.95x | missed |" in lines[6]
+    assert "not measured | - | bench_gpu.py --models 1.3b |" in lines[4]

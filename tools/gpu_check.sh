@@ -12,28 +12,34 @@
 # (a) pytest --device cuda (tests/conftest.py) on the device-agnostic tests: mpu layers and collectives, GPT2Model vs
 #     Hugging Face, ZeRO vs torch AdamW, activation checkpointing, exact resume; one NCCL rank per GPU.
 # (b) tools/bench/bench_gpu.py: GPT-2 124M and 350M, bf16, ZeRO-2 and ZeRO-3 on one GPU, each cell a fresh process
-#     on a free port: tokens/s, MFU (the peak looked up by exact device name), peak memory against the estimate.
+#     on a free port: tokens/s, MFU (the peak looked up by exact device name), peak memory against the estimate;
+#     then tools/bench/bench_generate.py: GPT-2 124M bf16 greedy generation at batch 1, 8, 32 against HF generate;
+#     then issue 54's targets, each marked met, missed or not measured (tools/bench/gpu_targets.py).
 # (c) tools/ds_client_check.py: a Hugging Face GPT-2 built on the CPU, deepspeed.initialize through our alias, bf16,
 #     ZeRO-2 and ZeRO-3, a few steps, then engine.generate and module.generate (the Hybrid Engine), on one GPU.
 # Each part's result goes to $LOG_DIR/summary.txt as soon as the part ends, and (b)'s rows to bench_gpu.json as
 # they are measured: a later failure, timeout or kill keeps them. Reads PYTHON (default .venv/bin/python, else
-# python3), LOG_DIR (runs/gpu_check), TEST_TIMEOUT (120 s), CELL_TIMEOUT (75 s), BENCH_TIMEOUT (300 s),
-# CLIENT_TIMEOUT (45 s), GPU_COUNT (default: the GPUs torch sees; a dry run without any plans for one).
+# python3), LOG_DIR (runs/gpu_check), TEST_TIMEOUT (60 s), CELL_TIMEOUT (75 s), BENCH_TIMEOUT (300 s),
+# GENERATE_TIMEOUT (60 s), CLIENT_TIMEOUT (45 s), GPU_COUNT (default: the GPUs torch sees; a dry run without any
+# plans for one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 LOG_DIR=${LOG_DIR:-runs/gpu_check}
-TEST_TIMEOUT=${TEST_TIMEOUT:-120}
+TEST_TIMEOUT=${TEST_TIMEOUT:-60}
 CELL_TIMEOUT=${CELL_TIMEOUT:-75}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+GENERATE_TIMEOUT=${GENERATE_TIMEOUT:-60}
 CLIENT_TIMEOUT=${CLIENT_TIMEOUT:-45}
 START_S=15          # device queries and the table: the seconds of the check outside (a), (b) and (c)
 TESTS_1GPU_S=30     # (a)'s seconds on one H200 (measured 2026-12-04: 30 s); 120 with more GPUs (multi-rank tests
 TESTS_NGPU_S=120    # run too): a guess until a multi-GPU run measures it
+GENERATE_S=40       # (b)'s generation benchmark: a guess (3 batches x 2 repeats x 128 tokens, HF's ~160 tokens/s at
+                    # batch 1 the slowest part)
 CLIENT_S=20         # (c)'s expected seconds (a guess: ~28 s on this 2-core CPU, most of it importing transformers)
 TESTS="tests/model/test_mpu.py tests/model/test_gpt2_model.py tests/zero/test_zero_engine.py tests/zero/test_activation_checkpointing.py
 tests/checkpoint/test_zero_checkpoint.py"
@@ -58,8 +64,8 @@ while [ $# -gt 0 ]; do
 done
 [ "$RUN_TESTS$RUN_BENCH$RUN_CLIENT" != "000" ] ||
   die "two of --tests-only, --bench-only and --client-only together leave nothing to run: pass one"
-case "$TEST_TIMEOUT$CELL_TIMEOUT$BENCH_TIMEOUT$CLIENT_TIMEOUT" in
-  *[!0-9]*) die "TEST_TIMEOUT/CELL_TIMEOUT/BENCH_TIMEOUT/CLIENT_TIMEOUT must be whole seconds" ;; esac
+case "$TEST_TIMEOUT$CELL_TIMEOUT$BENCH_TIMEOUT$GENERATE_TIMEOUT$CLIENT_TIMEOUT" in
+  *[!0-9]*) die "TEST_TIMEOUT/CELL_TIMEOUT/BENCH_TIMEOUT/GENERATE_TIMEOUT/CLIENT_TIMEOUT must be whole seconds" ;; esac
 case "${GPU_COUNT-}" in *[!0-9]*) die "GPU_COUNT must be a whole number of GPUs (e.g. GPU_COUNT=8)" ;; esac
 
 gpu_count() { "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
@@ -79,6 +85,10 @@ plan() {
 TEST_CMD=("$PYTHON" -m pytest -q -rs --device cuda $TESTS)
 BENCH_CMD=("$PYTHON" tools/bench/bench_gpu.py --json "$LOG_DIR/bench_gpu.json" --cell-timeout "$CELL_TIMEOUT"
            "${BENCH_ARGS[@]}")
+GENERATE_CMD=("$PYTHON" tools/bench/bench_generate.py --device cuda --dtype bfloat16 --layers 12 --hidden 768
+              --heads 12 --vocab 50257 --recompute-up-to 0 --repeats 2 --no-eval --json "$LOG_DIR/generate.json")
+TARGETS_CMD=("$PYTHON" tools/bench/gpu_targets.py --training "$LOG_DIR/bench_gpu.json"
+             --generation "$LOG_DIR/generate.json")
 CLIENT_CMD=("$PYTHON" tools/ds_client_check.py)
 
 dry_run() {
@@ -99,8 +109,12 @@ dry_run() {
       || die "bench_gpu.py --plan failed (its error is above)"
     echo "(b) GPT-2 training on one GPU through pretrain_gpt.py --deepspeed, limit $BENCH_TIMEOUT s:"
     echo "$bench_plan" | sed 's/^expected:/    expected:/'
-    expected=$((expected + $(echo "$bench_plan" | sed -n 's/^expected: ~\([0-9]*\) s.*/\1/p')))
+    expected=$((expected + $(echo "$bench_plan" | sed -n 's/^expected: ~\([0-9]*\) s.*/\1/p') + GENERATE_S))
     echo "    \$ timeout $BENCH_TIMEOUT ${BENCH_CMD[*]}"
+    echo "    generation (GPT-2 124M bf16, batch 1, 8, 32, 128 new tokens, ours and HF generate), limit" \
+         "$GENERATE_TIMEOUT s, expected ~$GENERATE_S s (a guess):"
+    echo "    \$ timeout $GENERATE_TIMEOUT ${GENERATE_CMD[*]}"
+    echo "    then the targets, met / missed / not measured: ${TARGETS_CMD[*]}"
   fi
   if [ "$RUN_CLIENT" = 1 ]; then
     expected=$((expected + CLIENT_S))
@@ -110,7 +124,7 @@ dry_run() {
   fi
   local bound=$START_S
   [ "$RUN_TESTS" = 1 ] && bound=$((bound + TEST_TIMEOUT))
-  [ "$RUN_BENCH" = 1 ] && bound=$((bound + BENCH_TIMEOUT))
+  [ "$RUN_BENCH" = 1 ] && bound=$((bound + BENCH_TIMEOUT + GENERATE_TIMEOUT))
   [ "$RUN_CLIENT" = 1 ] && bound=$((bound + CLIENT_TIMEOUT))
   echo "whole check: expected ~$(minutes $expected) min; at most $(minutes $bound) min (the limits and ~$START_S s" \
        "of device queries; the budget on one H200 is 8 min)"
@@ -135,7 +149,7 @@ nvidia-smi --query-gpu=name,power.default_limit,driver_version --format=csv,nohe
   | sed 's/^/# nvidia-smi: /' >> "$SUMMARY"
 cat "$SUMMARY"
 
-TEST_RC=skipped BENCH_RC=skipped CLIENT_RC=skipped
+TEST_RC=skipped BENCH_RC=skipped GENERATE_RC=skipped CLIENT_RC=skipped
 if [ "$RUN_TESTS" = 1 ]; then
   echo "== (a) device-agnostic tests on CUDA (log: $LOG_DIR/tests.log)"
   timeout "$TEST_TIMEOUT" "${TEST_CMD[@]}" > "$LOG_DIR/tests.log" 2>&1; TEST_RC=$?
@@ -148,11 +162,20 @@ if [ "$RUN_TESTS" = 1 ]; then
 fi
 if [ "$RUN_BENCH" = 1 ]; then
   echo "== (b) one-GPU benchmark (log: $LOG_DIR/bench.log; rows: $LOG_DIR/bench_gpu.json)"
+  rm -f "$LOG_DIR/bench_gpu.json" "$LOG_DIR/generate.json"     # the targets read this run's rows only
   timeout "$BENCH_TIMEOUT" "${BENCH_CMD[@]}" > "$LOG_DIR/bench.log" 2>&1; BENCH_RC=$?
   [ "$BENCH_RC" = 124 ] && echo "benchmark timed out after $BENCH_TIMEOUT s (rows so far below)" >> "$LOG_DIR/bench.log"
   { echo "benchmark (exit $BENCH_RC):"
     # the rows bench_gpu printed as it measured them (also those before a timeout)
     "$PYTHON" tools/bench/bench_gpu.py --print-log "$LOG_DIR/bench.log"
+  } >> "$SUMMARY"
+  echo "== (b) generation against HF generate (log: $LOG_DIR/generate.log; rows: $LOG_DIR/generate.json)"
+  timeout "$GENERATE_TIMEOUT" "${GENERATE_CMD[@]}" > "$LOG_DIR/generate.log" 2>&1; GENERATE_RC=$?
+  [ "$GENERATE_RC" = 124 ] && echo "generation timed out after $GENERATE_TIMEOUT s" >> "$LOG_DIR/generate.log"
+  { echo "generation (exit $GENERATE_RC):"
+    grep -E '^\|' "$LOG_DIR/generate.log"
+    echo "issue 54's targets:"
+    "${TARGETS_CMD[@]}"
   } >> "$SUMMARY"
 fi
 if [ "$RUN_CLIENT" = 1 ]; then
@@ -168,4 +191,5 @@ echo
 cat "$SUMMARY"
 [ "$TEST_RC" = 0 ] || [ "$TEST_RC" = skipped ] || exit 1
 [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ] || exit 1
+[ "$GENERATE_RC" = 0 ] || [ "$GENERATE_RC" = skipped ] || exit 1
 [ "$CLIENT_RC" = 0 ] || [ "$CLIENT_RC" = skipped ] || exit 1

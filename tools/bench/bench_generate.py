@@ -17,6 +17,7 @@ Targets: on the CPU ours (static) >= 1.2x HF generate at every length and batch,
 batch 8 and 32.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -95,6 +96,12 @@ def ratio_cell(numerators, denominators):
     return f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
 
 
+def write_json(path, rows):
+    with open(path + ".tmp", "w") as handle:
+        json.dump(rows, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def rate_cell(values):
     return f"{statistics.median(values):,.0f}" if values else "-"
 
@@ -134,6 +141,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (0: torch's default); 1 is steadier on a shared, loaded machine")
+    parser.add_argument("--json", default=None,
+                        help="also write the generation rows here (batch, new tokens, tokens/s, static / HF ratio: "
+                             "the median of the per-repeat ratios), rewritten after every row")
+    parser.add_argument("--no-eval", action="store_true", help="skip the evaluation-forward table")
     options = parser.parse_args()
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch sees no CUDA device")
@@ -151,6 +162,7 @@ def main():
     print("| batch | new tokens | ours static tok/s | ours growing tok/s | ours --recompute tok/s | HF generate tok/s | "
           "static / growing | static / HF |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for batch in options.batches:
         prompt = torch.randint(0, options.vocab, (batch, options.prompt), generator=torch.Generator().manual_seed(7))
         prompt = prompt.to(device)
@@ -161,6 +173,14 @@ def main():
                 rates["hf"]
             print(f"| {batch} | {length} | {rate_cell(static)} | {rate_cell(growing)} | {rate_cell(recompute)} | "
                   f"{rate_cell(theirs)} | {ratio_cell(static, growing)} | {ratio_cell(static, theirs)} |", flush=True)
+            rows.append({"batch": batch, "new_tokens": length, "device": options.device, "dtype": options.dtype,
+                         "ours_tokens_per_s": statistics.median(static), "hf_tokens_per_s": statistics.median(theirs),
+                         "ours_over_hf": median_and_spread([a / b for a, b in zip(static, theirs)])[0]})
+            if options.json:
+                write_json(options.json, rows)
+    if options.no_eval:
+        dist.destroy_process_group()
+        return
     tokens = torch.randint(0, options.vocab, (options.eval_batch, options.eval_seq),
                            generator=torch.Generator().manual_seed(8)).to(device)
     rate = bench_evaluation(ours, hf, tokens, options.repeats)

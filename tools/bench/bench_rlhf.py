@@ -2,8 +2,10 @@
 for PPO and GRPO, and the generation's tokens/s against Hugging Face generate on the same weights.
 
     python tools/bench/bench_rlhf.py [--iters 6] [--new-tokens 32] [--layers 4] [--hidden 256]
+    python tools/bench/bench_rlhf.py --device cuda --dtype bfloat16 --layers 12 --hidden 768   # one GPU
 
-Setting: one process, fp32, the embedded chat data's prompts (data/sft/, built on first use; the last 48 prompt
+Setting: one process, fp32 on the CPU by default (--device, --dtype: the same run on one GPU, CUDA hidden for
+--device cpu), the embedded chat data's prompts (data/sft/, built on first use; the last 48 prompt
 tokens), a random GPT-2 (L4 h256 heads 4 by default, the default data's vocabulary, positions 128) as the actor (and
 reference) and a random reward model (critic and scorer for PPO), rollouts of 32 completions (GRPO: 8 prompts x 4)
 of up to --new-tokens sampled tokens, micro-batches of 16, one PPO epoch, Megatron path (no --deepspeed). Columns
@@ -59,21 +61,24 @@ def _run(argv):
     return history["first_rollout"]
 
 
-def _hf_tokens_per_second(hf_dir, prompts, new_tokens):
+def _hf_tokens_per_second(hf_dir, prompts, new_tokens, device="cpu", dtype_name="float32"):
     import torch
     from transformers import GPT2LMHeadModel
-    model = GPT2LMHeadModel.from_pretrained(hf_dir).float().eval()
+    model = GPT2LMHeadModel.from_pretrained(hf_dir).to(device=device, dtype=getattr(torch, dtype_name)).eval()
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     torch.manual_seed(0)
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True, top_k=0,
                              eos_token_id=0, pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     new = out[:, width:]
     ended = (new == 0).int().cumsum(1)
@@ -87,7 +92,13 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu hides CUDA from the run (train_rlhf.py follows mpu's device choice)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: train_rlhf.py --bf16 and HF in bf16")
     args = parser.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""      # before torch is imported here or in the workers
     import prepare_sft_data
     from megatron.spawn import run_distributed
     sft = os.path.join(REPO, "data", "sft")
@@ -102,7 +113,7 @@ def main(argv=None):
                   "--load", actor, "--batch-size", "16", "--global-batch-size", "32", "--max-prompt-length",
                   str(PROMPT), "--max-completion-length", str(args.new_tokens), "--train-iters", str(args.iters),
                   "--lr", "1e-5", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0",
-                  "--log-interval", "1"]
+                  "--log-interval", "1"] + (["--bf16"] if args.dtype == "bfloat16" else [])
         for algorithm, flags in (("ppo", ["--critic-load", reward, "--reward-model", reward]),
                                  ("grpo", ["--num-generations", "4", "--reward-fn",
                                            "megatron.posttrain.rlhf_rewards:answer_length"])):
@@ -114,11 +125,12 @@ def main(argv=None):
             mean = {key: sum(p[key] for p in phases) / len(phases) for key in phases[0]}
             tokens = sum(len(c) for c in rollout["completions"])
             ours = tokens / rollout["seconds"]["generation"]
-            theirs = _hf_tokens_per_second(hf_dir, rollout["prompts"], args.new_tokens)
+            theirs = _hf_tokens_per_second(hf_dir, rollout["prompts"], args.new_tokens, args.device, args.dtype)
             rows.append((algorithm, mean, ours, theirs))
     import torch
     print(f"# bench_rlhf: L{args.layers} h{args.hidden}, rollouts of 32, {args.new_tokens} new tokens at most, "
-          f"{args.iters} iterations, fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{args.iters} iterations, {args.dtype} on {args.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     print("| algorithm | iteration ms | generation ms | scoring ms | training ms | ours tokens/s | HF tokens/s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for algorithm, mean, ours, theirs in rows:
