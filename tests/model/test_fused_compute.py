@@ -12,6 +12,8 @@ from tests.helpers import TINY, train_each
 ITERS_20 = ["--train-iters", "20"]
 MICRO_2 = ["--batch-size", "2", "--global-batch-size", "4"]     # one process: 2 micro-batches of 2 per step
 MP2 = ["--batch-size", "4", "--model-parallel-size", "2"]
+PP2_INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                   "1", "--batch-size", "2", "--global-batch-size", "8"]
 CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16)
 # scripts/pretrain_llama.sh's options: grouped-query attention (2 key/value heads of 4), rotary, SwiGLU, RMSNorm,
 # no biases, an untied head
@@ -51,6 +53,8 @@ def losses(tmp_path_factory):
             "mp2_llama_eager": MP2 + LLAMA, "mp2_llama_fused": MP2 + LLAMA + ["--torch-compile"],
             "mp2_llama_one_kv_head_eager": MP2 + LLAMA_ONE_KV_HEAD,
             "mp2_llama_one_kv_head_fused": MP2 + LLAMA_ONE_KV_HEAD + ["--torch-compile"]}
+    runs["pp2_interleaved_eager"] = PP2_INTERLEAVED
+    runs["pp2_interleaved_fused"] = PP2_INTERLEAVED + ["--torch-compile"]
     for stage, config in configs.items():
         zero = ["--batch-size", "2", "--deepspeed", "--deepspeed_config", str(config)]
         runs[f"dp2_zero{stage}_eager"], runs[f"dp2_zero{stage}_fused"] = zero, zero + ["--torch-compile"]
@@ -86,9 +90,9 @@ def test_fused_equals_eager_over_20_steps_with_dropout(losses, model):
     assert _max_relative_difference(fused, eager) <= TOLERANCE, (fused, eager)
 
 
-@pytest.mark.parametrize("path", ["mp2_dropout", "mp2_llama", "mp2_llama_one_kv_head"] +
+@pytest.mark.parametrize("path", ["mp2_dropout", "mp2_llama", "mp2_llama_one_kv_head", "pp2_interleaved"] +
                          [f"dp2_zero{stage}" for stage in STAGES],
-                         ids=["mp2-megatron", "mp2-llama", "mp2-llama-replicated-kv-head"] +
+                         ids=["mp2-megatron", "mp2-llama", "mp2-llama-replicated-kv-head", "pp2-interleaved"] +
                          [f"dp2-zero{stage}" for stage in STAGES])
 def test_fused_parallel_equals_eager_parallel_with_dropout(losses, path):
     """The Megatron path at mp2: the attention dropout stays under the model-parallel RNG fork and each row-parallel
