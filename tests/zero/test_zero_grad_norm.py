@@ -121,3 +121,35 @@ def test_dp2_x_mp2_norm_equals_clip_grad_norm_every_step():
     for mp_rank, dp_rank, norms in results:
         errors = _relative_errors(norms, reference)
         assert max(errors) <= TOLERANCE, (mp_rank, dp_rank, norms, reference)
+
+
+# ---------------------------------------------------------------------------------------------- bf16
+def _bf16_norms_and_reference(stages):
+    """{stage: [(engine norm, vector_norm over the fp32 copies of the step's bf16 gradients)]} at data-parallel 1;
+    each gradient is caught by a hook as autograd produces it, so stage 2's buckets are checked as well."""
+    out = {}
+    for stage in stages:
+        model = TinyNet()
+        engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=LR),
+                                          config={**ds_config(stage, micro=4), "bf16": {"enabled": True}},
+                                          dist_init_required=False)
+        caught = []
+        for p in engine.module.parameters():
+            p.register_hook(lambda g: caught.append(g.detach().clone()))
+        out[stage] = []
+        for step in range(3):
+            caught.clear()
+            engine_train_step(engine, step, 4)
+            assert len(caught) == len(list(model.parameters())) and all(g.dtype == torch.bfloat16 for g in caught)
+            reference = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in caught])).item()
+            out[stage].append((engine.get_global_grad_norm(), reference))
+    return out
+
+
+def test_bf16_norm_equals_vector_norm_of_the_fp32_gradients():
+    """The 16-bit pieces' sums of squares (vector_norm with fp32 accumulation, squared) against an independent
+    norm of the bf16 gradients cast to fp32: a missing square moves it far outside the tolerance."""
+    results = run_distributed(_bf16_norms_and_reference, 1, args=((0, 1, 2),), model_parallel_size=1)[0]
+    for stage, pairs in results.items():
+        for norm, reference in pairs:
+            assert abs(norm - reference) / reference <= TOLERANCE, (stage, pairs)
