@@ -31,18 +31,16 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-# GPT-2 shapes: layers, hidden, heads, sequence, vocabulary (before padding to 128), default micro-batch
+# GPT-2 shapes: layers, hidden, heads, sequence, vocabulary (before padding to 128), default micro-batch;
+# llama-1b: scripts/pretrain_llama.sh's GPU default (TinyLlama 1.1B's shape)
 MODELS = {
     "tiny": dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, micro=2),
     "124m": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, micro=16),
     "350m": dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, micro=8),
     "1.3b": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257, micro=4),
-    # scripts/pretrain_llama.sh's GPU default (TinyLlama 1.1B's shape); its layers run eagerly (compile_choice.py)
-    "llama-1b": dict(layers=22, hidden=2048, heads=32, seq=2048, vocab=32000, micro=4,
-                     llama=dict(kv_heads=4, ffn=5632)),
+    "llama-1b": dict(layers=22, hidden=2048, heads=32, seq=2048, vocab=32000, micro=4, llama=dict(kv_heads=4, ffn=5632)),
 }
-COMPILE_MODES = ("default", "eager", "compiled")   # the run's default (compiled on CUDA where the layers compile),
-# --no-torch-compile, --torch-compile
+COMPILE_MODES = ("default", "eager", "compiled")   # the run's own choice, --no-torch-compile, --torch-compile
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak in TFLOP/s by the EXACT name torch.cuda.get_device_name() reports.
