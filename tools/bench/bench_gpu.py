@@ -38,7 +38,8 @@ MODELS = {
     "124m": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, micro=16),
     "350m": dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, micro=8),
     "1.3b": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257, micro=4),
-    "llama-1b": dict(layers=22, hidden=2048, heads=32, seq=2048, vocab=32000, micro=4, llama=dict(kv_heads=4, ffn=5632)),
+    "llama-1b": dict(layers=22, hidden=2048, heads=32, seq=2048, vocab=32000, micro=4,
+                     llama=dict(kv_heads=4, ffn=5632)),
 }
 COMPILE_MODES = ("default", "eager", "compiled")   # the run's own choice, --no-torch-compile, --torch-compile
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -183,8 +184,7 @@ def activation_estimate_bytes(model, micro, precision, checkpoint_activations=Fa
     - the loss (mpu/cross_entropy.py, chunked over tokens) holds at its peak, the end of its backward, the logits
       [b, s, V] it saved and their gradient, both in the training precision, plus one fp32 chunk of
       default_chunk_tokens(V, "cuda") tokens (64 MiB at most), while every layer's activations are still alive.
-    The embeddings' and the final LayerNorm's few s b h are left out. None for a Llama shape (its SwiGLU, grouped
-    attention and RMSNorm keep other constants)."""
+    The embeddings' and the final LayerNorm's few s b h are left out. None for a Llama shape (other constants)."""
     m = MODELS[model]
     if m.get("llama"):
         return None
@@ -293,12 +293,12 @@ def measure_cell(cell, args):
                                   timeout=args.cell_timeout, cwd=REPO)
         except subprocess.TimeoutExpired as expired:
             row = _row_from_output(_text(expired.stdout))
-            return _with_note(row, f"timed out in teardown after {args.cell_timeout} s") if row else \
+            return {**row, "note": f"timed out in teardown after {args.cell_timeout} s"} if row else \
                 {"model": model, "precision": precision, "stage": stage, "compile": mode,
                  "error": f"timed out after {args.cell_timeout} s"}
         row = _row_from_output(done.stdout)
         if row:
-            return row if done.returncode == 0 else _with_note(row, f"exit status {done.returncode} in teardown")
+            return row if done.returncode == 0 else {**row, "note": f"exit status {done.returncode} in teardown"}
         if attempt == 1 and "EADDRINUSE" in done.stdout + done.stderr:
             continue
         return {"model": model, "precision": precision, "stage": stage, "compile": mode,
@@ -315,10 +315,6 @@ def _cell_options(args):
 
 def _text(output):
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
-
-
-def _with_note(row, note):
-    return {**row, "note": note}
 
 
 def _row_from_output(stdout):
@@ -350,7 +346,8 @@ def format_row(row):
     notes += [row["note"]] if row.get("note") else []
     estimate = None if row["activation_estimate_gb"] is None else \
         row["model_state_formula_gb"] + row["activation_estimate_gb"]
-    return (f"| {row['model']} | {row['precision']} | {row['stage']} | {row.get('compile', '')} | {row['micro_batch']} | "
+    return (f"| {row['model']} | {row['precision']} | {row['stage']} | {row.get('compile', '')} | "
+            f"{row['micro_batch']} | "
             f"{_number(row['tokens_per_s'], ',.0f')} | {_number(row['tflops'], '.1f')} | {mfu} | "
             f"{_number(row['max_allocated_gb'], '.2f')} | {_number(row['model_state_formula_gb'], '.2f')} | "
             f"{_number(estimate, '.2f')} | {'; '.join(notes)} |")
@@ -387,7 +384,8 @@ def plan(args):
             / (PLAN_MFU * PLAN_PEAK * 1e12)
         total += PLAN_STARTUP_S + compute
         label = "" if mode == "default" else f" {mode}"
-        lines.append(f"    {model} {precision} ZeRO-{stage}{label}: micro-batch {micro} x {m['seq']} tokens, {2 * args.steps} "
+        lines.append(f"    {model} {precision} ZeRO-{stage}{label}: micro-batch {micro} x {m['seq']} tokens, "
+                     f"{2 * args.steps} "
                      f"steps, ~{PLAN_STARTUP_S + compute:.0f} s")
     lines.append(f"    (guesses, not measurements: {PLAN_STARTUP_S} s of start-up per cell, the steps at "
                  f"{PLAN_MFU:.0%} MFU of {PLAN_GPU}'s {PLAN_PEAK:g} TFLOP/s; stage 3 may take longer)")
