@@ -10,7 +10,9 @@ trains a few steps on one fixed batch (engine(...).loss, engine.backward, engine
 with `engine.generate` and with `engine.module.generate` (DeepSpeed-Chat's call). It checks, and prints one JSON
 line per stage (`RESULT {...}`):
 - the model went to the accelerator (engine.device, every parameter or its ZeRO-3 partition there);
-- at ZeRO-3 the parameters are partitioned between steps (empty outside a forward);
+- at ZeRO-3 the parameters are partitioned between steps (empty outside a forward) where the data-parallel size is
+  above 1; at 1 (this one process) they are resident instead: whole, AVAILABLE, and views of their partition (no
+  copy: nothing to shard, megatron/zero/stage3.py);
 - every loss is finite and the last is below the first (one batch, memorized);
 - both generate calls return the prompt followed by the same new tokens, on the device;
 - ZeRO-2's and ZeRO-3's losses agree within 0.02 (the same model, batch and steps; bf16 rounding apart).
@@ -65,8 +67,7 @@ def run_stage(deepspeed, stage, steps):
         engine.step()
         losses.append(loss.item())
     if stage == 3:
-        check(all(p.numel() == 0 for p in engine.module.parameters()),
-              "ZeRO-3 parameters are whole between steps (not partitioned)")
+        check_stage3_between_steps(engine)
     check(all(math.isfinite(x) for x in losses), f"a loss is not finite: {losses}")
     check(losses[-1] < losses[0], f"the loss did not fall over {steps} steps on one batch: {losses}")
 
@@ -83,6 +84,21 @@ def run_stage(deepspeed, stage, steps):
     check(torch.equal(by_engine, by_module), "engine.generate and engine.module.generate disagree")
     return {"stage": stage, "device": str(device), "losses": [round(x, 4) for x in losses],
             "generated": by_engine[:, PROMPT:].tolist()}
+
+
+def check_stage3_between_steps(engine):
+    """Partitioned (empty) at data-parallel size > 1; resident at 1: whole, AVAILABLE, views of the partition."""
+    from megatron.zero import ZeroParamStatus
+    params = list(engine.module.parameters())
+    if engine.ctx.data_parallel_size > 1:
+        check(all(p.numel() == 0 for p in params), "ZeRO-3 parameters are whole between steps (not partitioned)")
+        return
+    check(all(tuple(p.shape) == tuple(p.ds_shape) and p.ds_status == ZeroParamStatus.AVAILABLE for p in params),
+          "ZeRO-3 at data-parallel size 1: a parameter is not whole and AVAILABLE between steps (not resident)")
+    spans = [(g.partition.data_ptr(), g.partition.data_ptr() + g.partition.numel() * g.partition.element_size())
+             for g in engine.stage3.groups]
+    check(all(any(lo <= p.data_ptr() < hi for lo, hi in spans) for p in params),
+          "ZeRO-3 at data-parallel size 1: a parameter is a copy, not a view of its partition")
 
 
 def main(argv=None):

@@ -5,7 +5,8 @@ per parameter: master weights 4 + two Adam moments 8), for P parameters on this 
 data-parallel size dp, in the 2-byte case:
 
     stage 0:  2P params + 2P grads + 12P          stage 1:  2P + 2P + 12P/dp          stage 2:  2P + (2 + 12)P/dp
-    stage 3:  (2 + 2 + 12)P/dp, plus the small persistent parameters whole
+    stage 3:  (2 + 2 + 12)P/dp, plus the small persistent parameters whole (at dp 1: no more, they view the
+              partition, which is the whole model)
 
 What our engine (megatron/zero) really allocates, which `model_state_bytes` reproduces to the byte:
   * one flat buffer per optimizer param group, padded to a multiple of (partitions x 32) elements (partition.py);
@@ -77,10 +78,14 @@ def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), froz
     stage = zero.stage if zero is not None else 0
     offload = zero is not None and zero.offload_optimizer.enabled
     offload_param = zero is not None and zero.offload_param.enabled
-    persistent = sum(n for n in parameter_sizes if n <= zero.stage3_param_persistence_threshold) \
-        if stage == 3 else 0
     size = torch.tensor([], dtype=dtype).element_size()
     group_dps = list(dp) if isinstance(dp, (list, tuple)) else [dp] * len(counts)
+    # stage 3 at dp 1 (every group) without offload_param: the parameters are views of their partitions (resident,
+    # stage3.py), so the small ones are not held a second time
+    resident = stage == 3 and zero.stage3_resident_at_dp1 and not offload_param \
+        and all(d == 1 for d in group_dps + ([] if isinstance(dp, (list, tuple)) else [dp]))
+    persistent = sum(n for n in parameter_sizes if n <= zero.stage3_param_persistence_threshold) \
+        if stage == 3 and not resident else 0
     dp = group_dps[0] if group_dps else 1         # the dense groups' (the frozen parameters')
     partitions = dp if stage >= 1 else 1
     group_partitions = [d if stage >= 1 else 1 for d in group_dps]

@@ -79,6 +79,10 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000  # parameters this small stay whole ("auto": 10 h)
     stage3_max_live_parameters: int = 1_000_000_000    # at most this many elements gathered (prefetch stops)
     stage3_max_reuse_distance: int = 1_000_000_000     # the forward's last units stay gathered into the backward
+    # Our key (DeepSpeed has none: it gathers at dp 1 too). True: a group partitioned over one rank (dp 1; an expert
+    # group at expert-data-parallel size 1) and not offloaded keeps its parameters whole, as views of its partition:
+    # no gather, release or per-unit hook (stage3.py). False: gathered and released per unit as at dp > 1.
+    stage3_resident_at_dp1: bool = True
     stage3_gather_16bit_weights_on_model_save: bool = False   # save_16bit_model() writes the whole weights
     stage3_gather_fp16_weights_on_model_save: bool = False    # the old name of the previous key
     ignore_unused_parameters: bool = True      # accepted for compatibility (unused parameters get zero gradients)

@@ -25,6 +25,14 @@ optimizer step).
               wait for) is released once, besides, the backward of a unit using it has reached the unit's inputs
               (an identity on them, hung in the forward pre-hook), after which its weights are not needed
 
+Resident: at data-parallel size 1 there is nothing to shard. A group partitioned over one rank (dp 1; an expert
+group at expert-data-parallel size 1, also beside dense groups at dp 2) and not offloaded is its own partition: its
+parameters stay views of it, in *resident* buffers (a unit's resident parameters in a buffer of their own): no
+gather, release, hook or copy after a step (the optimizer writes the partition), `ds_status` AVAILABLE. At dp 1 a
+step runs no per-unit Python work (ZeRO-3 was 6-9% slower than ZeRO-2 there, issue 54). DeepSpeed gathers at dp 1
+too; `stage3_resident_at_dp1: false` restores that path. swapped_partitions re-points the views; GatheredParameters
+hands out copies and re-points the parameters on exit (the edits written into the partition first, or lost).
+
 Gathering one contiguous run [lo, hi) of a group's flat order is one broadcast from each rank owning part of
 it, into the buffer's slice. Every rank must run the same forwards: a rank that runs a forward alone waits for
 gathers nobody else joins; it raises (naming the unit) after `gather_timeout`, instead of hanging.
@@ -45,7 +53,7 @@ from mpu.utils import full_numel
 
 # The partitions (stage3_partition.py) and a unit's gathered storage (stage3_buffer.py), defined here before the
 # split: importable from here as they were (stage3._Buffer is the class the hooks below build).
-from .stage3_buffer import _Buffer, wait_for_gather  # noqa: F401
+from .stage3_buffer import _Buffer, resident_group, wait_for_gather  # noqa: F401
 from .stage3_partition import PartitionedGroup, partition_parameters  # noqa: F401
 
 DEFAULT_GATHER_TIMEOUT = datetime.timedelta(minutes=5)
@@ -89,8 +97,11 @@ class Stage3Parameters:
             raise ValueError(f"ZeRO-3 partitions the optimizer's parameters; these are not in any optimizer param "
                              f"group: {missing[:5]}")
         self.units = _find_units(module)
+        allowed = zero_config.stage3_resident_at_dp1     # False: the gather path at dp 1 too
+        resident_ids = {id(p) for g in groups if allowed and resident_group(g, ctx) for p in g.params}
         threshold = int(zero_config.stage3_param_persistence_threshold)
-        persistent = [p for unit in self.units for p in unit.params if full_numel(p) <= threshold]
+        persistent = [p for unit in self.units for p in unit.params
+                      if full_numel(p) <= threshold and id(p) not in resident_ids]
         persistent_ids = {id(p) for p in persistent}
         self.persistent = _Buffer("persistent parameters", persistent, groups, ctx, compute_device, True) \
             if persistent else None
@@ -98,15 +109,22 @@ class Stage3Parameters:
         self.buffers = [self.persistent] if self.persistent else []
         for unit in self.units:
             own = [p for p in unit.params if id(p) not in persistent_ids]
-            if own:
-                buffer = _Buffer(unit.name, own, groups, ctx, compute_device)
-                self.buffers.append(buffer)
-                self.buffer_of.update({id(p): buffer for p in own})
+            # a unit's parameters in resident groups (an MoE layer's experts at expert-data-parallel size 1 beside
+            # its dense weights at dp 2) get a buffer of their own: resident or not is decided per buffer
+            for params, name in (([p for p in own if id(p) not in resident_ids], unit.name),
+                                 ([p for p in own if id(p) in resident_ids], f"{unit.name} (resident)")):
+                if params:
+                    buffer = _Buffer(name, params, groups, ctx, compute_device, resident=allowed)
+                    self.buffers.append(buffer)
+                    self.buffer_of.update({id(p): buffer for p in params})
         for unit in self.units:
             needed = [self.buffer_of[id(p)] for p in unit.params + unit.external]
             unit.buffers = list({id(b): b for b in needed}.values())
         for buffer in self.buffers:
-            buffer.release()
+            if buffer.resident:
+                buffer.attach()
+            else:
+                buffer.release()
         for group in groups:
             for p in group.params:
                 p.ds_manager = self
@@ -120,14 +138,18 @@ class Stage3Parameters:
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     def install_hooks(self):
-        """Module hooks, and gradient hooks that must run after the gradient buckets' (installed before)."""
+        """Module hooks, and gradient hooks that must run after the gradient buckets' (installed before). None
+        where nothing is gathered: a unit whose buffers are all resident has no hooks (at dp 1 no unit has), a
+        resident buffer no gradient hooks (the buckets' own hooks take the gradients as at any size)."""
         for unit in self.units:
+            if all(buffer.resident for buffer in unit.buffers):
+                continue
             self.handles.append(unit.module.register_forward_pre_hook(
                 lambda module, args, unit=unit: self._pre_forward(unit, args)))
             self.handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self._post_forward(unit, output)))
         for buffer in self.buffers:
-            for p in buffer.params:
+            for p in buffer.params if not buffer.resident else []:
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         lambda param, buffer=buffer: self._gradient_arrived(buffer, param)))
@@ -190,12 +212,14 @@ class Stage3Parameters:
             self._finish(buffer, unit.name)
         if backward:
             for buffer in unit.buffers:
-                if buffer.state == "ready" and not buffer.pending_grads:
+                if buffer.state == "ready" and not buffer.pending_grads and not buffer.resident:
                     buffer.pending_grads = {id(p) for p in buffer.params if p.requires_grad}
                     buffer.inputs_reached = False
         self._prefetch(unit, backward)
 
     def _start(self, buffer):
+        if buffer.resident:
+            return
         if buffer.state == "released" or (buffer.persistent and buffer.stale and buffer.state == "ready"):
             if buffer.state == "released":
                 self.live_elements += buffer.numel
@@ -215,7 +239,7 @@ class Stage3Parameters:
                     f"zero.GatheredParameters on all ranks) ({e})") from None
 
     def _release(self, buffer):
-        if buffer.state != "released":
+        if buffer.state != "released" and not buffer.resident:
             self.live_elements -= buffer.numel
             buffer.release()
             buffer.pending_grads = set()
@@ -230,7 +254,7 @@ class Stage3Parameters:
         for later in following:
             for buffer in later.buffers:
                 if buffer.state != "released":
-                    budget -= 0 if buffer.persistent else buffer.numel
+                    budget -= 0 if buffer.persistent or buffer.resident else buffer.numel
                     continue
                 if buffer.numel > budget or self.live_elements + buffer.numel > self.max_live_elements:
                     return
@@ -253,7 +277,7 @@ class Stage3Parameters:
         budget = min(self.max_reuse_elements, self.max_live_elements)
         kept, total = set(), 0
         for unit in reversed(self.release_order):
-            new = {id(b): b for b in unit.buffers if not b.persistent and id(b) not in kept}
+            new = {id(b): b for b in unit.buffers if not b.persistent and not b.resident and id(b) not in kept}
             size = sum(b.numel for b in new.values())
             if total + size > budget:
                 break
@@ -271,24 +295,32 @@ class Stage3Parameters:
         forwards inside gather them instead (DPO's partitioned reference policy); the originals come back after.
         No gather may be held or in flight (none is between steps)."""
         self._release_unheld()          # buffers kept for the backward hold the other weights
-        if any(b.state != "released" and b is not self.persistent for b in self.buffers):
+        if any(b.state != "released" and b is not self.persistent and (b.holders or not b.resident)
+               for b in self.buffers):
             raise RuntimeError("ZeRO-3: swapped_partitions while parameters are gathered")
         own = [group.partition for group in self.groups]
         for group, partition in zip(self.groups, partitions):
             group.partition = partition
         self.after_step()
+        self._attach_resident()         # the resident parameters view the swapped partitions
         try:
             yield
         finally:
             for group, partition in zip(self.groups, own):
                 group.partition = partition
             self.after_step()
+            self._attach_resident()
+
+    def _attach_resident(self):
+        for buffer in self.buffers:
+            if buffer.resident:
+                buffer.attach()
 
     def after_step(self):
         """The partitions changed: the persistent parameters are refreshed at their next use, and a buffer kept
         gathered for a backward that did not come (a forward with gradients, then no backward) is released."""
         self._release_unheld()
-        if self.persistent is not None:
+        if self.persistent is not None:       # (never resident: the resident groups' small parameters are not in it)
             self.persistent.stale = True
             self.persistent.publish_status()
 
@@ -337,7 +369,10 @@ class Stage3Parameters:
         stays gathered, is marked stale, so its next use gathers the partitions again instead of keeping them."""
         for buffer in buffers:
             buffer.holders -= 1
-            if buffer.holders == 0 and not buffer.persistent:
+            if buffer.holders == 0 and buffer.resident:
+                buffer.attach()         # views of the partition again: the client's copies (own_storage) dropped,
+                #                         their edits written into the partition before (modifier_rank) or lost
+            elif buffer.holders == 0 and not buffer.persistent:
                 self._release(buffer)
             elif buffer.holders == 0 and not keep_edits:
                 buffer.stale = True
@@ -375,7 +410,7 @@ class Stage3Parameters:
         return state
 
     def live_parameter_elements(self):
-        """Elements gathered now (ready or in flight), the persistent buffer included."""
+        """Elements gathered now (ready or in flight), the persistent and the resident buffers included."""
         return sum(b.numel for b in self.buffers if b.state != "released")
 
     def remove_hooks(self):

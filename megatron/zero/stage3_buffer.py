@@ -1,6 +1,8 @@
 """ZeRO stage 3's gathered storage: a `_Buffer` holds some parameters' runs of their groups' flat order, laid out
 one after another; it is gathered (one broadcast per owner of a piece, asynchronous), waited for (wait_for_gather:
 timed on gloo only), and released (the storage dropped, the parameters empty again), publishing `ds_status`.
+A *resident* buffer (every run in a group partitioned over one rank and not offloaded: `resident_group`) has no
+storage of its own: its parameters are views of their groups' partitions (`attach`), always AVAILABLE.
 
 stage3.py decides which buffers a unit needs and when (its hooks); both names here are importable from
 megatron.zero.stage3 too, and it is the same class there (tests patch stage3._Buffer.start_gather).
@@ -14,17 +16,26 @@ from .param_status import ZeroParamStatus, set_status
 from .partition import context_of
 
 
+def resident_group(group, ctx):
+    """Whether `group`'s partition is the whole group on this rank's compute device: its data-parallel context
+    (an expert group's own: the expert-data-parallel group) has one rank, and offload_param did not move it to
+    host memory. Its parameters can then be views of the partition: there is nothing to gather."""
+    return context_of(group, ctx).data_parallel_size == 1 and not group.offloaded
+
 
 class _Buffer:
     """The gathered storage of some parameters: runs of group flat ranges laid out one after another."""
 
-    def __init__(self, name, params, groups, ctx, device, persistent=False):
+    def __init__(self, name, params, groups, ctx, device, persistent=False, resident=False):
+        """`resident`: may be resident (Stage3Parameters passes its setting); it is when every run's group is
+        resident_group's."""
         self.name, self.params, self.ctx, self.persistent = name, params, ctx, persistent
         self.dtype = groups[0].dtype if groups else torch.float32
         where = {id(p): (gi, group.offsets[i]) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
         spans = sorted(where[id(p)] for p in params)          # (group index, (flat start, flat end))
         self.runs = []                                          # (group, flat lo, flat hi, buffer offset)
         self.view_of = {}                                       # id(param) -> buffer offset
+        self.flat_of = {id(p): (groups[where[id(p)][0]], where[id(p)][1][0]) for p in params}   # (group, flat start)
         offset = 0
         for gi, (lo, hi) in spans:
             if self.runs and self.runs[-1][0] is groups[gi] and self.runs[-1][2] == lo:
@@ -50,6 +61,18 @@ class _Buffer:
         self.inputs_reached = False      # has_frozen: a unit using it has finished its backward (to its inputs)
         self.stale = True                # persistent buffer: refresh at the next use
         self.host_waits = ctx.data_parallel_size > 1 and dist.get_backend(ctx.data_parallel_group) == "gloo"
+        # resident (and allowed): views of the partitions for good; Stage3Parameters never gathers nor releases it
+        self.resident = resident and bool(self.runs) and all(resident_group(run[0], ctx) for run in self.runs)
+
+    def attach(self):
+        """Resident: point every parameter at its range of its group's partition (again: after the partitions
+        were swapped, or a client's copy taken in GatheredParameters is dropped)."""
+        for p in self.params:
+            group, lo = self.flat_of[id(p)]
+            start = lo - group.own_range[0]
+            p.data = group.partition[start:start + full_numel(p)].view(full_shape(p))
+        self.state, self.stale = "ready", False
+        self.publish_status()
 
     def start_gather(self):
         """Allocate and launch the broadcasts of every owner's piece (asynchronous)."""

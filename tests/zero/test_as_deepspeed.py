@@ -48,11 +48,13 @@ CLIENT = textwrap.dedent('''
 
 
     offload = sys.argv[1] == "offload"
+    gather = sys.argv[1] == "gather"            # our key: the gather path at dp 1 too, DeepSpeed's statuses
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name())
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16,
-                                    "offload_optimizer": {"device": "cpu" if offload else "none"}}}
+                                    "offload_optimizer": {"device": "cpu" if offload else "none"},
+                                    **({"stage3_resident_at_dp1": False} if gather else {})}}
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -126,8 +128,11 @@ def _reference(steps):
     return losses, dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("variant", ["fused", "offload"])
+@pytest.mark.parametrize("variant", ["fused", "offload", "gather"])
 def test_a_deepspeed_chat_style_client_runs_unchanged_at_zero3(tmp_path, variant):
+    """One process: dp 1, where the parameters are resident (stage3.py: whole views of their partitions, AVAILABLE
+    from deepspeed.initialize on, so the client fetches none, as at stages 0-2); "gather" turns that off
+    (stage3_resident_at_dp1: false) and pins DeepSpeed's statuses, which gathers at dp 1 too."""
     client = tmp_path / "client.py"
     client.write_text(CLIENT)
     out = _result(_run(["-m", "megatron.zero.as_deepspeed", str(client), variant], tmp_path))
@@ -137,7 +142,20 @@ def test_a_deepspeed_chat_style_client_runs_unchanged_at_zero3(tmp_path, variant
     assert out["accelerator"] == [True, "cpu", "cpu", "gloo"]
     assert len(set(out["ids"])) == 4
     every = ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert out["after_init"] == out["after_initialize"] == dict.fromkeys(every, "NOT_AVAILABLE")
+    assert out["after_init"] == dict.fromkeys(every, "NOT_AVAILABLE")            # zero.Init's pieces
+    if variant != "gather":
+        for key in ("after_initialize", "after_step", "inside_gathered", "after_gathered", "after_no_grad_forward"):
+            assert out[key] == dict.fromkeys(every, "AVAILABLE"), key
+    else:
+        _check_deepspeed_statuses(out, every)
+    losses, params = _reference(STEPS)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["losses"], losses)), (out["losses"], losses)
+    for name, value in out["saved"].items():
+        torch.testing.assert_close(torch.tensor(value), params[name].detach(), rtol=1e-5, atol=1e-6)
+
+
+def _check_deepspeed_statuses(out, every):
+    assert out["after_initialize"] == dict.fromkeys(every, "NOT_AVAILABLE")
     # the biases (16 and 4 elements) are persistent: whole, but stale after a step until their next use, so a
     # client that reads AVAILABLE parameters directly never saves last step's values
     assert out["after_step"] == dict.fromkeys(every, "NOT_AVAILABLE")
@@ -147,10 +165,6 @@ def test_a_deepspeed_chat_style_client_runs_unchanged_at_zero3(tmp_path, variant
     assert out["after_gathered"] == dict.fromkeys(every, "NOT_AVAILABLE")
     assert out["after_no_grad_forward"] == {"0.weight": "NOT_AVAILABLE", "0.bias": "AVAILABLE",
                                             "2.weight": "NOT_AVAILABLE", "2.bias": "AVAILABLE"}
-    losses, params = _reference(STEPS)
-    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["losses"], losses)), (out["losses"], losses)
-    for name, value in out["saved"].items():
-        torch.testing.assert_close(torch.tensor(value), params[name].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_run_module_form_and_unknown_deepspeed_modules(tmp_path):

@@ -1,5 +1,6 @@
-"""ZeRO-3's buffer lifecycle, pinned where a one-line slip shows (single process: stage 3 at data-parallel size 1
-gathers by copying its own partition, with the same hooks, books and release rules as at dp > 1):
+"""ZeRO-3's buffer lifecycle, pinned where a one-line slip shows (single process with stage3_resident_at_dp1 off:
+stage 3 at data-parallel size 1 then gathers by copying its own partition, with the same hooks, books and release
+rules as at dp > 1; by default it keeps the parameters resident, test_zero3_resident.py):
 
 - stage3_max_reuse_distance keeps a contiguous tail of the forward's units gathered into the backward: the first
   unit that does not fit ends it, even when an earlier one would fit after it;
@@ -38,7 +39,8 @@ def _engine(model, **zero_config):
     groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
     engine, _, _, _ = zero.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2),
                                       config={"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6,
-                                              **_stage3(**zero_config)}, dist_init_required=False)
+                                              **_stage3(**{"stage3_resident_at_dp1": False, **zero_config})},
+                                      dist_init_required=False)
     return engine
 
 

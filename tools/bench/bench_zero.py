@@ -3,11 +3,14 @@
     .venv/bin/python tools/bench/bench_zero.py                 # 2 gloo processes (data parallel 2), CPU, ~3 minutes on a quiet machine
     .venv/bin/python tools/bench/bench_zero.py --steps 10 --repeats 7 --variants ddp-fp32,zero2-fp32
     .venv/bin/python tools/bench/bench_zero.py --repeats 0     # communication table only
+    .venv/bin/python tools/bench/bench_zero.py --world-size 1 --comm-world-sizes "" --repeats 7 \
+        --variants zero2-fp32,zero3-fp32,zero3g-fp32              # stage 2 vs 3 at dp 1 (resident vs gathered)
 
 Model: a GPT-2 (nanoGPT-style, tied head) with L=4, h=256, heads=4, s=256, V=8192; micro-batch 4 per rank.
 Variants: ddp, ddpamp (fp32 parameters, bf16 autocast), zeroK (stage K), zeroKoff (optimizer offload), zeroKpg
 (stages 1-2 with overlap_param_gather: the parameter all-gather completes during the next forward), zero3nr
-(stage 3 with stage3_max_reuse_distance 0: every unit gathered again for the backward), dsK
+(stage 3 with stage3_max_reuse_distance 0: every unit gathered again for the backward), zero3g (stage 3 gathering
+per unit at data-parallel size 1 too, stage3_resident_at_dp1 off: zero3 keeps the parameters resident there), dsK
 (DeepSpeed's stage K), each with -fp32 or -bf16.
 Each variant runs in fresh processes, so peak RSS is its own. The variants run --repeats times, alternating
 (and in reversed order every other repeat), and the table gives the median tokens/s with its min-max, the median

@@ -13,17 +13,21 @@ from bench_common import median_and_spread
 PHASES = ("forward", "backward", "step")
 PHASES_DOC = """Phases: forward; backward with the gradient reduction it overlaps (DDP's all-reduce, ZeRO's
 reduce-scatter buckets); step with what follows it (ZeRO's last buckets, the update, the parameter all-gather)."""
-VARIANT_KINDS = ("ddp", "ddpamp", "zero0", "zero1", "zero2", "zero3", "zero3nr", "zero1pg", "zero2pg", "zero1off",
-                 "zero2off", "zero3off", "ds0", "ds1", "ds2", "ds3")
+VARIANT_KINDS = ("ddp", "ddpamp", "zero0", "zero1", "zero2", "zero3", "zero3nr", "zero3g", "zero1pg", "zero2pg",
+                 "zero1off", "zero2off", "zero3off", "ds0", "ds1", "ds2", "ds3")
 
 
 def stage_and_offload(kind):
     """("zero3off" | "zero2pg" | "ds2" | ...) -> (ZeRO stage, the variant's own keys of zero_optimization): "off"
     offloads the optimizer (and, at stage 3, the parameters) to host memory; "nr" (stage 3) reuses nothing: every
-    unit is gathered again for the backward (stage3_max_reuse_distance 0)."""
+    unit is gathered again for the backward (stage3_max_reuse_distance 0); "zero3g" gathers per unit at
+    data-parallel size 1 too (stage3_resident_at_dp1 off: what zero3 did there before it kept the parameters
+    resident; the same as zero3 at dp > 1)."""
     stage = int(kind[4] if kind.startswith("zero") else kind[2])
     if kind.endswith("nr"):
         return stage, {"stage3_max_reuse_distance": 0}
+    if kind == "zero3g":
+        return stage, {"stage3_resident_at_dp1": False}
     if not kind.endswith("off"):
         return stage, {}
     offload = {"offload_optimizer": {"device": "cpu"}}
@@ -122,13 +126,15 @@ def _ratio_lines(runs, peer_of):
 def deepspeed_ratio_lines(runs):
     """Our stage K (zeroK, zeroKpg) over DeepSpeed's (dsK), per-repeat medians."""
     return _ratio_lines(runs, lambda kind, precision: f"ds{kind[4]}-{precision}"
-                        if kind.startswith("zero") and not kind.endswith(("off", "nr")) else None)
+                        if kind.startswith("zero") and not kind.endswith(("off", "nr", "3g")) else None)
 
 
 def stage3_ratio_lines(runs):
-    """zero3 over zero2 (what partitioning the parameters costs) and over zero3nr (what the reuse gains)."""
-    return (_ratio_lines(runs, lambda kind, precision: f"zero2-{precision}" if kind == "zero3" else None)
-            + _ratio_lines(runs, lambda kind, precision: f"zero3nr-{precision}" if kind == "zero3" else None))
+    """zero3 (and zero3g) over zero2 (what partitioning the parameters costs), zero3 over zero3nr (what the reuse
+    gains) and over zero3g (at dp 1: what keeping the parameters resident gains)."""
+    return (_ratio_lines(runs, lambda kind, precision: f"zero2-{precision}" if kind in ("zero3", "zero3g") else None)
+            + _ratio_lines(runs, lambda kind, precision: f"zero3nr-{precision}" if kind == "zero3" else None)
+            + _ratio_lines(runs, lambda kind, precision: f"zero3g-{precision}" if kind == "zero3" else None))
 
 
 def overlap_ratio_lines(runs):
