@@ -177,15 +177,16 @@ def _optimizer_step_counts(stage):
     return parameters, backward.totals(), step.totals()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_bf16_optimizer_step_casts_the_gradients_and_the_weights_once(stage):
     """engine.step() in bf16 writes exactly 6 bytes per parameter in casts: the fp32 copy of each gradient for the
     masters (4) and the updated masters into the bf16 weights (2); no other copy. (A second fp32 copy of the
     gradients for the norm, .float() before the squares, was 4 more: removed.) The backward copies the gradients
-    into ZeRO-2's buckets (2 bytes per parameter), nothing at stages 0 and 1, and casts only the loss's gradient."""
+    into ZeRO-2's and ZeRO-3's buckets (2 bytes per parameter), nothing at stages 0 and 1, and casts only the loss's
+    gradient. ZeRO-3 at data-parallel 1 copies no weights (resident: nothing gathered, nothing refreshed)."""
     parameters, backward, step = run_distributed(_optimizer_step_counts, 1, args=(stage,), model_parallel_size=1)[0]
     assert 6 * parameters <= step["cast_bytes"] <= 6 * parameters + 16, (step, parameters)   # + a scalar or two
     assert step["copy_bytes"] <= 64, step                             # a few scalars (the norm's sums)
     assert backward["cast_bytes"] == B * S * V * 2                   # the loss's gradient, fp32 to the bf16 logits
     model_copies = 2 * 3 * B * S * H * 2 + B * S * V * 4 + B * S * 4   # 2 qkv cats; the loss's softmax clone and mask
-    assert backward["copy_bytes"] == model_copies + (2 * parameters if stage == 2 else 0), (backward, parameters)
+    assert backward["copy_bytes"] == model_copies + (2 * parameters if stage >= 2 else 0), (backward, parameters)
