@@ -178,6 +178,12 @@ def validate_args(args, parser, pretraining=True):
         parser.error("--async-save needs --save DIR")
     if args.save_keep_last is not None and args.save_keep_last < 1:
         parser.error(f"--save-keep-last ({args.save_keep_last}) must be at least 1")
+    resets = [flag for flag, given in (("--reset-attention-mask", args.reset_attention_mask),
+                                       ("--reset-position-ids", args.reset_position_ids),
+                                       ("--eod-mask-loss", args.eod_mask_loss)) if given]
+    if args.mock_data and resets:
+        parser.error(f"{' and '.join(resets)} need the tokenizer's end-of-document id, which --mock-data has not: "
+                     "train on real data (--data-path PREFIX or --train-data webtext) or drop them")
     if not args.mock_data and not args.data_path and not args.train_data:
         parser.error("no training data: pass --data-path PREFIX, --train-data webtext, or --mock-data")
     if args.local_rank is None:

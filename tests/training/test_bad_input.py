@@ -35,6 +35,19 @@ def test_megatron_flags_out_of_range_are_one_line(flag, value, wanted, capsys):
     assert line.split(": error: ", 1)[1] == f"{flag} is {value}: it must be {wanted} (see --help)"
 
 
+@pytest.mark.parametrize("flags", [["--reset-attention-mask"], ["--eod-mask-loss", "--reset-position-ids"]])
+def test_mock_data_with_document_resets_is_one_line(flags, capsys):
+    """--mock-data has no tokenizer, so no end-of-document id: the reset/mask flags that need one are refused by
+    name before anything is built (they were an AttributeError traceback in the first batch)."""
+    from megatron.arguments import parse_args
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + flags, capsys)
+    assert line.split(": error: ", 1)[1].startswith(f"{' and '.join(sorted(flags, key=ORDER.index))} need the "
+                                                    "tokenizer's end-of-document id, which --mock-data has not")
+
+
+ORDER = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
 @pytest.mark.parametrize("cuda,backend,wanted", [(True, "gloo", "nccl"), (False, "nccl", "gloo")])
 def test_a_backend_that_does_not_fit_the_device_is_one_line(cuda, backend, wanted, capsys, monkeypatch):
     """gloo on a (mocked) CUDA machine, nccl on one without CUDA: refused naming the fix; the fitting one and the
