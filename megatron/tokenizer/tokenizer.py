@@ -5,7 +5,14 @@
     tokenizer.detokenize(ids) == "Hello world"
     ids.append(tokenizer.eod)                        # the id of <|endoftext|>
 """
+from megatron.cli import UserError
+
 from .gpt2_tokenization import ReferenceBPE, TiktokenBPE, load_vocab_and_merges
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer the flags do not name completely (run_main prints it as one line)."""
+
 
 BACKENDS = ("auto", "tiktoken", "reference")
 
@@ -88,10 +95,13 @@ def build_tokenizer(args):
     if rank == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
     if args.tokenizer_type != "GPT2BPETokenizer":
-        raise NotImplementedError(f"tokenizer type {args.tokenizer_type!r} is not implemented "
-                                  "(available: GPT2BPETokenizer)")
+        raise TokenizerError(f"tokenizer type {args.tokenizer_type!r} is not implemented "
+                             "(available: GPT2BPETokenizer)")
     if args.vocab_file is None or args.merge_file is None:
-        raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+        missing = " and ".join(flag for flag, value in (("--vocab-file", args.vocab_file),
+                                                         ("--merge-file", args.merge_file)) if value is None)
+        raise TokenizerError(f"GPT2BPETokenizer needs --vocab-file and --merge-file; {missing} not given (the "
+                             "default data's: data/webtext/vocab.json and data/webtext/merges.txt)")
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     set_padded_vocab_size(args, tokenizer.vocab_size)
     if rank == 0:

@@ -48,6 +48,17 @@ def test_mock_data_with_document_resets_is_one_line(flags, capsys):
 ORDER = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 
 
+def test_real_data_without_the_vocabulary_files_is_one_line():
+    """--train-data webtext without --vocab-file/--merge-file: one line naming both and the default data's files,
+    exit status 1 (it was a ValueError traceback from the tokenizer)."""
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-data", "webtext", "--merge-file",
+                           "data/webtext/merges.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: GPT2BPETokenizer needs --vocab-file and --merge-file; --vocab-file not given (the default data's: "
+        "data/webtext/vocab.json and data/webtext/merges.txt)")
+
+
 @pytest.mark.parametrize("cuda,backend,wanted", [(True, "gloo", "nccl"), (False, "nccl", "gloo")])
 def test_a_backend_that_does_not_fit_the_device_is_one_line(cuda, backend, wanted, capsys, monkeypatch):
     """gloo on a (mocked) CUDA machine, nccl on one without CUDA: refused naming the fix; the fitting one and the
