@@ -17,10 +17,12 @@ import mpu
 
 def eager_only_options(args):
     """The options given whose layers the fused path cannot run, each as '<flag> <why>' (empty: it can run all)."""
-    options = [(args.sequence_parallel, "--sequence-parallel runs the eager layers (its collectives split the "
-                                        "regions the compiled pieces span)"),
+    options = [(args.sequence_parallel, "--sequence-parallel runs the eager layers (its linears gather the sequence "
+                                        "and keep only this rank's slice for backward; compiled pieces would keep "
+                                        "the gathered input)"),
                (args.context_parallel_size > 1, "--context-parallel-size runs the eager layers (ring attention)"),
-               (bool(args.lora_rank), "--lora-rank runs the eager layers (the adapters wrap the linears)"),
+               (bool(args.lora_rank), "--lora-rank runs the eager layers (the adapters wrap the linears the compiled "
+                                   "pieces read as plain weights)"),
                (args.recompute_granularity == "selective",
                 "--recompute-granularity selective recomputes the eager attention core"),
                (bool(getattr(args, "num_experts", None)), "--num-experts runs the eager layers (the compiled layers "
