@@ -106,6 +106,13 @@ def _per_layer(counts, key):
     return counts[3][key] - counts[2][key]
 
 
+def _ops_per_layer(counts):
+    """{op: calls} that one more layer adds (the 3-layer run minus the 2-layer one), zeros left out."""
+    names = set(counts[3]["ops"]) | set(counts[2]["ops"])
+    deltas = {name: counts[3]["ops"].get(name, 0) - counts[2]["ops"].get(name, 0) for name in names}
+    return {name: n for name, n in deltas.items() if n}
+
+
 def _rest(counts, key):
     """What is not in the layers: embeddings, final LayerNorm, LM head, loss (the 2-layer run minus 2 layers)."""
     return counts[2][key] - 2 * _per_layer(counts, key)
@@ -136,9 +143,7 @@ PER_LAYER_MATMULS = 14           # forward 4 linears + SDPA; backward 2 per line
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_layer_makes_the_pinned_passes_and_no_cast(layer_counts, dtype):
     counts = layer_counts[dtype]
-    per_layer = {name: counts[3]["ops"].get(name, 0) - counts[2]["ops"].get(name, 0)
-                 for name in set(counts[3]["ops"]) | set(counts[2]["ops"])}
-    assert {name: n for name, n in per_layer.items() if n} == PER_LAYER_OPS
+    assert _ops_per_layer(counts) == PER_LAYER_OPS
     assert _per_layer(counts, "passes") == sum(PER_LAYER_OPS.values()) == 25
     assert _per_layer(counts, "matmuls") == PER_LAYER_MATMULS
     assert _per_layer(counts, "cast_bytes") == 0                       # bf16 stays bf16 through the layer
@@ -153,8 +158,8 @@ def test_the_loss_casts_the_logits_once_each_way(layer_counts, dtype):
     counts = layer_counts[dtype]
     logits = B * S * V
     assert _rest(counts, "cast_bytes") == (logits * (4 + 2) if dtype == "bfloat16" else 0)
-    rest = {name: counts[2]["ops"].get(name, 0) - 2 * (counts[3]["ops"].get(name, 0) - counts[2]["ops"].get(name, 0))
-            for name in counts[2]["ops"]}
+    per_layer = _ops_per_layer(counts)
+    rest = {name: n - 2 * per_layer.get(name, 0) for name, n in counts[2]["ops"].items()}
     assert {name: n for name, n in rest.items() if n} == REST_OPS | ({"_to_copy": 2} if dtype == "bfloat16" else {})
 
 

@@ -66,3 +66,12 @@ def median_and_spread(values):
     if not values:
         return float("nan"), float("nan"), float("nan")
     return statistics.median(values), min(values), max(values)
+
+
+def write_json_rows(path, rows):
+    """Rewrite `path` with every row so far (what a run killed now keeps): written aside, then renamed over it."""
+    import json
+    import os
+    with open(path + ".tmp", "w") as handle:
+        json.dump(rows, handle, indent=1)
+    os.replace(path + ".tmp", path)

@@ -17,7 +17,6 @@ Targets: on the CPU ours (static) >= 1.2x HF generate at every length and batch,
 batch 8 and 32.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpu  # noqa: E402
-from bench_common import init_single_process, median_and_spread, precision_header  # noqa: E402
+from bench_common import init_single_process, median_and_spread, precision_header, write_json_rows  # noqa: E402
 from megatron.model import GPT2Model, GPT2ModelConfig  # noqa: E402
 from megatron.model.hf_interchange import to_hf_state_dict  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
@@ -94,12 +93,6 @@ def ratio_cell(numerators, denominators):
         return "-"
     ratio, low, high = median_and_spread([a / b for a, b in zip(numerators, denominators)])
     return f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
-
-
-def write_json(path, rows):
-    with open(path + ".tmp", "w") as handle:
-        json.dump(rows, handle, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def rate_cell(values):
@@ -177,7 +170,7 @@ def main():
                          "ours_tokens_per_s": statistics.median(static), "hf_tokens_per_s": statistics.median(theirs),
                          "ours_over_hf": median_and_spread([a / b for a, b in zip(static, theirs)])[0]})
             if options.json:
-                write_json(options.json, rows)
+                write_json_rows(options.json, rows)
     if options.no_eval:
         dist.destroy_process_group()
         return

@@ -30,6 +30,9 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import write_json_rows  # noqa: E402
 
 # GPT-2 shapes: layers, hidden, heads, sequence, vocabulary (before padding to 128), default micro-batch;
 # llama-1b: scripts/pretrain_llama.sh's GPU default (TinyLlama 1.1B's shape)
@@ -408,13 +411,6 @@ def device_and_peak(args):
     return name, peak, how
 
 
-def write_rows(path, rows):
-    """Rewrite the JSON file with every row so far (what a run killed now would keep)."""
-    with open(path + ".tmp", "w") as handle:
-        json.dump(rows, handle, indent=1)
-    os.replace(path + ".tmp", path)
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.print_log:
@@ -441,7 +437,7 @@ def main(argv=None):
         rows.append(measure_cell(cell, args))
         print(format_row(rows[-1]), flush=True)
         if args.json:
-            write_rows(args.json, rows)
+            write_json_rows(args.json, rows)
     print("\n" + format_table(rows, header))
     return 0 if all(not row.get("error") for row in rows) else 1
 
