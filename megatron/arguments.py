@@ -168,6 +168,7 @@ def validate_args(args, parser, pretraining=True):
     args.num_micro_batches = (args.zero_config.gradient_accumulation_steps if args.zero_config is not None
                               else args.global_batch_size // per_step)
     _resolve_virtual_pipeline(args, parser)
+    args.lr_decay_iters_given = args.lr_decay_iters is not None   # else the schedule follows --train-iters
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:

@@ -4,6 +4,11 @@ step count with a state_dict, so resumed runs continue on the same curve.
     lr(n) = max_lr * n / warmup_iter                                   n <= warmup_iter
     lr(n) = min_lr + (max_lr - min_lr) * f((n - warmup) / (decay - warmup)),  f: 1 | 1 - x | (1 + cos(pi x)) / 2
     lr(n) = min_lr                                                      n > decay_iters (constant: max_lr)
+
+Resuming with a larger (or smaller) --train-iters and no --lr-decay-iters (`follows_train_iters`): the schedule is
+the command line's, laid over the new --train-iters; iteration n of the resumed run gets the lr a run started with
+the new --train-iters would have at n (`resumed_from_decay_iters` holds the checkpoint's decay_iters for the start-up
+line). Every other disagreement with the checkpoint is an error naming the field, as in Megatron-LM.
 """
 import math
 
@@ -12,7 +17,7 @@ class AnnealingLR:
     DECAY_STYLES = ("constant", "linear", "cosine")
 
     def __init__(self, optimizer, max_lr, min_lr, warmup_iter, decay_iters, decay_style, num_iters=0,
-                 override_lr_scheduler=False, use_checkpoint_lr_scheduler=False):
+                 override_lr_scheduler=False, use_checkpoint_lr_scheduler=False, follows_train_iters=False):
         if decay_style not in self.DECAY_STYLES:
             raise ValueError(f"unknown lr decay style {decay_style!r}: choose one of {self.DECAY_STYLES}")
         self.optimizer = optimizer
@@ -24,6 +29,8 @@ class AnnealingLR:
         self.num_iters = int(num_iters)
         self.override_lr_scheduler = override_lr_scheduler
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
+        self.follows_train_iters = follows_train_iters
+        self.resumed_from_decay_iters = None   # set by load_state_dict when --train-iters re-laid the schedule
         self._apply(self.get_lr())
 
     def get_lr(self):
@@ -54,12 +61,20 @@ class AnnealingLR:
 
     def load_state_dict(self, state):
         """--override-lr-scheduler keeps the command line's shape; otherwise the checkpoint's wins (and with
-        neither flag, a disagreement is an error naming the field)."""
+        neither flag, a disagreement is an error naming the field). With `follows_train_iters`, a changed
+        decay_iters (and the warmup derived from it) is the command line's: --train-iters re-lays the schedule."""
         if not self.override_lr_scheduler:
+            relaid = (self.follows_train_iters and not self.use_checkpoint_lr_scheduler
+                      and self.decay_iters != state["decay_iters"])
+            derived = ("decay_iters", "warmup_iter") if relaid else ()
             for key in ("max_lr", "min_lr", "warmup_iter", "decay_iters", "decay_style"):
                 ours, theirs = getattr(self, key), state[key]
+                if key in derived:
+                    continue
                 if ours != theirs and not self.use_checkpoint_lr_scheduler:
                     raise ValueError(f"lr scheduler {key}: command line {ours!r} != checkpoint {theirs!r}; pass "
                                      f"--use-checkpoint-lr-scheduler or --override-lr-scheduler")
                 setattr(self, key, theirs)
+            if relaid:
+                self.resumed_from_decay_iters = state["decay_iters"]
         self.step(state["num_iters"])

@@ -24,7 +24,7 @@ from megatron.model.moe_args import moe_log_fields
 from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
 from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_scheduler,  # noqa: F401
-                                       param_groups_for_weight_decay)
+                                       param_groups_for_weight_decay, resumed_lr_line)
 from megatron.trainer.data_iterators import build_train_valid_test_data_iterators
 from megatron.trainer.log_line import flops_per_token, training_log  # noqa: F401
 from megatron.utils import print_rank_0, unwrap_model
@@ -134,6 +134,9 @@ def setup_model_and_optimizer(model_provider, options=None, lr=None, accumulatio
             model.stage3.gather_timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     options = CheckpointOptions.from_args(args) if options is None else options
     train_state = load_checkpoint(model, optimizer, lr_scheduler, options) if options.load else TrainState()
+    resumed = resumed_lr_line(lr_scheduler, train_state.iteration) if train_state.iteration > 0 else None
+    if resumed:
+        print_rank_0(resumed)
     return model, optimizer, lr_scheduler, train_state
 
 

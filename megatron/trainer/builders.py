@@ -37,4 +37,21 @@ def get_learning_rate_scheduler(optimizer, lr=None):
     return AnnealingLR(optimizer, max_lr=args.lr * scale, min_lr=args.min_lr * scale,
                        warmup_iter=int(args.warmup * args.lr_decay_iters), decay_iters=args.lr_decay_iters,
                        decay_style=args.lr_decay_style, override_lr_scheduler=args.override_lr_scheduler,
-                       use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler)
+                       use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
+                       follows_train_iters=not args.lr_decay_iters_given)
+
+
+def resumed_lr_line(lr_scheduler, iteration):
+    """The start-up line of a resumed run: the lr its next iteration gets and the schedule it follows (re-laid when
+    --train-iters changed since the checkpoint, AnnealingLR.load_state_dict). None for another scheduler."""
+    if not isinstance(lr_scheduler, AnnealingLR):
+        return None
+    shape = (f"{lr_scheduler.decay_style} over {lr_scheduler.decay_iters} iterations, warmup "
+             f"{lr_scheduler.warmup_iter}")
+    if lr_scheduler.resumed_from_decay_iters is None:
+        source = "the checkpoint's schedule"
+    else:
+        source = (f"re-laid by --train-iters {lr_scheduler.decay_iters} (the checkpoint's ran over "
+                  f"{lr_scheduler.resumed_from_decay_iters}): each iteration gets the lr a run started with "
+                  f"--train-iters {lr_scheduler.decay_iters} has there")
+    return f" > resuming at iteration {iteration}: lr {lr_scheduler.get_lr():.6E} ({shape}; {source})"

@@ -162,3 +162,34 @@ def test_override_wins_over_use_checkpoint_when_both_are_given():
                           use_checkpoint_lr_scheduler=True)
     resumed.load_state_dict(_saved())
     assert resumed.get_lr() == pytest.approx(5e-4, rel=1e-12)
+
+
+def test_a_larger_train_iters_relays_the_schedule_when_decay_follows_it():
+    """No --lr-decay-iters: --train-iters 220 (warmup 0.01 x ... here 20) after a checkpoint of 110 at step 37 gives
+    the cosine of a 220-iteration run at 37: min + (max - min)(1 + cos(pi (37 - 20) / 200)) / 2."""
+    resumed = AnnealingLR(None, MAX, MIN, 20, 220, "cosine", follows_train_iters=True)
+    resumed.load_state_dict(_saved())
+    assert (resumed.warmup_iter, resumed.decay_iters, resumed.resumed_from_decay_iters) == (20, 220, DECAY)
+    by_hand = MIN + (MAX - MIN) * (1 + math.cos(math.pi * 17 / 200)) / 2
+    assert resumed.num_iters == 37 and resumed.get_lr() == pytest.approx(by_hand, rel=1e-12)
+
+
+@pytest.mark.parametrize("key, ours", [("max_lr", 1e-3), ("min_lr", 0.0), ("decay_style", "linear")])
+def test_a_relaid_schedule_still_refuses_every_other_disagreement(key, ours):
+    args = dict(max_lr=MAX, min_lr=MIN, warmup_iter=20, decay_iters=220, decay_style="cosine")
+    args[key] = ours
+    with pytest.raises(ValueError, match=rf"lr scheduler {key}: command line"):
+        AnnealingLR(None, follows_train_iters=True, **args).load_state_dict(_saved())
+
+
+def test_a_warmup_change_at_the_same_train_iters_is_still_an_error():
+    """decay_iters equal: the warmup differs because --warmup changed, which --train-iters does not explain."""
+    with pytest.raises(ValueError, match=r"lr scheduler warmup_iter: command line 5 != checkpoint 10"):
+        AnnealingLR(None, MAX, MIN, 5, DECAY, "cosine", follows_train_iters=True).load_state_dict(_saved())
+
+
+def test_use_checkpoint_lr_scheduler_keeps_the_checkpoints_schedule_when_train_iters_grew():
+    resumed = AnnealingLR(None, MAX, MIN, 20, 220, "cosine", follows_train_iters=True,
+                          use_checkpoint_lr_scheduler=True)
+    resumed.load_state_dict(_saved())
+    assert (resumed.warmup_iter, resumed.decay_iters, resumed.resumed_from_decay_iters) == (WARMUP, DECAY, None)
