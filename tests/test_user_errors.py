@@ -135,7 +135,7 @@ def test_the_walk_flags_an_error_re_parented_to_exception(tmp_path):
 
 def test_run_main_prints_a_user_error_as_one_line_and_keeps_a_bug_s_traceback(tmp_path):
     """run_main(main) alone: any UserError subclass (here one from a tool and one from the library) is `error:
-    message`, exit status 1; a plain exception (a bug) keeps its traceback."""
+    message`, exit status 1; a plain exception (a bug), a ValueError as a KeyError, keeps its traceback."""
     script = textwrap.dedent("""
         import sys
         sys.path.insert(0, sys.argv[1])
@@ -148,14 +148,18 @@ def test_run_main_prints_a_user_error_as_one_line_and_keeps_a_bug_s_traceback(tm
                 raise CheckpointError("ckpt/iter_0000010 is damaged: pass --load of another checkpoint")
             if kind == "stuck":
                 raise LossScaleStuckError("the loss scale hit its minimum at iteration 7: lower --lr")
+            if kind == "value":
+                raise ValueError("an internal bug")
             raise KeyError("a bug")
         run_main(main)
     """)
     runs = {kind: subprocess.run([sys.executable, "-c", script, REPO, kind], cwd=str(tmp_path), capture_output=True,
-                                 text=True, timeout=120) for kind in ("checkpoint", "stuck", "bug")}
+                                 text=True, timeout=120) for kind in ("checkpoint", "stuck", "bug", "value")}
     assert (runs["checkpoint"].returncode, runs["checkpoint"].stderr) == (
         1, "error: ckpt/iter_0000010 is damaged: pass --load of another checkpoint\n")
     assert (runs["stuck"].returncode, runs["stuck"].stderr) == (
         1, "error: the loss scale hit its minimum at iteration 7: lower --lr\n")
-    assert runs["bug"].returncode == 1 and "Traceback" in runs["bug"].stderr and "KeyError: 'a bug'" in \
-        runs["bug"].stderr
+    for kind, last_line in (("bug", "KeyError: 'a bug'"), ("value", "ValueError: an internal bug")):
+        lines = runs[kind].stderr.strip().splitlines()
+        assert runs[kind].returncode == 1 and lines[0] == "Traceback (most recent call last):" and \
+            lines[-1] == last_line, runs[kind].stderr

@@ -16,6 +16,7 @@ Then train with:
 import hashlib
 import importlib.metadata
 import os
+import re
 import sys
 import time
 
@@ -57,7 +58,9 @@ def locked_versions(lock_file=LOCK_FILE):
 
 
 def normalise(name):
-    return name.strip().lower().replace("_", "-").replace(".", "-")
+    """PEP 503's normalised distribution name: each run of '-', '_' and '.' is one '-', lower case
+    ('Zope_Interface', 'zope.interface' -> 'zope-interface')."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def version_differences(pins):

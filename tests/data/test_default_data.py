@@ -8,6 +8,7 @@ import re
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.helpers import REPO
 import make_sample_corpus
@@ -51,6 +52,24 @@ def test_corpus_holds_only_locked_packages_sources(webtext_data):
     assert "torch" not in lock
 
 
+@pytest.mark.parametrize("name", ["zope.interface", "zope-interface", "Zope_Interface", "ZOPE.interface",
+                                  "ruamel.yaml.clib", "a__b", "a-_.b", " PyYAML "])
+def test_package_names_are_normalised_as_pep_503(name):
+    """A dotted, underscored or upper-case spelling names the same package: each run of '-', '_', '.' is one '-'
+    (packaging's canonicalize_name is PEP 503's reference; no lock of today pins a dotted name)."""
+    assert prepare_default_data.normalise(name) == canonicalize_name(name.strip())
+
+
+def test_a_dotted_pin_is_found_under_every_spelling(tmp_path):
+    """A lock's `zope.interface==` pin is the `zope-interface` and `Zope_Interface` a requirements range names."""
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("zope.interface==7.2\nruamel.yaml==0.18.6\n")
+    pins = prepare_default_data.locked_versions(str(lock))
+    assert pins == {"zope-interface": "7.2", "ruamel-yaml": "0.18.6"}
+    for spelling in ("zope.interface", "zope-interface", "Zope_Interface"):
+        assert pins[prepare_default_data.normalise(spelling)] == "7.2", spelling
+
+
 def test_locks_pin_every_package_within_its_range():
     """Both locks pin exact versions (no torch: a GPU user's is kept), every range of requirements*.txt is satisfied
     by its lock, and the runtime lock is the test lock's subset at the same versions."""
@@ -86,6 +105,23 @@ def test_a_digest_mismatch_is_one_line_naming_the_versions_that_differ(tmp_path)
     lock.write_text(f"numpy=={numpy_version}\n")
     assert prepare_default_data.check_digest("abc", expected="def", lock_file=str(lock)).endswith(
         ": the installed versions equal requirements.lock")
+
+
+@pytest.mark.parametrize("flags, warned", [([], True), (["--vocab-size", "4096"], False),
+                                           (["--corpus-mb", "2"], False)])
+def test_digest_warning_only_for_the_default_data(tmp_path, capsys, flags, warned):
+    """Built files (five placeholders: every build step is skipped) whose digest is not README.md's: one warning
+    line for the default data; another vocabulary or corpus size is other data, with a digest of its own."""
+    for name in prepare_default_data.DATA_FILES:
+        (tmp_path / name).write_bytes(name.encode())
+    prepare_default_data.main(["--output-dir", str(tmp_path), *flags])
+    captured = capsys.readouterr()
+    assert "[1/3] corpus: exists" in captured.out and "[3/3] preprocess: exists" in captured.out
+    digest = prepare_default_data.data_digest(str(tmp_path))
+    assert f"default data digest: {digest}\n" in captured.out
+    expected = f"warning: default data digest {digest} is not README.md's {prepare_default_data.DEFAULT_DATA_DIGEST}: "
+    warnings = [line for line in captured.err.splitlines() if "digest" in line]
+    assert len(warnings) == int(warned) and all(line.startswith(expected) for line in warnings), captured.err
 
 
 def test_digest_covers_every_file_and_its_name(tmp_path):

@@ -193,6 +193,9 @@ def _finetune_args(setup, name, flags):
 def one_process(setup):
     """HF-comparison steps, packing, the exact resume, a short pretraining run and generation, in one process."""
     jobs = [(name, "finetune", _finetune_args(setup, name, SGD_LIKE + flags)) for name, flags in ONE_PROCESS.items()]
+    (setup["root"] / "empty-save").mkdir()     # an existing --save with no checkpoint: not a run to resume
+    jobs.append(("empty-save", "finetune", _finetune_args(setup, "empty-save",
+                                                          SGD_LIKE + ONE_PROCESS["mp1-2-micro-batches"])))
     jobs.append(("packing", "call", _packing_check))
     resume = _finetune_args(setup, "resume", ["--batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
                                                "--save-interval", "2", "--eval-iters", "0", "--lr", "1e-3"])
@@ -501,6 +504,13 @@ def test_validation_loss_is_total_loss_over_total_answer_tokens(setup, two_proce
     print(f"validation: reported {reported:.8f}, plain PyTorch {total / count:.8f} over {count} answer tokens")
     assert abs(reported - total / count) <= 1e-5 * total / count, (reported, total / count)
     assert abs(math.exp(reported) / math.exp(total / count) - 1) <= 1e-5
+
+
+def test_an_empty_save_directory_starts_from_load(one_process):
+    """An existing --save without a tracker file is no checkpoint: the run starts from --load's weights, its first
+    loss that of the same run whose --save did not exist (the one checked against HF above), not a random start."""
+    assert one_process["empty-save"]["iteration"] == [1]
+    assert one_process["empty-save"]["lm loss"] == one_process["mp1-2-micro-batches"]["lm loss"]
 
 
 def test_resumed_fine_tuning_equals_the_straight_run(one_process):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.spawn import free_port
+from megatron.zero.as_deepspeed import __main__ as alias_module
 from megatron.zero.as_deepspeed.__main__ import main as alias_main
 from tests.helpers import FIXTURES, REPO, script_env
 
@@ -91,3 +92,16 @@ def test_bad_launcher_options_are_one_line(argv, message, capsys, monkeypatch):
         alias_main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_num_gpus_under_torchrun_is_refused(capsys, monkeypatch):
+    """Under torchrun (LOCAL_RANK set, no --local_rank; DeepSpeed's launcher's --local_rank=N is a case above),
+    --num_gpus 2 is one line naming it, never a nested launch of two more processes per process."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(alias_module.subprocess, "call", lambda *a, **k: pytest.fail(f"a nested launch: {a}"))
+    with pytest.raises(SystemExit) as exit_info:
+        alias_main(["--num_gpus", "2", "main.py"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert "--num_gpus starts processes: give it to the first command, not inside torchrun" in lines[0], lines
+
