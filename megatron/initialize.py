@@ -35,6 +35,23 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
     return args
 
 
+def layout_line(args):
+    """The training entry points' start-up line (pretrain(), the RLHF driver) naming every parallel degree and the optimizer, e.g.
+    `> layout: tensor-parallel 1, pipeline-parallel 1, context-parallel 1, data-parallel 2, expert-parallel 2
+    (expert-data-parallel 1); optimizer: Muon (muon-lr 0.02, momentum 0.95) for the hidden matrices, AdamW (lr
+    0.002, betas 0.9/0.95, eps 1e-08, weight decay 0.01) for the rest; ZeRO stage 2`."""
+    ep = args.expert_model_parallel_size if args.num_experts else 1
+    experts = f" (expert-data-parallel {args.data_parallel_size // ep})" if args.num_experts else ""
+    adam = (f"AdamW (lr {args.lr:g}, betas {args.adam_beta1:g}/{args.adam_beta2:g}, eps {args.adam_eps:g}, "
+            f"weight decay {args.weight_decay:g})")
+    optimizer = (f"Muon (muon-lr {args.muon_lr:g}, momentum {args.muon_momentum:g}) for the hidden matrices, "
+                 f"{adam} for the rest" if args.optimizer == "muon" else adam)
+    engine = f"ZeRO stage {args.zero_stage}" if args.deepspeed else "Megatron's optimizer (no --deepspeed)"
+    return (f"> layout: tensor-parallel {args.model_parallel_size}, pipeline-parallel "
+            f"{args.pipeline_model_parallel_size}, context-parallel {args.context_parallel_size}, data-parallel "
+            f"{args.data_parallel_size}, expert-parallel {ep}{experts}; optimizer: {optimizer}; {engine}")
+
+
 def _initialize_distributed(args):
     if args.distributed_backend is None:
         args.distributed_backend = mpu.get_backend()

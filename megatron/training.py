@@ -18,9 +18,9 @@ from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
 from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
 from megatron.guards import breadcrumbs, memory, operations
 from megatron.guards.exit_controller import ExitController
-from megatron.initialize import initialize_megatron
+from megatron.initialize import initialize_megatron, layout_line
 from megatron.model import DistributedDataParallel as LocalDDP
-from megatron.model.moe_args import moe_log_fields
+from megatron.model.moe_args import moe_log_fields, StarvingExpertWatch
 from megatron.pipeline import p2p_communication, schedules
 from megatron.train_state import CheckpointOptions, TrainState
 from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_scheduler,  # noqa: F401
@@ -35,6 +35,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     """Initialize, build model/optimizer/data, train, evaluate. Returns the per-iteration history
     ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]})."""
     args = initialize_megatron(extra_args_provider, args_list)
+    print_rank_0(layout_line(args))
     model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(model_provider)
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, train_state)
@@ -327,6 +328,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     interval_losses, interval_start = {}, time.time()
     first_iteration = train_state.iteration + 1
     estimate, setting = _print_model_state_estimate(model, args)
+    starving_experts = StarvingExpertWatch(getattr(args, "moe_aux_loss_coeff", 0.0))
     min_scale_watch = operations.MinLossScaleWatch.from_args(args, getattr(optimizer, "cur_scale", 1.0))
     step_watchdog = breadcrumbs.SlowStepWatchdog(args.slow_step_report_factor)
     while train_state.iteration < args.train_iters:
@@ -368,8 +370,11 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
             averages = {key: value / args.log_interval for key, value in interval_losses.items()}
             lr = optimizer.param_groups[0]["lr"]
-            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer,
-                                  moe_log_fields(unwrap_model(model)))
+            moe = moe_log_fields(unwrap_model(model))
+            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer, moe)
+            starving = starving_experts.observe(moe, iteration)
+            if starving:
+                print_rank_0(starving)
             phases = operations.phase_ms(timers, args.log_interval)
             if writer is not None:
                 for name, value in phases.items():

@@ -88,3 +88,26 @@ def moe_log_text(fields):
         return ""
     return (f" | moe aux loss: {fields['moe aux loss']:.6E} | tokens per expert min/max: "
             f"{fields['tokens per expert min']}/{fields['tokens per expert max']}")
+
+
+class StarvingExpertWatch:
+    """Warns once (rank 0's log line) when an expert was routed no tokens at `intervals` log intervals in a row: the
+    router is collapsing onto fewer experts, which the default --moe-aux-loss-coeff 0 does nothing against. Re-arms
+    after an interval where every expert got tokens."""
+
+    def __init__(self, aux_loss_coeff, intervals=3):
+        self.aux_loss_coeff = aux_loss_coeff
+        self.intervals = intervals
+        self.starving_in_a_row = 0
+
+    def observe(self, fields, iteration):
+        """`fields`: moe_log_fields' dict of one log interval. Returns the warning line once, else None."""
+        if not fields:
+            return None
+        self.starving_in_a_row = self.starving_in_a_row + 1 if fields["tokens per expert min"] == 0 else 0
+        if self.starving_in_a_row != self.intervals:
+            return None
+        advice = ("set it (Megatron-LM's usual 1e-2) to balance the experts' load" if self.aux_loss_coeff == 0 else
+                  "raise it to balance the experts' load")
+        return (f"WARNING: an expert was routed no tokens at each of the last {self.intervals} log intervals "
+                f"(iteration {iteration}): --moe-aux-loss-coeff is {self.aux_loss_coeff:g}; {advice}")

@@ -44,7 +44,7 @@ from megatron.checkpoint import finalize_async_save, save_checkpoint
 from megatron.global_vars import get_tensorboard_writer, get_tokenizer
 from megatron.guards import operations
 from megatron.guards.operations import NonFiniteError
-from megatron.initialize import initialize_megatron
+from megatron.initialize import initialize_megatron, layout_line
 from megatron.train_state import CheckpointOptions
 from megatron import training   # its functions looked up when called (tests wrap training.train_step)
 from megatron.utils import print_rank_0
@@ -194,6 +194,7 @@ def main(args_list):
     args_list = starting_point(args_list)
     args = initialize_megatron(add_rlhf_args, args_list)
     fill_defaults(args)
+    print_rank_0(layout_line(args))
     config = rlhf_config(args)
     prompts_per_rank = _prompts_per_rank(args, config)
     actor, critic, train_state, ema, ema_options, ptx_data = _trainees(args, config)

@@ -6,10 +6,13 @@ combinations stop with one line."""
 import contextlib
 import io
 import re
+import types
 
 import pytest
 
 from megatron.spawn import run_distributed
+from megatron.initialize import layout_line
+from megatron.model.moe_args import StarvingExpertWatch
 from tests.helpers import NO_DROPOUT, parser_error, TINY, train, write_config
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
@@ -33,6 +36,8 @@ def test_deepspeed_path_at_expert_parallel_2_equals_1(tmp_path):
     assert max(abs(a - b) for a, b in zip(ep1["lm loss"], ep2["lm loss"])) <= 1e-5, (ep1["lm loss"], ep2["lm loss"])
     logged = LOG.findall(stdout)
     assert len(logged) == 2, stdout
+    assert ("data-parallel 2, expert-parallel 2 (expert-data-parallel 1); optimizer: AdamW (lr 0.001, betas "
+            "0.9/0.999, eps 1e-08, weight decay 0.01); ZeRO stage 2") in stdout, stdout[:2000]
     tokens = 2 * 16                             # rank 0's micro-batch: 2 sequences of 16
     for aux, low, high in logged:
         assert float(aux) > 0 and 0 <= int(low) <= int(high) <= tokens
@@ -101,3 +106,43 @@ def test_expert_parallel_needs_the_engine(capsys, monkeypatch):
     line = parser_error(lambda argv: parse_args(args_list=["--mock-data"] + argv),
                         ["--num-experts", "4", "--expert-model-parallel-size", "2"], capsys)
     assert "--expert-model-parallel-size 2 needs --deepspeed" in line, line
+
+
+def test_starving_expert_warning_after_three_intervals_in_a_row_once_and_rearmed():
+    """The watch's rule by hand: min 0 at intervals 1-3 warns at the third only; a fed interval re-arms it."""
+    watch = StarvingExpertWatch(aux_loss_coeff=0.0)
+    fed, starving = {"tokens per expert min": 1}, {"tokens per expert min": 0}
+    lines = [watch.observe(fields, 10 * i) for i, fields in
+             enumerate([starving, starving, fed, starving, starving, starving, starving, fed, {}], start=1)]
+    assert [i for i, line in enumerate(lines, start=1) if line] == [6]
+    assert lines[5] == ("WARNING: an expert was routed no tokens at each of the last 3 log intervals (iteration 60): "
+                        "--moe-aux-loss-coeff is 0; set it (Megatron-LM's usual 1e-2) to balance the experts' load")
+    assert "--moe-aux-loss-coeff is 0.01; raise it" in StarvingExpertWatch(0.01, intervals=1).observe(starving, 5)
+
+
+def test_training_warns_when_an_expert_starves():
+    """64 experts, top-1, 32 tokens a micro-batch: at least 32 experts get none at every interval, so the third
+    log interval (iteration 3) warns once; the layout line names the expert-parallel degree and the optimizer."""
+    flags = ["--num-experts", "64", "--moe-router-topk", "1", "--train-iters", "4", "--log-interval", "1",
+             "--batch-size", "2"]
+    _, stdout = _train_capturing(TINY + NO_DROPOUT + flags)
+    warnings = [line for line in stdout.splitlines() if "routed no tokens" in line]
+    assert warnings == ["WARNING: an expert was routed no tokens at each of the last 3 log intervals (iteration 3): "
+                        "--moe-aux-loss-coeff is 0; set it (Megatron-LM's usual 1e-2) to balance the experts' load"]
+    assert [int(low) for _, low, _ in LOG.findall(stdout)] == [0, 0, 0, 0]
+    assert ("> layout: tensor-parallel 1, pipeline-parallel 1, context-parallel 1, data-parallel 1, expert-parallel 1 "
+            "(expert-data-parallel 1); optimizer: AdamW (lr 0.001, betas 0.9/0.999, eps 1e-08, weight decay 0.01); "
+            "Megatron's optimizer (no --deepspeed)") in stdout.splitlines()
+
+
+def test_layout_line_names_every_degree_and_muons_two_halves():
+    args = types.SimpleNamespace(
+        model_parallel_size=2, pipeline_model_parallel_size=3, context_parallel_size=2, data_parallel_size=4,
+        num_experts=8, expert_model_parallel_size=2, optimizer="muon", muon_lr=0.05, muon_momentum=0.9, lr=3e-4,
+        adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, deepspeed=True, zero_stage=1)
+    assert layout_line(args) == (
+        "> layout: tensor-parallel 2, pipeline-parallel 3, context-parallel 2, data-parallel 4, expert-parallel 2 "
+        "(expert-data-parallel 2); optimizer: Muon (muon-lr 0.05, momentum 0.9) for the hidden matrices, AdamW (lr "
+        "0.0003, betas 0.8/0.95, eps 1e-06, weight decay 0.1) for the rest; ZeRO stage 1")
+    args.num_experts, args.optimizer = None, "adam"      # no experts: expert-parallel 1 whatever the flag says
+    assert ", data-parallel 4, expert-parallel 1; optimizer: AdamW (lr 0.0003," in layout_line(args)
