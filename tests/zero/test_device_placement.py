@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import mpu.utils
+from tests.zero.test_nccl_rules import meta_rank  # noqa: F401  (the fixture: fake dp 2, "meta", the rules on)
 
 META = torch.device("meta")
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6}
@@ -61,14 +62,50 @@ def test_an_engine_without_optimizer_moves_the_model_too(meta_device):
 
 def test_zero_init_builds_on_the_device(meta_device):
     """Constructors inside zero.Init default to the device (parameters and buffers), and the pieces stay there
-    without remote_device. (A parameter built on the host explicitly is moved too, but a CPU parameter cannot
-    take "meta" data in place, so that case needs a real device: tools/gpu_check.sh.)"""
+    without remote_device. (A parameter built on the host explicitly: the next test.)"""
     from megatron import zero
     with zero.Init():
         model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
     assert {p.ds_tensor.device for p in model.parameters()} == {meta_device}
     assert {p.device for p in model.parameters()} == {meta_device}
     assert {b.device for b in model.buffers()} == {meta_device}
+
+
+class HostParameter(nn.Parameter):
+    """A parameter built on the host that takes device data in place (`param.data = ...`) as a CPU parameter takes
+    CUDA data. torch refuses CPU -> "meta" in place (incompatible tensor types): the contents are swapped instead,
+    the object and its attributes kept, so zero.Init's own code runs unchanged on the "meta" device."""
+
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        attributes = dict(self.__dict__)
+        torch.utils.swap_tensors(self, nn.Parameter(value, requires_grad=self.requires_grad))
+        self.__dict__.update(attributes)
+
+
+class HostBuiltNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = HostParameter(torch.ones(3, 5, device="cpu"))     # on the host explicitly
+
+
+def test_a_host_built_parameter_in_zero_init_goes_to_the_device_before_any_collective(meta_rank):
+    """Fake dp 2 on the "meta" device under the NCCL rules: zero.Init moves a parameter built on the host to the
+    device before it broadcasts it (on NCCL a host tensor there fails; on gloo the host is the device, so only
+    here is it visible), and the parameter and its piece end on the device."""
+    from megatron import zero
+    from megatron.guards import nccl_rules
+    before = nccl_rules.checked
+    with zero.Init():
+        model = HostBuiltNet()
+    assert nccl_rules.checked > before              # its broadcast went through the rules (a host tensor raises)
+    weight = model.weight
+    assert (weight.device, weight.ds_tensor.device, weight.ds_shape, weight.ds_tensor.numel()) == \
+        (META, META, torch.Size([3, 5]), 8)          # 15 elements in 2 pieces of 8
 
 
 def test_a_zero_init_model_is_partitioned_on_the_device(meta_device):

@@ -141,3 +141,43 @@ def test_gradient_accumulation(reference):
 def test_tensor_parallel_times_expert_parallel(reference):
     results = run_distributed(_engine_runs, 4, args=(2, (1, 3)), model_parallel_size=2, timeout=240)
     _check(results, reference, dp=2, ep=2)
+
+
+def _edit_one_expert(modifier_rank):
+    """EP 2 at stage 3 on 4 ranks: this rank's first expert weight edited under GatheredParameters(modifier_rank);
+    (its name, every parameter whole before, after). Only the modifier of the holders of expert 0 edits (to 7);
+    the other holder of expert 0 writes -1, an edit that is dropped; the holders of expert 4 leave theirs alone."""
+    import mpu
+    from megatron import zero
+    mpu.initialize_expert_parallel(2)
+    model = _model(None)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 3}}
+    engine = zero.initialize(model=model, optimizer=_optimizer(model), config=config, mpu=mpu,
+                             dist_init_required=False)[0]
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        before = gathered_model_parallel(engine.module)
+    name, edited = next((n, p) for n, p in engine.module.named_parameters() if ".experts." in n)
+    with zero.GatheredParameters([edited], modifier_rank=modifier_rank):
+        if mpu.get_expert_model_parallel_rank() == 0:
+            edited.data.fill_(7.0 if mpu.get_expert_data_parallel_rank() == modifier_rank else -1.0)
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return name, before, gathered_model_parallel(engine.module)
+
+
+def test_an_expert_edited_under_gathered_parameters_reaches_its_holders_only():
+    """World 4 at EP 2 is the smallest layout where an expert has two holders (expert-data-parallel groups [0 2] and
+    [1 3]: experts 0-3 on ranks 0 and 2) and the data-parallel group [0 1 2 3] also holds other experts. The edit is
+    broadcast over the expert's holders: from modifier_rank 1 of [0 2] (rank 2), not from data-parallel rank 1
+    (rank 1, which holds expert 4 at the same place). Both holders of expert 0 see the edit; nothing else changes,
+    expert 4 included."""
+    results = run_distributed(_edit_one_expert, 4, args=(1,), model_parallel_size=1, timeout=240)
+    names = [name for name, _, _ in results]
+    assert names == ["transformer.layers.0.mlp.experts.0.dense_h_to_4h.weight",
+                     "transformer.layers.0.mlp.experts.4.dense_h_to_4h.weight"] * 2
+    wrong = []
+    for rank, (name, before, after) in enumerate(results):
+        assert set(after) == set(before)
+        for key in before:
+            expected = torch.full_like(before[key], 7.0) if key == name and rank in (0, 2) else before[key]
+            wrong += [] if torch.equal(after[key], expected) else [(rank, key)]
+    assert wrong == []

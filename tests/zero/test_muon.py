@@ -89,10 +89,13 @@ def reference_run(dtype=torch.float32, steps=STEPS, overrides=None):
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
-def engine_run(stage, dtype=torch.float32, steps=STEPS, overrides=None, extra_config=None):
+def engine_run(stage, dtype=torch.float32, steps=STEPS, overrides=None, extra_config=None, zero_init=False):
+    """(losses, full state, names of the Muon half) of a ZeRO run; `zero_init`: the model built under zero.Init
+    (at stage 3 each parameter is a 1-D piece before the optimizer is built)."""
     import mpu
     from megatron import zero
-    model = _model(dtype=dtype, **(overrides or {}))
+    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(), enabled=zero_init):
+        model = _model(dtype=dtype, **(overrides or {}))
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     micro = GLOBAL_BATCH // dp
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.0,
@@ -109,7 +112,15 @@ def engine_run(stage, dtype=torch.float32, steps=STEPS, overrides=None, extra_co
         total = loss.detach().reshape(1).double()
         dist.all_reduce(total, group=mpu.get_data_parallel_group())
         losses.append(float(total) / dp)
-    return losses, _full_state(engine.module, stage)
+    return losses, _full_state(engine.module, stage), _muon_half(engine)
+
+
+def _muon_half(engine):
+    """The names of the parameters the engine steps with Muon (its flat groups tagged as the Muon half)."""
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    wrapped = engine.optimizer
+    return sorted(names[id(p)] for group, muon in zip(wrapped.groups, wrapped.muon_groups) if muon
+                  for p in group.params)
 
 
 def _full_state(module, stage):
@@ -145,11 +156,31 @@ def test_muon_at_every_zero_stage_equals_the_published_algorithm(references, mod
     results = run_distributed(_all_stages, 2 * model_parallel, args=(dtype,), model_parallel_size=model_parallel)
     tolerance = TOLERANCE[model_parallel, dtype]
     for by_stage in results:
-        for stage, (losses, state) in by_stage.items():
+        for stage, (losses, state, muon_half) in by_stage.items():
             assert max_relative_difference(losses, ref_losses) <= tolerance, (stage, losses, ref_losses)
             assert set(state) == set(ref_state)
             assert max_relative_difference(state, ref_state) <= tolerance, stage
+            assert muon_half == _hidden_matrices(ref_state), stage
     assert ref_losses[-1] < ref_losses[0] - 0.1          # it trains
+
+
+def _hidden_matrices(state):
+    return sorted(name for name, value in state.items() if is_hidden_matrix(name, value))
+
+
+def _zero2_and_zero3_under_zero_init():
+    return engine_run(2), engine_run(3, zero_init=True)
+
+
+def test_zero3_under_zero_init_splits_and_trains_as_zero2(references):
+    """Built under zero.Init, every parameter is a 1-D piece when ZeRO-3's optimizer splits them: the Muon half is
+    still the hidden matrices (by their whole shape), the 8 of ZeRO-2's, and the losses and weights equal ZeRO-2's
+    and the reference's."""
+    ref_losses, ref_state = references[torch.float32]
+    for zero2, zero3 in run_distributed(_zero2_and_zero3_under_zero_init, 2, model_parallel_size=1):
+        assert len(zero2[2]) == 8 and zero3[2] == zero2[2] == _hidden_matrices(ref_state)
+        assert max_relative_difference(zero3[0], zero2[0]) <= 1e-6, (zero3[0], zero2[0])
+        assert max_relative_difference(zero3[1], ref_state) <= 1e-6
 
 
 def test_newton_schulz_matches_the_reference_and_gram_equals_standard():
@@ -179,6 +210,37 @@ def test_scheduled_lr_keeps_the_muon_to_adam_ratio():
     AnnealingLR(optimizer, max_lr=0.002, min_lr=0.0, warmup_iter=0, decay_iters=10, decay_style="linear",
                 num_iters=5)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.025, 0.001], rel=1e-12)
+
+
+@pytest.mark.parametrize("params,muon_lr,adam_lr", [({"lr": 0.01}, 0.01, 0.01),
+                                                     ({"lr": 0.01, "muon_lr": 0.05}, 0.05, 0.01),
+                                                     ({"lr": 0.01, "adam_lr": 0.002}, 0.01, 0.002)])
+def test_the_json_lr_is_both_halves_unless_muon_lr_or_adam_lr_overrides_it(params, muon_lr, adam_lr):
+    """DeepSpeed's optimizer.params: `lr` is shared, `muon_lr` / `adam_lr` override it for their half (0.01 is
+    neither half's default, 0.02 and 3e-4)."""
+    from megatron.zero import build_optimizer, load_config
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+    config = load_config({"train_batch_size": 1, "optimizer": {"type": "Muon", "params": params}})
+    optimizer = build_optimizer(config.optimizer, model.parameters(), model)
+    assert [(g["use_muon"], g["lr"]) for g in optimizer.param_groups] == [(True, muon_lr), (False, adam_lr)]
+    assert optimizer.param_groups[0]["lr_mult"] == pytest.approx(muon_lr / adam_lr, rel=1e-12)
+
+
+def _halves_of_an_untied_model():
+    from megatron.zero import build_optimizer, load_config
+    model = _model(untie_embeddings_and_output_weights=True)
+    config = load_config({"train_batch_size": 1, "optimizer": OPTIMIZER})
+    optimizer = build_optimizer(config.optimizer, model.parameters(), model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: g["use_muon"] for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_an_untied_output_layer_steps_with_adamw_as_the_embedding():
+    """--untie-embeddings-and-output-weights: output_layer.weight [V, h] is the head, not a hidden matrix."""
+    halves = run_distributed(_halves_of_an_untied_model, 1, model_parallel_size=1)[0]
+    assert halves["output_layer.weight"] is False and halves["word_embeddings.weight"] is False
+    assert sorted(name for name, muon in halves.items() if muon) == \
+        sorted(name for name in halves if ".layers." in name and name.endswith("weight") and "norm" not in name)
 
 
 # ---- checkpoints: bitwise resume, and a data-parallel-2 checkpoint loaded at data parallel 1 ---------------------
