@@ -170,15 +170,43 @@ def _cpu_kernel_backward(q, k, v, out, lse, grad_out, scale, causal):
     return tuple(grad.to(accumulation_dtype(q.dtype)) for grad in grads)
 
 
+def _flash_kernel_forward(q, k, v, scale, causal):
+    """One block through SDPA's CUDA flash kernel (16-bit in, the log-sum-exp out in fp32): no s x s scores, no fp32
+    copies of q, k, v. The merge of the blocks stays in fp32 (accumulation_dtype)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out.float(), lse.float()
+
+
+def _flash_kernel_backward(q, k, v, out, lse, grad_out, scale, causal):
+    """The CUDA flash kernel's backward of one block given the *final* out and lse of these rows (as the math path:
+    P = exp(q k^T scale - lse), delta = rowsum(dO O)); dropout 0, so its RNG state arguments are never read."""
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)      # the forward's shapes (torch's meta registration)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(   # None: not variable-length (as forward)
+        grad_out.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.float().contiguous(),
+        None, None, q.size(2), k.size(2), 0.0, causal, seed, offset, scale=scale)
+    return tuple(grad.float() for grad in grads)
+
+
 CPU_FUSED_KERNEL = True     # False: the math path on the CPU too (the tests run both)
 
 
-def _block_kernels(device):
-    """(forward, backward) of one block: SDPA's fused flash kernel on the CPU, where torch has it; elsewhere the
-    math path in pieces of query rows (a fused kernel that returns the log-sum-exp is device-specific)."""
-    if CPU_FUSED_KERNEL and device.type == "cpu" and \
+def flash_kernel_fits(q):
+    """SDPA's CUDA flash kernel takes q: fp16/bf16, a head size that is a multiple of 8 up to 256, sm80 or newer."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) % 8 == 0
+            and q.size(-1) <= 256 and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _block_kernels(q):
+    """(forward, backward) of one block for query tensor `q`: SDPA's fused flash kernel on the CPU (where torch has
+    it) and on CUDA for 16-bit q (flash_kernel_fits); otherwise (fp32 on CUDA, other devices) the math path in
+    pieces of query rows."""
+    if CPU_FUSED_KERNEL and q.device.type == "cpu" and \
             hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         return _cpu_kernel_forward, _cpu_kernel_backward
+    if flash_kernel_fits(q):
+        return _flash_kernel_forward, _flash_kernel_backward
     return _forward_by_rows, _backward_by_rows
 
 
@@ -240,7 +268,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()                                        # [2, b, n_kv, 2T, d]
-        block_forward, _ = _block_kernels(q.device)
+        block_forward, _ = _block_kernels(q)
         for step in range(cp):
             handles = []
             if step < cp - 1:
@@ -266,7 +294,7 @@ class RingAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         grad_kv = torch.zeros(kv.shape, dtype=acc, device=q.device)                # of the block held now
-        _, block_backward = _block_kernels(q.device)
+        _, block_backward = _block_kernels(q)
         for step in range(cp):
             handles = []
             if step < cp - 1:

@@ -142,3 +142,33 @@ def test_saved_activation_bytes_match_the_context_parallel_formula():
             shape = (MEASURE_LAYERS, MEASURE_SEQ // 2, MEASURE_BATCH, HIDDEN, HEADS, 1)
             assert measured == memory.activation_bytes_saved(*shape, MEASURE_MODES[mode], ring), (rank, mode)
             assert 0.4 < measured / alone[mode] <= 0.55, (mode, measured, alone[mode])
+
+
+# ---- one ring block through the device's fused kernel (the CPU's flash kernel; CUDA's flash kernel under
+# tools/gpu_check.sh, which runs this file with --device cuda) ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, causal", [(8, True), (4, False)])
+def test_a_block_on_the_devices_kernel_equals_fp64_attention(test_device, dtype, rows, causal):
+    """One block as the ring runs it: q [1, 4, rows, 64] against k, v [1, 4, 8, 64] (the causal block square, the
+    others rectangular); forward (out, lse) and backward (given the block's own out and lse as the final ones) against
+    the math path in fp64. bf16 in: within 2e-2 relative (bf16 rounding of q, k, v and of the kernel's output); fp32
+    within 1e-5. On CUDA a bf16 block must take the flash kernel (not the fp32 math path)."""
+    from mpu import context_parallel as cp
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = (torch.randn(1, 4, n, 64, generator=gen) for n in (rows, 8, 8, rows))
+    q, k, v = (t.to(test_device, dtype) for t in (q, k, v))
+    forward, backward = cp._block_kernels(q)
+    if test_device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] >= 8:
+        assert forward is cp._flash_kernel_forward
+    ref_out, ref_lse = cp._block_forward(*(t.double() for t in (q, k, v)), 0.125, causal)
+    out, lse = forward(q, k, v, 0.125, causal)
+    grads = backward(q, k, v, out, lse, grad_out.to(test_device), 0.125, causal)
+    ref_grads = cp._block_backward(*(t.double() for t in (q, k, v)), ref_out, ref_lse,
+                                   grad_out.to(test_device).double(), 0.125, causal)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert out.dtype == lse.dtype == torch.float32
+    assert max_relative_difference(out.double(), ref_out) < tolerance
+    assert max_relative_difference(lse.double(), ref_lse) < tolerance
+    for got, ref in zip(grads, ref_grads):
+        assert max_relative_difference(got.double(), ref) < tolerance
