@@ -126,6 +126,8 @@ def setup_model_and_optimizer(model_provider, options=None, lr=None, accumulatio
         config = dataclasses.replace(config, train_batch_size=config.train_batch_size * accumulation,
                                      gradient_accumulation_steps=config.gradient_accumulation_steps * accumulation)
     if args.deepspeed:
+        if config.scheduler is not None:      # the JSON's scheduler block is the schedule: the engine builds it
+            lr_scheduler = None
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
                                                             dist_init_required=False, config=config)
