@@ -127,6 +127,8 @@ def setup_model_and_optimizer(model_provider, options=None, lr=None, accumulatio
         config = dataclasses.replace(config, train_batch_size=config.train_batch_size * accumulation,
                                      gradient_accumulation_steps=config.gradient_accumulation_steps * accumulation)
     if args.deepspeed:
+        if config.scheduler is not None:      # the JSON's scheduler block is the schedule: the engine builds it
+            lr_scheduler = None
         model, optimizer, _, lr_scheduler = zero.initialize(model=model, optimizer=optimizer, args=args,
                                                             lr_scheduler=lr_scheduler, mpu=mpu,
                                                             dist_init_required=False, config=config)
@@ -303,11 +305,11 @@ def _print_model_state_estimate(model, args):
     """(estimate, its setting): this rank's model-state bytes by kind (operations.model_state_estimate)."""
     module = unwrap_model(model)
     groups = param_groups_for_weight_decay(module)
-    counts = [sum(mpu.full_numel(p) for p in group["params"]) for group in groups]
-    # expert groups (their own, megatron's grouping) are partitioned over the expert-data-parallel group
-    sizes = [args.data_parallel_size // args.expert_model_parallel_size
-             if mpu.is_expert_parameter(group["params"][0]) else args.data_parallel_size for group in groups]
-    estimate = operations.model_state_estimate(counts, args, module, sizes)
+    if args.optimizer == "muon":       # get_optimizer's halves (the settings do not matter here)
+        groups = zero.split_param_groups(module, groups, {"lr": 1.0}, {"lr": 1.0})
+    estimate = operations.model_state_estimate(
+        [memory.StateGroup(sum(mpu.full_numel(p) for p in group["params"]), mpu.is_expert_parameter(
+            group["params"][0]), group.get("use_muon", False)) for group in groups], args, module)
     setting = operations.memory_setting(args)
     print_rank_0(f" > model-state memory estimate per rank (bytes, {setting}): {memory.format_bytes(estimate)}")
     activations, activation_setting = operations.activation_estimate(args)

@@ -18,6 +18,10 @@ else
   NUM_GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 fi
 
+# What the user set (before the recipe's defaults fill them in): under --deepspeed a DS_CONFIG's optimizer/scheduler
+# keys win over the recipe's defaults, never over these (json_decided_training_args).
+USER_LR=${LR:-}; USER_RECIPE_ARGS=${RECIPE_ARGS+set}
+
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -63,7 +67,8 @@ fi
 MODEL_ARGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN_SIZE --num-attention-heads $NUM_HEADS \
   --seq-length $SEQ_LENGTH --max-position-embeddings $SEQ_LENGTH"
 # Shared by every script; the Megatron path adds BATCH_PRECISION_ARGS, the --deepspeed path reads those from its JSON.
-TRAINING_ARGS="--train-iters $TRAIN_ITERS --lr $LR --min-lr 1e-5 --lr-decay-style cosine --warmup 0.01 \
+SCHEDULE_ARGS="--min-lr 1e-5 --lr-decay-style cosine --warmup 0.01"
+TRAINING_ARGS="--train-iters $TRAIN_ITERS --lr $LR $SCHEDULE_ARGS \
   --weight-decay 0.01 --log-interval $LOG_INTERVAL --eval-interval $EVAL_INTERVAL --eval-iters $EVAL_ITERS \
   --save-interval $SAVE_INTERVAL $RECIPE_ARGS"
 BATCH_PRECISION_ARGS="--batch-size $MICRO_BATCH --clip-grad 1.0 $PRECISION_ARGS"
@@ -72,6 +77,36 @@ if [ "$NUM_GPUS" -gt 0 ]; then
 else
   DS_CONFIG=${DS_CONFIG:-scripts/ds_zero2_config.json}
 fi
+
+json_decided_training_args() {  # TRAINING_ARGS less the recipe defaults that DS_CONFIG's optimizer/scheduler set
+  # A JSON key and a flag for the same value must agree (pretrain_gpt.py stops naming both), so the recipe's own
+  # defaults (--lr, the cosine schedule, --weight-decay, the CPU recipe's --adam-beta2) give way to the JSON's
+  # keys; an LR or RECIPE_ARGS the user set is still passed, and a disagreement with the JSON stops the run.
+  local decided args=" $TRAINING_ARGS "
+  decided=$("$PYTHON" - "$DS_CONFIG" <<'JSON_KEYS'
+import json, sys
+try:
+    with open(sys.argv[1]) as handle:
+        config = json.load(handle)
+    params = (config.get("optimizer") or {}).get("params") or {}
+    scheduler = config.get("scheduler")
+except (OSError, ValueError, AttributeError):
+    sys.exit(0)             # pretrain_gpt.py names what is wrong with the file
+keys = [key for key in ("weight_decay", "betas") if key in params]
+keys += ["lr"] if "lr" in params or "adam_lr" in params or scheduler else []
+print(" ".join(keys + (["scheduler"] if scheduler else [])))
+JSON_KEYS
+)
+  for key in $decided; do
+    case $key in
+      lr) if [ -z "$USER_LR" ]; then args=${args/ --lr $LR / }; fi ;;
+      scheduler) args=${args/ $SCHEDULE_ARGS / } ;;
+      weight_decay) args=${args/ --weight-decay 0.01 / } ;;
+      betas) if [ -z "$USER_RECIPE_ARGS" ]; then args=${args/--adam-beta2 0.95/}; fi ;;
+    esac
+  done
+  echo "$args"
+}
 
 check_port_free() {  # a port this node must listen on: one line naming it when another process holds it
   if ! "$PYTHON" - "$1" <<'PORT_CHECK'

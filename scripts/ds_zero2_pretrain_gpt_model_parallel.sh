@@ -40,5 +40,5 @@ if [ "${DEEPSPEED_ACTIVATION_CHECKPOINTING:-0}" = "1" ]; then
 fi
 
 launch "$GPUS_PER_NODE" pretrain_gpt.py --model-parallel-size "$MP_SIZE" --pipeline-model-parallel-size "$PP_SIZE" \
-  $MODEL_ARGS $TRAINING_ARGS $DATA_ARGS --deepspeed --deepspeed_config "$DS_CONFIG" $AC_ARGS \
+  $MODEL_ARGS $(json_decided_training_args) $DATA_ARGS --deepspeed --deepspeed_config "$DS_CONFIG" $AC_ARGS \
   $CHECKPOINT_ARGS ${EXTRA_ARGS:-}

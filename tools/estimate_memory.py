@@ -38,6 +38,8 @@ def build_parser():
                         help="activations: each rank holds 2 of 2C chunks of the sequence and ring attention keeps "
                              "fp32 outputs; ZeRO partitions over data x context parallel ranks")
     parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
+                        help="muon: the layers' weight matrices keep one fp32 momentum (Adam: two moments)")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="ZeRO stage (the --deepspeed path); omitted: the Megatron path (no partitioning)")
     precision = parser.add_mutually_exclusive_group()
@@ -140,12 +142,19 @@ def estimate(args):
              args.model_parallel_size, args.num_attention_heads, architecture_of(args))
     counts = memory.gpt2_param_groups(*shape)
     sizes = memory.gpt2_parameter_sizes(*shape)
+    groups = list(counts)
+    if args.optimizer == "muon":     # the decayed group's halves, as zero.split_param_groups: Muon's, then AdamW's
+        options = architecture_of(args)
+        vocab_rows = padded_vocab // args.model_parallel_size * args.hidden_size
+        tables = vocab_rows * (2 if options["untie_embeddings_and_output_weights"] else 1) + \
+            (shape[3] * args.hidden_size if options["learned_position_embeddings"] else 0)   # embeddings, head
+        groups = [memory.StateGroup(counts[0] - tables, muon=True), tables, counts[1]]
     dtype = "float16" if args.fp16 else ("bfloat16" if args.bf16 else "float32")
     config = None if args.zero_stage is None else \
         zero.load_config(ds_config(args.zero_stage, dtype, args.micro_batch_size, **zero_keys(args)),
                          args.data_parallel_size)
-    states = memory.model_state_bytes(counts, dtype, config, args.data_parallel_size * args.context_parallel_size,
-                                      parameter_sizes=[n for n, _ in sizes])
+    states = memory.run_model_state_bytes(groups, dtype, config, args.data_parallel_size, args.context_parallel_size,
+                                          parameter_sizes=[n for n, _ in sizes])
     layout = memory.ActivationLayout.for_run(args.device, 4 if dtype == "float32" else 2, args.attention_dropout,
                                              args.hidden_dropout,
                                              sequence_parallel=args.sequence_parallel and args.model_parallel_size > 1,

@@ -29,7 +29,9 @@ def reconcile_with_deepspeed_config(args, parser):
                ("remote_device", "--remote-device", config.zero_optimization.offload_param.device,
                 "zero_optimization.offload_param.device")]
     if config.optimizer is not None:
-        shared += _optimizer_flags(config.optimizer)
+        shared += _optimizer_flags(config.optimizer, parser)
+    if config.scheduler is not None:
+        _check_scheduler_flags(args, parser, config.scheduler, path)
     for dest, flag, json_value, key in shared:
         value = getattr(args, dest)
         if value != parser.get_default(dest) and value != json_value:
@@ -42,24 +44,62 @@ def reconcile_with_deepspeed_config(args, parser):
         args.loss_scale_window, args.hysteresis = config.fp16.loss_scale_window, config.fp16.hysteresis
         args.min_scale = config.fp16.min_loss_scale
     # "auto" values are resolved in one place, zero.initialize (from the model's hidden size), which prints them
-    ignored = [name for name, block in (("optimizer", config.optimizer), ("scheduler", config.scheduler)) if block]
-    if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {path}: the JSON {' and '.join(ignored)} block(s) are replaced by Megatron's optimizer "
-              f"(--optimizer and its flags, set from the JSON's type, lr, muon_lr, adam_lr, momentum, ns_method) and "
-              f"--lr-decay-style schedule", flush=True)
     return config
 
 
-def _optimizer_flags(optimizer):
-    """(dest, flag, JSON value, JSON key) of the Megatron flags a JSON "optimizer" block sets: its type, and the lr
-    (adam_lr over lr for Muon: --lr is the AdamW half's), muon_lr, momentum, ns_method."""
+# What pretrain_gpt.py's optimizer (torch AdamW, or Muon with its AdamW half) cannot do that a DeepSpeed "Adam" /
+# "AdamW" / "Muon" params key can: refused by name at the value that needs it (bias_correction false and Muon's own
+# refusals are zero.load_config's). The other keys are honoured through the flags below.
+_REFUSED_PARAMS = {
+    "adam_w_mode": (False, "Adam with L2 weight decay: pretrain_gpt.py's optimizer is AdamW (decoupled decay, "
+                           "DeepSpeed's default); remove it or set it true"),
+    "amsgrad": (True, "DeepSpeed's FusedAdam has no AMSGrad either; remove it"),
+    "max_grad_norm": (None, "clipping is the JSON's gradient_clipping (--clip-grad); remove it"),
+}
+
+
+def _optimizer_flags(optimizer, parser):
+    """(dest, flag, JSON value, JSON key) of the Megatron flags a JSON "optimizer" block sets: its type, lr
+    (adam_lr over lr for Muon: --lr is the AdamW half's), weight_decay, betas, eps, torch_adam (torch's kernel:
+    --no-fused-adam), and Muon's muon_lr, momentum, ns_method. A key the run cannot honour is refused by name."""
     params, muon = optimizer.params, optimizer.type == "Muon"
+    for key, (refused, why) in _REFUSED_PARAMS.items():
+        if key in params and (refused is None or params[key] == refused):
+            parser.error(f"optimizer.params.{key}: {params[key]!r} is not supported under pretrain_gpt.py "
+                         f"--deepspeed ({why})")
     flags = [("optimizer", "--optimizer", "muon" if muon else "adam", "optimizer.type")]
     lr_key = "adam_lr" if muon and "adam_lr" in params else "lr"
-    if lr_key in params:
-        flags.append(("lr", "--lr", params[lr_key], f"optimizer.params.{lr_key}"))
-    muon_lr = "muon_lr" if "muon_lr" in params else "lr"     # DeepSpeed: the shared lr when muon_lr is absent
-    for key, dest in ((muon_lr, "muon_lr"), ("momentum", "muon_momentum"), ("ns_method", "muon_ns_method")):
-        if muon and key in params:
-            flags.append((dest, "--" + dest.replace("_", "-"), params[key], f"optimizer.params.{key}"))
+    named = [(lr_key, "lr"), ("weight_decay", "weight_decay"), ("eps", "adam_eps")]
+    if muon:        # DeepSpeed: the shared lr when muon_lr is absent
+        named += [("muon_lr" if "muon_lr" in params else "lr", "muon_lr"), ("momentum", "muon_momentum"),
+                  ("ns_method", "muon_ns_method")]
+    flags += [(dest, "--" + dest.replace("_", "-"), params[key], f"optimizer.params.{key}")
+              for key, dest in named if key in params]
+    if "betas" in params:
+        flags += [(f"adam_beta{i + 1}", f"--adam-beta{i + 1}", float(params["betas"][i]),
+                   f"optimizer.params.betas[{i}]") for i in range(2)]
+    if "torch_adam" in params:
+        flags.append(("fused_adam", "--no-fused-adam", not params["torch_adam"], "optimizer.params.torch_adam"))
     return flags
+
+
+# Megatron's schedule flags: a JSON "scheduler" block replaces AnnealingLR (the engine builds the block's schedule,
+# megatron/zero/lr_schedules.py), so setting one of these beside it is an error naming both.
+_SCHEDULE_FLAGS = ("min_lr", "lr_decay_style", "lr_decay_iters", "warmup", "override_lr_scheduler",
+                   "use_checkpoint_lr_scheduler")
+
+
+def _check_scheduler_flags(args, parser, scheduler, path):
+    """A JSON "scheduler" block is the run's schedule (the engine's WarmupLR / WarmupDecayLR honour each of its
+    params, training.setup_model_and_optimizer). Megatron's schedule flags set beside it are refused by name, and a
+    --lr given must be its peak, warmup_max_lr (DeepSpeed's default 0.001 when the block leaves it out)."""
+    for dest in _SCHEDULE_FLAGS:
+        if getattr(args, dest) != parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            parser.error(f"{flag} ({getattr(args, dest)}) is a Megatron schedule flag, and {path} has a "
+                         f"scheduler block ({scheduler.type}), which is the schedule under --deepspeed: drop {flag} "
+                         f"or the block")
+    peak = scheduler.params.get("warmup_max_lr", 0.001)
+    if args.lr != parser.get_default("lr") and args.lr != peak:
+        parser.error(f"--lr ({args.lr}) disagrees with scheduler.params.warmup_max_lr ({peak}) in {path}, the "
+                     f"schedule's peak under --deepspeed: drop --lr or make the two agree")

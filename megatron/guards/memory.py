@@ -29,6 +29,7 @@ Frozen parameters (LoRA's base weights, `frozen_elements`) are in no optimizer g
 master or moments), whole on every rank in stages 0-2; stage 3 partitions them as one more flat group.
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -50,7 +51,31 @@ def _padded(numel, partitions, alignment):
     return -(-numel // unit) * unit
 
 
-def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), frozen_elements=0):
+class StateGroup(NamedTuple):
+    """One optimizer param group as its model state sees it."""
+    elements: int
+    """Its element count on this model-parallel rank."""
+    expert: bool = False
+    """MoE expert parameters: ZeRO partitions them over the expert-data-parallel ranks (dp / ep)."""
+    muon: bool = False
+    """Muon's half (zero.split_param_groups): one fp32 momentum per element instead of Adam's two moments."""
+
+
+def run_model_state_bytes(groups, dtype, config, data_parallel_size, context_parallel_size=1,
+                          expert_model_parallel_size=1, parameter_sizes=(), frozen_elements=0):
+    """model_state_bytes of a run's param groups (StateGroup, or plain counts: dense Adam groups), each partitioned
+    as the engine does: over the data x context parallel ranks (they hold the same parameters), an expert group
+    over dp / ep (experts and context parallelism are exclusive). The start-up estimate (operations) and
+    tools/estimate_memory.py both call this."""
+    groups = [StateGroup(g) if isinstance(g, int) else g for g in groups]
+    partitions = [data_parallel_size // expert_model_parallel_size if g.expert
+                  else data_parallel_size * context_parallel_size for g in groups]
+    return model_state_bytes([g.elements for g in groups], dtype, config, partitions, parameter_sizes,
+                             frozen_elements, optimizer_states=[1 if g.muon else 2 for g in groups])
+
+
+def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), frozen_elements=0,
+                      optimizer_states=None):
     """Bytes per rank by kind: {"parameters", "gradients", "master", "moments", "total", "buckets", "host"}.
 
     `counts`: an int (one param group) or the element counts of each optimizer param group on this model-parallel
@@ -63,7 +88,8 @@ def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), froz
     `parameter_sizes`: every parameter's element count, for stage 3, which keeps those up to
     stage3_param_persistence_threshold whole on every rank (the units gathered during forward and backward are
     working memory, not model state). `frozen_elements`: parameters without optimizer state (requires_grad False),
-    counted under "parameters" only.
+    counted under "parameters" only. `optimizer_states`: per group, the fp32 optimizer-state tensors per element
+    (2: Adam's exp_avg and exp_avg_sq; 1: Muon's momentum); None: 2 each.
 
     "total" = parameters + gradients + master + moments (+ "master_gradients" on the Megatron path) on the device;
     "buckets" is the stage-2/3 bucket bound; "host" is what offload keeps in host memory: offload_optimizer
@@ -95,7 +121,7 @@ def model_state_bytes(counts, dtype, config=None, dp=1, parameter_sizes=(), froz
     result = {"parameters": (sum(own) + frozen + persistent if stage == 3 else sum(padded) + frozen) * size,
               "gradients": (sum(own) if stage >= 2 else sum(padded)) * size,
               "master": 0 if dtype == torch.float32 and not offload else sum(own) * 4,
-              "moments": 2 * sum(own) * 4}
+              "moments": sum(k * n for k, n in zip(optimizer_states or [2] * len(own), own)) * 4}
     if zero is None and dtype != torch.float32:
         result["master_gradients"] = sum(own) * 4
     host = 0

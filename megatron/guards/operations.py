@@ -209,19 +209,18 @@ def memory_setting(args):
             f"{args.params_dtype}")
 
 
-def model_state_estimate(counts, args, module=None, data_parallel_sizes=None):
-    """memory.model_state_bytes for this rank from `counts`, the parameter counts of the optimizer's param groups,
-    and the run's zero.Config (args.zero_config, None on the Megatron path; its "auto" values resolved by
+def model_state_estimate(groups, args, module=None):
+    """memory.run_model_state_bytes for this rank: `groups` are the optimizer's param groups (memory.StateGroup, or
+    plain counts: dense Adam groups) partitioned over the run's data x context parallel ranks (experts over dp / ep),
+    with the run's zero.Config (args.zero_config, None on the Megatron path; its "auto" values resolved by
     zero.initialize). `module`: the model, whose small parameters stage 3 keeps whole and whose frozen ones have
-    parameters only. `data_parallel_sizes`: each group's partitions (MoE experts under expert parallelism: the
-    expert-data-parallel size); None: the data-parallel size for every group."""
+    parameters only."""
     parameters = list(module.parameters()) if module is not None else []
-    # ZeRO partitions over data x context parallel ranks (they all hold the same parameters)
-    return memory.model_state_bytes(counts, args.params_dtype, args.zero_config,
-                                    data_parallel_sizes if data_parallel_sizes is not None
-                                    else args.data_parallel_size * context_parallel_size(args),
-                                    parameter_sizes=[mpu.full_numel(p) for p in parameters],
-                                    frozen_elements=sum(mpu.full_numel(p) for p in parameters if not p.requires_grad))
+    return memory.run_model_state_bytes(groups, args.params_dtype, args.zero_config, args.data_parallel_size,
+                                        context_parallel_size(args), getattr(args, "expert_model_parallel_size", 1),
+                                        parameter_sizes=[mpu.full_numel(p) for p in parameters],
+                                        frozen_elements=sum(mpu.full_numel(p) for p in parameters
+                                                            if not p.requires_grad))
 
 
 def activation_estimate(args):

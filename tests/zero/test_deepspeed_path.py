@@ -11,8 +11,8 @@ import pytest
 
 
 from megatron.spawn import free_port, run_distributed
-from tests.helpers import (logged_losses, NO_DROPOUT, parser_error, REPO, run_script, set_tracker, SHORT_PRETRAIN,
-                           TINY, train, write_config)
+from tests.helpers import (logged_losses, NO_DROPOUT, parser_error, REPO, run_script, SCRIPT_TEST_DS_CONFIG,
+                           SCRIPT_TEST_SHAPE, script_env, set_tracker, SHORT_PRETRAIN, TINY, train, write_config)
 from tests.checkpoint.test_checkpoint import train_killed_in_save
 
 
@@ -92,6 +92,30 @@ def test_ds_pretrain_gpt_sh(ds_pretrained):
     greedy, sampled = re.findall(r"^Megatron-LM:(.*?)(?=^greedy continuation|^sampled continuation|\Z)", stdout,
                                  re.S | re.M)
     assert greedy.strip() != sampled.strip(), stdout
+
+
+def test_ds_pretrain_gpt_sh_takes_a_muon_json_with_its_own_lr_and_schedule(tmp_path, webtext_data):
+    """A DeepSpeed-typical Muon JSON (lr 0.02, weight_decay, betas, a WarmupLR) through the script: the recipe's
+    defaults (--lr, its cosine schedule, --weight-decay, --adam-beta2 0.95) give way, the run follows the JSON's
+    schedule (linear warmup 0 -> 0.02 over 2 steps: the log line's lr after steps 1 and 2, 0 and 0.01); an LR the
+    user sets still disagrees with it by name."""
+    with open(SCRIPT_TEST_DS_CONFIG) as handle:
+        config = json.load(handle)
+    config["train_micro_batch_size_per_gpu"] = 2
+    config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
+                                                      "betas": [0.9, 0.98]}}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.02,
+                                                          "warmup_num_steps": 2, "warmup_type": "linear"}}
+    path = tmp_path / "muon.json"
+    path.write_text(json.dumps(config))
+    env = dict(SCRIPT_TEST_SHAPE, HIDDEN_SIZE="64", SEQ_LENGTH="32", DS_CONFIG=str(path), TRAIN_ITERS="2", LOG_INTERVAL="1", EVAL_ITERS="0",
+               CHECKPOINT_PATH=str(tmp_path / "ckpt"), LOG_JSONL="")
+    stdout = run_script("ds_pretrain_gpt.sh", env)
+    assert [float(lr) for lr in re.findall(r"\| learning rate: (\S+) \|", stdout)] == [0.0, 0.01], stdout[-3000:]
+    refused = subprocess.run(["bash", "scripts/ds_pretrain_gpt.sh"], cwd=REPO, capture_output=True, text=True,
+                             env=script_env(dict(env, LR="0.002")), timeout=300)
+    assert refused.returncode != 0
+    assert "--lr (0.002) disagrees with scheduler.params.warmup_max_lr (0.02)" in refused.stderr, refused.stderr
 
 
 def test_ds_zero2_model_parallel_sh_two_nodes(tmp_path, webtext_data):

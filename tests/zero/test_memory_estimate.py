@@ -403,3 +403,27 @@ def test_planning_table_against_the_zero_paper_formula():
     assert table["stage 3", 8] == "30B"            # 2 x 30e9 = 60 GB; 66B needs 132 GB
     assert table["stage 3", 64] == "175B"          # 0.25 x 175e9 = 44 GB
     assert table["stage 2 + offload_optimizer", 1] == "30B"   # only the 2P parameters stay: 60 GB; 66B: 132 GB
+
+
+@pytest.mark.parametrize("flags", [["--context-parallel-size", "2"], ["--optimizer", "muon", "--muon-lr", "0.02"]])
+def test_start_up_estimate_equals_measurement_under_context_parallel_and_muon(tmp_path, flags):
+    """ZeRO-2, 2 ranks: at context-parallel size 2 (dp 1; the state is partitioned over the data x context ranks)
+    and with Muon at dp 2 (its matrices keep one momentum, Adam's rest two) the start-up estimate equals the
+    engine's tensors after step 1 by kind (the buckets: a bound), and tools/estimate_memory.py prints the same
+    numbers."""
+    from tests.helpers import write_config
+    config = write_config(str(tmp_path), zero_optimization={"stage": 2, "reduce_bucket_size": BUCKET,
+                                                            "contiguous_gradients": True})
+    _, out = run_distributed(_train_capturing, 2, args=(TINY + NO_DROPOUT + flags + [
+        "--train-iters", "2", "--deepspeed", "--deepspeed_config", config],))[0]
+    estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
+    for kind in memory.KINDS + ("total", "host"):
+        assert estimate[kind] == measured[kind], (kind, estimate, measured)
+    assert int(measured["buckets"]) <= int(estimate["buckets"])     # a bound (the peak seen vs the pool)
+    tool_flags = ["--optimizer", "muon", "--data-parallel-size", "2"] if "muon" in flags else \
+        ["--context-parallel-size", "2", "--data-parallel-size", "1"]
+    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:], *tool_flags,
+                           "--zero-stage", "2", "--reduce-bucket-size", str(BUCKET)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0, tool.stderr
+    assert _printed(tool.stdout, "estimate") == estimate
