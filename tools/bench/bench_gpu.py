@@ -78,6 +78,7 @@ SHARED_NAMES = {"NVIDIA H200": ((650.0, 989.5), (0.0, 835.5))}
 # The plan's time model (--plan): guesses until a GPU run measures them, stated as such in its output.
 PLAN_GPU, PLAN_PEAK = "an H200 SXM", 989.5
 PLAN_STARTUP_S = 20      # per cell: interpreter, torch and CUDA start-up, NCCL group, model build, first step
+PLAN_COMPILE_S = 30      # per compiled cell (default and compiled: every model compiles on CUDA): inductor, cold cache
 PLAN_MFU = 0.3
 
 
@@ -385,12 +386,13 @@ def plan(args):
         micro = args.micro_batch or m["micro"]
         compute = 2 * args.steps * micro * m["seq"] * flops_per_token(model, args.checkpoint_activations) \
             / (PLAN_MFU * PLAN_PEAK * 1e12)
-        total += PLAN_STARTUP_S + compute
+        cell_s = PLAN_STARTUP_S + (PLAN_COMPILE_S if mode != "eager" else 0) + compute
+        total += cell_s
         label = "" if mode == "default" else f" {mode}"
         lines.append(f"    {model} {precision} ZeRO-{stage}{label}: micro-batch {micro} x {m['seq']} tokens, "
-                     f"{2 * args.steps} "
-                     f"steps, ~{PLAN_STARTUP_S + compute:.0f} s")
-    lines.append(f"    (guesses, not measurements: {PLAN_STARTUP_S} s of start-up per cell, the steps at "
+                     f"{2 * args.steps} steps, ~{cell_s:.0f} s")
+    lines.append(f"    (guesses, not measurements: {PLAN_STARTUP_S} s of start-up per cell, {PLAN_COMPILE_S} s of "
+                 f"compile per compiled cell, the steps at "
                  f"{PLAN_MFU:.0%} MFU of {PLAN_GPU}'s {PLAN_PEAK:g} TFLOP/s; stage 3 may take longer)")
     count = len(cells(args))
     lines.append(f"expected: ~{total:.0f} s for {count} cell{'s' * (count != 1)} (at most {args.cell_timeout} s each)")
