@@ -208,6 +208,9 @@ def test_activation_estimate_knows_flash_attention_and_the_chunked_loss(monkeypa
     assert estimate("s256", 2, "bf16") == L * layer + (4 + 4) * s * b * V
     assert estimate("s256", 2, "fp32") == L * (2 * 34 * s * b * h + 4 * a * s * b) + (8 + 4) * s * b * V
     assert estimate("s256", 2, "bf16", checkpoint_activations=True) == L * 2 * s * b * h + layer + 8 * s * b * V
+    # a compiled run's loss (mpu/fused.py) keeps the logits only, its gradient written into them: 2 bytes a logit
+    assert estimate("s256", 2, "bf16", fused_loss=True) == L * layer + 2 * s * b * V
+    assert estimate("s256", 2, "fp32", fused_loss=True) == L * (2 * 34 * s * b * h + 4 * a * s * b) + 4 * s * b * V
 
 
 def test_rows_and_table():

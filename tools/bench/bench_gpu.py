@@ -179,15 +179,16 @@ def _is_number(text):
         return False
 
 
-def activation_estimate_bytes(model, micro, precision, checkpoint_activations=False):
+def activation_estimate_bytes(model, micro, precision, checkpoint_activations=False, fused_loss=False):
     """Activation memory at a step's peak for our GPT-2 (Korthikanti et al. 2022, per layer, adapted):
     - a layer keeps 34 s b h bytes in 16-bit (scaled for fp32) and 4 a s b for the fp32 log-sum-exp of its
       attention. The model's attention is F.scaled_dot_product_attention, whose flash / memory-efficient kernels
       keep no s x s scores: the paper's 5 a s^2 b term is not there;
     - with --checkpoint-activations a layer keeps its input, 2 s b h, and one layer at a time is recomputed whole;
-    - the loss (mpu/cross_entropy.py, chunked over tokens) holds at its peak, the end of its backward, the logits
-      [b, s, V] it saved and their gradient, both in the training precision, plus one fp32 chunk of
-      default_chunk_tokens(V, "cuda") tokens (64 MiB at most), while every layer's activations are still alive.
+    - the eager loss (mpu/cross_entropy.py, chunked over tokens) holds at its peak, the end of its backward, the
+      logits [b, s, V] it saved and their gradient, both in the training precision, plus one fp32 chunk of
+      default_chunk_tokens(V, "cuda") tokens (64 MiB at most), while every layer's activations are still alive;
+      the compiled loss (`fused_loss`: mpu/fused.py, a compiled run's) only the logits, its gradient written in them.
     The embeddings' and the final LayerNorm's few s b h are left out. None for a Llama shape (other constants)."""
     m = MODELS[model]
     if m.get("llama"):
@@ -199,7 +200,8 @@ def activation_estimate_bytes(model, micro, precision, checkpoint_activations=Fa
         else m["layers"] * full_layer
     from mpu.cross_entropy import default_chunk_tokens
     vocab = padded_vocab(model)
-    loss = 2 * s * b * vocab * element + 4 * min(s * b, default_chunk_tokens(vocab, "cuda")) * vocab
+    loss = s * b * vocab * element if fused_loss else \
+        2 * s * b * vocab * element + 4 * min(s * b, default_chunk_tokens(vocab, "cuda")) * vocab
     return layers + loss
 
 
@@ -252,7 +254,7 @@ def run_cell(model, precision, stage, args, compile_mode="default"):
     cuda = torch.cuda.is_available()
     peak = args.peak_tflops if precision != "fp32" else None
     tflops = record["tokens_per_second"] * flops_per_token(model, args.checkpoint_activations) / 1e12
-    activations = activation_estimate_bytes(model, micro, precision, args.checkpoint_activations)
+    activations = activation_estimate_bytes(model, micro, precision, args.checkpoint_activations, compiled)
     return {"model": model, "precision": precision, "stage": stage, "micro_batch": micro,
             "compile": "compiled" if compiled else "eager",
             "device": torch.cuda.get_device_name() if cuda else "cpu", "peak_tflops": peak,
