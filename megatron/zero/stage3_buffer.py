@@ -83,7 +83,10 @@ class _Buffer:
                 piece = self.storage[offset + a - lo:offset + b - lo]
                 if owner == data_parallel.data_parallel_rank:
                     own_start = flat_group.own_range[0]
-                    piece.copy_(flat_group.partition[a - own_start:b - own_start])
+                    source = flat_group.partition[a - own_start:b - own_start]
+                    # a pinned (offloaded) partition: an asynchronous host-to-device copy, ordered before the
+                    # broadcast on the same stream; the partition is written again only by the step, after backward
+                    piece.copy_(source, non_blocking=source.is_pinned())
                 if data_parallel.data_parallel_size > 1:
                     self.handles.append(dist.broadcast(piece, group_src=owner, group=data_parallel.data_parallel_group,
                                                        async_op=True))

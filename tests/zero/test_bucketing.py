@@ -230,3 +230,24 @@ def test_offloaded_partitions_reduce_on_the_compute_device(contiguous):
                                 torch.device("meta"), gradient_device=gradient_device)
         assert reducer.store.device == torch.device("meta")
         assert offload.is_host_offload(reducer.partition_grad(0))
+
+
+@pytest.mark.parametrize("offload, pinned", [({}, False), ({"offload_optimizer": {"device": "cpu"}}, False),
+                                             ({"offload_optimizer": {"device": "cpu", "pin_memory": True}}, True),
+                                             ({"offload_param": {"device": "cpu", "pin_memory": True}}, True),
+                                             ({"offload_optimizer": {"device": "none", "pin_memory": True}}, False)])
+def test_host_gradient_partitions_are_pinned_as_the_offload_block_asks(monkeypatch, offload, pinned):
+    """The reduced-gradient partitions in host memory are page-locked when an enabled offload block says pin_memory
+    (DeepSpeed's rule; on CUDA an unpinned partition makes each reduced piece's copy to the host a blocking one).
+    Asserted at the request: offload.host_zeros' pin_memory (this CPU has no pinned memory to look at)."""
+    from megatron.zero import config_schema, offload as offload_memory
+    requests = []
+    real = offload_memory.host_zeros
+    monkeypatch.setattr(offload_memory, "host_zeros",
+                        lambda numel, dtype, pin_memory=False: requests.append(pin_memory) or real(numel, dtype))
+    config = ZeroConfig(stage=2, reduce_bucket_size=4,
+                        **{key: config_schema.OffloadConfig(**block) for key, block in offload.items()})
+    params = flat_params(5, 6)
+    BucketReducer([FlatGroup(params[:1], 1, 0), FlatGroup(params[1:], 1, 0)], ONE_RANK, config, params, CPU,
+                  gradient_device=CPU if offload else None)
+    assert requests == ([pinned, pinned] if offload else [])
