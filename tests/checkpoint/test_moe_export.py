@@ -186,3 +186,17 @@ def test_each_missing_llama_option_is_named(moe_runs, key, value, flag):
     with pytest.raises(InterchangeError) as refused:
         to_hf_mixtral_config_dict(dict(model_config, **{key: value}))
     assert [f for f in LLAMA_FLAGS if f in str(refused.value)] == [flag]
+
+
+def test_expert_positions_at_data_parallel_4():
+    """EP 2 at data-parallel 4 (two ranks per position): position p's files are ranks p and p + 2, in order; its
+    names are rank 0's renumbered by p E/EP; every expert in EP 1's order, per MoE layer."""
+    from megatron.checkpoint import experts, layout as ckpt
+    files = [{ckpt.DATA_PARALLEL_RANK: rank} for rank in (3, 0, 2, 1)]   # in any order
+    assert [f[ckpt.DATA_PARALLEL_RANK] for f in experts.files_at_position(files, 2, 1)] == [1, 3]
+    assert [f[ckpt.DATA_PARALLEL_RANK] for f in experts.files_at_position(files, 2, 0)] == [0, 2]
+    layer = "transformer.layers.{}.mlp.experts.{}.{}"
+    rank0 = ["router"] + [layer.format(i, j, w) for i in (0, 1) for j in (0, 1) for w in ("w1", "w2")] + ["norm"]
+    assert experts.names_at_position(rank0, 1, 2)[1:3] == [layer.format(0, 2, "w1"), layer.format(0, 2, "w2")]
+    assert experts.with_every_expert(rank0, 2, 2) == \
+        ["router"] + [layer.format(i, j, w) for i in (0, 1) for j in range(4) for w in ("w1", "w2")] + ["norm"]
