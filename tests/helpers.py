@@ -36,6 +36,21 @@ def train(args_list):
     return pretrain_gpt.main(args_list)
 
 
+def train_keeping_model(argv):
+    """pretrain_gpt's training on argv, as `train`; (its history, the GPT2Model it built on this rank: the live
+    parameters after the last step)."""
+    import pretrain_gpt
+    from megatron.training import pretrain
+    built = []
+
+    def provider():
+        built.append(pretrain_gpt.model_provider())
+        return built[-1]
+    history = pretrain(pretrain_gpt.train_valid_test_datasets_provider, provider, pretrain_gpt.forward_step,
+                       args_list=argv)
+    return history, built[-1]
+
+
 def train_each(argv_lists):
     """pretrain_gpt.main on each argument list in turn in this process (one launch for several runs: the process
     start, imports, and compiled graphs are shared); model-parallel groups are rebuilt for each. The histories."""

@@ -35,6 +35,12 @@ directory's tokenizer files next to them. LoRA on it is merged too, and --peft-a
 HF projection (q_proj, k_proj, v_proj share our fused adapter's A and take their rows of its B; gate_proj, up_proj
 likewise): PeftModel over LlamaForCausalLM computes exactly the model we trained.
 
+With the Llama options and --num-experts it becomes a MixtralForCausalLM directory (megatron/model/hf_mixtral.py),
+at any expert-parallel size it was saved at, with our tokenizer files when --vocab-file has the model's vocabulary
+(a model trained here; one imported from Hugging Face keeps its own: the closing line says so). An MoE model without
+the Llama options (GeLU experts, biases, learned positions) has no Hugging Face class: refused in one line naming the
+flags it lacks, before anything is written.
+
 Note: transformers' tokenizer treats a literal "<|endoftext|>" in the text as the special token (its id), while
 megatron.tokenizer encodes it as ordinary text (callers append the eod id); every other text gets the same ids.
 """
@@ -58,6 +64,7 @@ from megatron.checkpoint.layout import LATEST_FILE, TRACKER_FILENAME, Checkpoint
 
 DEFAULT_VOCAB_FILE = os.path.join(REPO, "data", "webtext", "vocab.json")
 DEFAULT_MERGE_FILE = os.path.join(REPO, "data", "webtext", "merges.txt")
+NOT_OURS = "(copy the tokenizer files from the original directory)"   # a Llama export's closing note
 INSTALL_HINT = "pip install transformers safetensors (or: pip install -r requirements-test.txt)"
 # A probe the exported tokenizer must encode exactly as megatron.tokenizer does.
 _PROBE = "Hello world! It's a test: def f(x): return x**2  東京 😀 e\u0301\n\n  end."
@@ -101,8 +108,8 @@ def _one_line(error):
     return " ".join(text.split())
 
 
-def load_tokenizer(vocab_file, merge_file, vocab_size):
-    """Our GPT2BPETokenizer for the files, checked against the checkpoint's vocabulary size."""
+def load_tokenizer(vocab_file, merge_file, vocab_size=None):
+    """Our GPT2BPETokenizer for the files, checked against the checkpoint's vocabulary size (unless None)."""
     from megatron.tokenizer.tokenizer import GPT2BPETokenizer
     for kind, path in (("vocab", vocab_file), ("merge", merge_file)):
         if not os.path.isfile(path):
@@ -111,7 +118,7 @@ def load_tokenizer(vocab_file, merge_file, vocab_size):
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     except TokenizerFileError as error:
         raise ConversionError(_one_line(error)) from None
-    if tokenizer.vocab_size != vocab_size:
+    if vocab_size is not None and tokenizer.vocab_size != vocab_size:
         raise ConversionError(f"vocab file {vocab_file} has {tokenizer.vocab_size} tokens but the checkpoint's "
                               f"vocabulary is {vocab_size}: pass the --vocab-file/--merge-file it was trained with")
     return tokenizer
@@ -175,15 +182,15 @@ def write_peft_adapter(directory, weights, model_config, tokenizer, rank, alpha,
 def write_tokenizer(output_dir, tokenizer, model_max_length):
     """vocab.json + merges.txt (copied), tokenizer_config.json, special_tokens_map.json, then tokenizer.json
     through transformers; checks that the result encodes like ours."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GPT2Tokenizer
     shutil.copyfile(tokenizer.vocab_file, os.path.join(output_dir, "vocab.json"))
     shutil.copyfile(tokenizer.merge_file, os.path.join(output_dir, "merges.txt"))
     special = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "unk_token": EOD_TOKEN}
     config = {"tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
               "errors": "replace", "model_max_length": model_max_length}
     _write_configs(output_dir, config, special)
-    hf_tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    hf_tokenizer.save_pretrained(output_dir)  # adds tokenizer.json (the fast tokenizer's own file)
+    # GPT2Tokenizer by name: AutoTokenizer reads a Mixtral directory only with tokenizer.json, written here
+    GPT2Tokenizer.from_pretrained(output_dir).save_pretrained(output_dir)  # adds tokenizer.json (its own file)
     _write_configs(output_dir, config, special)  # ours again, without the loader's run-time keys
     reloaded = AutoTokenizer.from_pretrained(output_dir)
     ids, ours = reloaded(_PROBE, verbose=False)["input_ids"], tokenizer.tokenize(_PROBE)
@@ -203,7 +210,8 @@ def _write_configs(output_dir, config, special):
 def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFAULT_MERGE_FILE, progress=None,
             peft_adapter=None, lora_alpha=None):
     """The conversion; returns (model_config, number of tensors, number of parameters, LoRA (rank, alpha, targets)
-    or None). ConversionError on bad input. `progress`: a cli.ProgressLine counting the checkpoint's tensors read.
+    or None, None when the tokenizer was written else the closing line's note why not). ConversionError on bad
+    input. `progress`: a cli.ProgressLine counting the checkpoint's tensors read.
     A LoRA checkpoint's adapters are merged into output_dir's weights; `peft_adapter`: also write them in PEFT's
     format there, with the unmerged base model in peft_adapter/base. `lora_alpha`: when the checkpoint does not
     record it."""
@@ -215,7 +223,7 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     full = read_checkpoint(load_dir)
     refuse_disagreeing_alpha(full, lora_alpha)
     if full.model_config is not None and is_mixtral_config(full.model_config):
-        return convert_mixtral(full, output_dir, progress)
+        return convert_mixtral(full, output_dir, (vocab_file, merge_file), progress)
     if full.model_config is not None and is_llama_config(full.model_config):
         return convert_llama(full, output_dir, progress, peft_adapter, lora_alpha, (vocab_file, merge_file))
     try:
@@ -236,7 +244,7 @@ def convert(load_dir, output_dir, vocab_file=DEFAULT_VOCAB_FILE, merge_file=DEFA
     except InterchangeError as error:
         raise ConversionError(f"{load_dir}: {error}") from None
     write_tokenizer(output_dir, tokenizer, full.model_config["max_sequence_length"])
-    return full.model_config, len(state), sum(t.numel() for t in state.values()), lora
+    return full.model_config, len(state), sum(t.numel() for t in state.values()), lora, None
 
 
 def _lora_to_export(full, weights, directory, peft_adapter, lora_alpha):
@@ -268,7 +276,7 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
         state = to_hf_llama_state_dict(weights, trunk)
         state[REWARD_HEAD] = weights[REWARD_HEAD].contiguous().clone()
         write_llama_model(output_dir, state, model_config, reward_pad_id=eod)
-        return model_config, len(state), sum(t.numel() for t in state.values()), None
+        return model_config, len(state), sum(t.numel() for t in state.values()), None, NOT_OURS
     try:
         lora = _lora_to_export(full, weights, full.saved.directory, peft_adapter, lora_alpha)
         if lora is not None:
@@ -290,24 +298,36 @@ def convert_llama(full, output_dir, progress=None, peft_adapter=None, lora_alpha
     except InterchangeError as error:
         raise ConversionError(f"{full.saved.directory}: {error}") from None
     write_llama_model(output_dir, state, model_config)
-    return model_config, len(state), sum(t.numel() for t in state.values()), lora
+    return model_config, len(state), sum(t.numel() for t in state.values()), lora, NOT_OURS
 
 
-def convert_mixtral(full, output_dir, progress=None):
-    """A checkpoint with the Llama options and MoE MLPs -> a MixtralForCausalLM directory (no tokenizer); convert's
-    return. LoRA and reward models are not trained with MoE (refused by the flags)."""
+def convert_mixtral(full, output_dir, tokenizer_files, progress=None):
+    """A checkpoint with the Llama options and MoE MLPs -> a MixtralForCausalLM directory with our tokenizer when
+    `tokenizer_files` (vocab, merges) hold the model's vocabulary (a model trained here; else the closing note says
+    why there is none: one imported from Hugging Face keeps its own); convert's return. Refused before anything is
+    written when the model lacks a Llama option (a GPT-2-shaped MoE). LoRA and reward models are not trained with
+    MoE (refused by the flags)."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, MixtralConfig
+    model_config = full.model_config
+    tokenizer = load_tokenizer(*tokenizer_files)
+    note = None if tokenizer.vocab_size == model_config["vocab_size"] else (
+        f"(no tokenizer: {tokenizer_files[0]} has {tokenizer.vocab_size} tokens, the model "
+        f"{model_config['vocab_size']}: pass the --vocab-file/--merge-file it was trained with, or copy the "
+        "tokenizer files from the original directory)")
+    eod = tokenizer.eod if note is None else None
     try:
-        state = to_hf_mixtral_state_dict(full.fp32_weights(progress), full.model_config)
-        config = MixtralConfig(**to_hf_mixtral_config_dict(full.model_config))
+        config = MixtralConfig(**to_hf_mixtral_config_dict(model_config, eod, eod))
+        state = to_hf_mixtral_state_dict(full.fp32_weights(progress), model_config)
     except InterchangeError as error:
         raise ConversionError(f"{full.saved.directory}: {error}") from None
     os.makedirs(output_dir, exist_ok=True)
     config.save_pretrained(output_dir)
     GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    return full.model_config, len(state), sum(t.numel() for t in state.values()), None
+    if note is None:
+        write_tokenizer(output_dir, tokenizer, model_config["max_sequence_length"])
+    return model_config, len(state), sum(t.numel() for t in state.values()), None, note
 
 
 def write_llama_model(output_dir, state, model_config, reward_pad_id=None):
@@ -346,11 +366,11 @@ def main(argv=None):
     """Returns the exit status (0, or 1 after printing one line to stderr)."""
     args = parse_args(argv)
     try:
-        model_config, tensors, parameters, lora = convert(args.load, args.output, args.vocab_file, args.merge_file,
+        model_config, tensors, parameters, lora, tokenizer_note = convert(args.load, args.output, args.vocab_file, args.merge_file,
                                                           cli.ProgressLine("Read", "tensors"), args.peft_adapter,
                                                           args.lora_alpha)
-    except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except cli.UserError as error:     # ConversionError, or a CheckpointError met while reading the tensors
+        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
         return 1
     merged = "" if lora is None else f", LoRA rank {lora[0]} alpha {lora[1]:g} on {','.join(lora[2])} merged"
     with open(os.path.join(args.output, "config.json"), encoding="utf-8") as handle:
@@ -358,8 +378,7 @@ def main(argv=None):
     print(f"wrote {args.output}: {architecture} ({model_config['num_layers']} layers, hidden "
           f"{model_config['hidden_size']}, {model_config['num_attention_heads']} heads, vocabulary "
           f"{model_config['vocab_size']}; {tensors} tensors, {parameters:,} parameters, fp32 safetensors{merged})"
-          + (" (copy the tokenizer files from the original directory)" if architecture.startswith("Llama")
-             else " and its tokenizer"), flush=True)
+          + (" and its tokenizer" if tokenizer_note is None else " " + tokenizer_note), flush=True)
     if args.peft_adapter is not None:
         print(f"wrote {args.peft_adapter}: the PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) and "
               f"its unmerged base model in {os.path.join(args.peft_adapter, 'base')}", flush=True)

@@ -4,7 +4,7 @@
     state = torch.load(OUTPUT_FILE, weights_only=True)   # {parameter name: full fp32 tensor}
 
 CHECKPOINT_DIR is a training run's --save directory, of either path (ZeRO --deepspeed or Megatron), any ZeRO
-stage, model-parallel and data-parallel size. TAG is a tag directory inside it (iter_0000006, release, ...);
+stage, model-parallel, pipeline, data-parallel and expert-parallel size. TAG is a tag directory inside it (iter_0000006, release, ...);
 default: the one `latest` / latest_checkpointed_iteration.txt names. The output holds our GPT2Model's parameter
 names with full, unsharded tensors (the fused query_key_value in q, k, v row order; the word embedding trimmed to
 the real vocabulary), fp32: the fp32 master weights when the checkpoint has them (ZeRO, fp16/bf16 training),
@@ -84,8 +84,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         tensors, parameters = consolidate(args.checkpoint_dir, args.output_file, args.tag)
-    except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except cli.UserError as error:     # ConversionError, or a CheckpointError met while reading the tensors
+        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
         return 1
     print(f"wrote {tensors} fp32 tensors ({parameters:,} parameters) to {args.output_file}", flush=True)
     return 0

@@ -10,6 +10,7 @@
     reshard.py          SavedCheckpoint: any layout and topology read as full tensors by name, split for another
     partitioning.py     how a parameter is split across model-parallel ranks, by its name; joins and splits
     pipeline_stages.py  a pipelined checkpoint's stage files merged into one view per tensor-parallel rank
+    experts.py          where an expert's optimizer state lies in a checkpoint saved under expert parallelism
     reshard_load.py     loading those into this rank's model, optimizer and lr scheduler
     full_checkpoint.py  the tools' view: read_full_checkpoint, write_full_checkpoint, resize_checkpoint
     deepspeed_format.py DeepSpeed 0.19.8's ZeRO files read as ours (and re-exports the two below)

@@ -17,7 +17,7 @@ import re
 import torch
 
 import mpu
-from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
+from megatron.checkpoint import atomic_io, deepspeed_format, experts, layout as ckpt
 from megatron.checkpoint.stage3_module import tensor_shape
 from megatron.train_state import TrainState
 # How names split (their home before the split; tests, tools and posttrain import them from here too).
@@ -51,10 +51,20 @@ class SavedCheckpoint:
         self.run_state = first[ckpt.CLIENT_STATE] if self.path == "zero" else first
         self.model_shape = self.run_state.get(ckpt.MODEL_SHAPE) or {}
         self.weights_of = [f[ckpt.MODULE] if self.path == "zero" else f[ckpt.MODEL] for f in self.files]
-        self.param_names = first.get(ckpt.PARAM_NAMES) or default_param_names(list(self.weights_of[0]))
         self.zero_stage = first[ckpt.ZERO_STAGE] if self.path == "zero" else None
+        # under expert parallelism (ZeRO only) the saved names are rank 0's: its experts only (experts.py)
+        self.expert_model_parallel_size = first.get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1) if self.path == "zero" else 1
+        self.experts_per_rank = len({experts.expert_number(name) for name in self.weights_of[0]
+                                     if experts.is_expert_name(name)}) // self.expert_model_parallel_size
+        self.param_names = [self._with_every_expert(names) for names in
+                            first.get(ckpt.PARAM_NAMES) or default_param_names(list(self.weights_of[0]))]
         self.data_parallel_size = first[ckpt.DATA_PARALLEL_SIZE] if self.path == "zero" else None
         self._optim_files = {}
+
+    def _with_every_expert(self, names):
+        if self.expert_model_parallel_size == 1:
+            return names
+        return experts.with_every_expert(names, self.expert_model_parallel_size, self.experts_per_rank)
 
     # ---- description --------------------------------------------------------------------------------------
     def _model_file(self, mp_rank, stage=None):
@@ -240,6 +250,10 @@ class SavedCheckpoint:
             return None
         weights = state[ckpt.MODULE]
         stage_names = state.get(ckpt.PARAM_NAMES) or default_param_names(list(weights))
+        if self.expert_model_parallel_size > 1 and experts.is_expert_name(name):   # in its position's files
+            position = experts.expert_number(name) // self.experts_per_rank
+            stage_names = [experts.names_at_position(names, position, self.experts_per_rank) for names in stage_names]
+            files = experts.files_at_position(files, self.expert_model_parallel_size, position)
         found = [(g, names.index(name)) for g, names in enumerate(stage_names) if name in names]
         if not found and self._is_frozen(name):
             return weights[name] if kind == "master" else None

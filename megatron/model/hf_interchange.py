@@ -274,6 +274,14 @@ def peft_adapter_config(rank, alpha, targets, dropout=0.0, base_model_name_or_pa
 # HF's q_proj/k_proj rows are already in the rotate-half order our rotary embedding uses: no permutation.
 LLAMA_ARCHITECTURE = {"swiglu": True, "normalization": "rmsnorm", "add_bias_linear": False,
                       "learned_position_embeddings": False, "rotary": True}
+LLAMA_FLAGS = {"swiglu": "--swiglu", "normalization": "--normalization rmsnorm",   # the flags that set them
+               "add_bias_linear": "--disable-bias-linear", "learned_position_embeddings": "--no-position-embedding",
+               "rotary": "--use-rotary-position-embeddings"}
+
+
+def missing_llama_flags(model_config):
+    """The flags of the Llama options (LLAMA_ARCHITECTURE) that `model_config` lacks, in LLAMA_FLAGS' order."""
+    return [flag for key, flag in LLAMA_FLAGS.items() if model_config.get(key) != LLAMA_ARCHITECTURE[key]]
 
 
 LLAMA_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -430,4 +438,4 @@ def to_hf_llama_config_dict(model_config, bos_id=None, eos_id=None):
 
 def is_llama_config(model_config):
     """Our model_config has the Llama options (converted as LlamaForCausalLM, not GPT2LMHeadModel)."""
-    return all(model_config.get(key) == value for key, value in LLAMA_ARCHITECTURE.items())
+    return not missing_llama_flags(model_config)

@@ -17,7 +17,7 @@ import torch
 
 import mpu
 from megatron.model.hf_interchange import (InterchangeError, _llama_layer_pairs, check_llama_config,
-                                           to_hf_llama_config_dict)
+                                           missing_llama_flags, to_hf_llama_config_dict)
 
 LEGACY = "block_sparse_moe"      # transformers 4's per-expert names
 
@@ -137,7 +137,12 @@ def to_hf_mixtral_state_dict(weights, model_config):
 
 
 def to_hf_mixtral_config_dict(model_config, bos_id=None, eos_id=None):
-    """Keyword arguments of transformers.MixtralConfig for our model with the Llama options and MoE."""
+    """Keyword arguments of transformers.MixtralConfig for our model with the Llama options and MoE;
+    InterchangeError naming the flags of the Llama options it lacks (a GPT-2-shaped MoE has no HF class)."""
+    missing = missing_llama_flags(model_config)
+    if missing:
+        raise InterchangeError(f"Mixtral (MixtralForCausalLM) is the Llama options with MoE; this MoE model was "
+                               f"trained without {', '.join(missing)}: it has no Hugging Face class")
     config = to_hf_llama_config_dict(model_config, bos_id, eos_id)
     for key in ("attention_bias", "mlp_bias", "head_dim"):
         config.pop(key)

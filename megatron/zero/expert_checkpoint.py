@@ -13,9 +13,7 @@ import torch.distributed as dist
 
 import mpu.expert_parallel as expert_parallel
 from megatron.checkpoint import layout as ckpt
-
-def is_expert_name(name):
-    return ".mlp.experts." in name
+from megatron.checkpoint.experts import files_at_position, is_expert_name
 
 
 def with_all_experts(module_state, module, ctx):
@@ -60,6 +58,5 @@ def expert_optim_states(states, ctx):
     parallelism."""
     if ctx.expert_model_parallel_size == 1:
         return states
-    mine = [s for s in states if s[ckpt.DATA_PARALLEL_RANK] % ctx.expert_model_parallel_size ==
-            ctx.data_parallel_rank % ctx.expert_model_parallel_size]
-    return sorted(mine, key=lambda s: s[ckpt.DATA_PARALLEL_RANK])
+    ep = ctx.expert_model_parallel_size
+    return files_at_position(states, ep, ctx.data_parallel_rank % ep)

@@ -22,7 +22,7 @@ import torch
 
 from megatron.spawn import run_distributed
 
-from tests.helpers import gathered_model_parallel, REPO, TINY_SHAPE
+from tests.helpers import gathered_model_parallel, REPO, TINY_SHAPE, train_keeping_model
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import convert_from_hf  # noqa: E402
@@ -64,22 +64,12 @@ def _logits(module, tokens, vocab):
         return module(tokens, position_ids)[..., :vocab].clone()
 
 
-_BUILT = []
-
-
-def _capturing_model_provider():
-    import pretrain_gpt
-    model = pretrain_gpt.model_provider()
-    _BUILT.append(model)
-    return model
-
-
 def _worker(imports, trainings, hf_tokens, trained_tokens):
     """Load each imported checkpoint through the training code and return its logits; then run each training
     (saving checkpoints) and return the trained model's gathered weights and logits."""
     import pretrain_gpt
     from megatron.initialize import initialize_megatron
-    from megatron.training import pretrain, setup_model_and_optimizer
+    from megatron.training import setup_model_and_optimizer
     from megatron.utils import unwrap_model
     imported = []
     for flags in imports:
@@ -91,9 +81,7 @@ def _worker(imports, trainings, hf_tokens, trained_tokens):
         imported.append(_logits(unwrap_model(model), hf_tokens, HF_SHAPE["vocab_size"]))
     trained = {}
     for name, train_args in trainings.items():
-        pretrain(pretrain_gpt.train_valid_test_datasets_provider, _capturing_model_provider,
-                 pretrain_gpt.forward_step, args_list=train_args)
-        module = _BUILT[-1]
+        _, module = train_keeping_model(train_args)
         trained[name] = {"weights": gathered_model_parallel(module),
                          "logits": _logits(module, trained_tokens, TRAINED_VOCAB)}
     return {"imported": imported, "trained": trained}

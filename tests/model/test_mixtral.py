@@ -133,7 +133,8 @@ def test_config_round_trip_and_refusals():
 
 def test_tools_round_trip(mixtral, tmp_path):
     """tools/convert_from_hf.py writes a checkpoint whose record names the experts (and the flags that build it);
-    tools/convert_to_hf.py turns it back into a MixtralForCausalLM directory with the same weights and logits."""
+    tools/convert_to_hf.py turns it back into a MixtralForCausalLM directory with the same weights and logits (and
+    without our tokenizer: the imported vocabulary is not ours)."""
     import convert_from_hf
     import convert_to_hf
     from transformers import MixtralForCausalLM
@@ -143,7 +144,9 @@ def test_tools_round_trip(mixtral, tmp_path):
                                               make_vocab_size_divisible_by=8)
     flags = convert_from_hf.architecture_flags(model_config)
     assert flags[flags.index("--num-experts") + 1] == "4" and flags[flags.index("--moe-router-topk") + 1] == "2"
-    convert_to_hf.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    *_, tokenizer_note = convert_to_hf.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    # the default vocab files (8192 tokens) are not this model's (64): no tokenizer, and the closing note says why
+    assert "has 8192 tokens, the model 64" in tokenizer_note and not (tmp_path / "out" / "vocab.json").exists()
     back = MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in state.items())
     with torch.no_grad():
