@@ -7,7 +7,6 @@ groups, the lr schedule), log_line.py (training_log, flops_per_token), data_iter
 import dataclasses
 import datetime
 import math
-import time
 
 import torch
 
