@@ -133,3 +133,21 @@ def test_an_unwritable_log_jsonl_is_one_line(tmp_path):
         write_jsonl_record(str(path), {"type": "header"})
     assert str(error.value) == (f"--log-jsonl {path}: cannot write it ({tmp_path / 'file'} is a file, not a "
                                 "folder); choose another file")
+
+
+@pytest.mark.parametrize("train_iters, logged", [(4, [(4, 0.625)]), (7, [(5, 0.5), (7, 0.25)])])
+def test_the_rlhf_loop_logs_its_last_iteration(monkeypatch, train_iters, logged):
+    """train_rlhf.py's interval log at --log-interval 5 (scripts/rlhf.sh's LOG_INTERVAL): TRAIN_ITERS=4 logs
+    iteration 4, 7 iterations log 5 and 7, each the mean of its own iterations' rewards (hand-computed)."""
+    from types import SimpleNamespace
+    from megatron import training
+    from megatron.posttrain.rlhf_driver import IntervalLog
+    lines = []
+    monkeypatch.setattr(training, "training_log", lambda means, state, *rest: lines.append(
+        (state.iteration, means["reward"])) or {})
+    log = IntervalLog(SimpleNamespace(log_interval=5, train_iters=train_iters, log_jsonl=None, rank=0))
+    state, optimizer = SimpleNamespace(iteration=0), SimpleNamespace(param_groups=[{"lr": 0.1}])
+    for reward in [0.5, 0.25, 1.0, 0.75, 0.0, 0.125, 0.375][:train_iters]:
+        state.iteration += 1
+        log.add({"reward": reward}, state, optimizer, None)
+    assert lines == logged
