@@ -7,7 +7,6 @@ groups, the lr schedule), log_line.py (training_log, flops_per_token), data_iter
 import dataclasses
 import datetime
 import math
-import time
 
 import torch
 
@@ -26,14 +25,16 @@ from megatron.train_state import CheckpointOptions, TrainState
 from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_scheduler,  # noqa: F401
                                        param_groups_for_weight_decay, resumed_lr_line)
 from megatron.trainer.data_iterators import build_train_valid_test_data_iterators
-from megatron.trainer.log_line import flops_per_token, training_log  # noqa: F401
+from megatron.trainer.log_line import flops_per_token, IntervalLog, log_due, training_log  # noqa: F401
 from megatron.utils import print_rank_0, unwrap_model
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
-             args_list=None):
+             args_list=None, after_training=None):
     """Initialize, build model/optimizer/data, train, evaluate. Returns the per-iteration history
-    ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]})."""
+    ({'iteration': [...], 'lm loss': [...], 'loss scale': [...], 'skipped': [...], 'valid': [...]}).
+    `after_training(model)`, if given, runs on every rank once the loop ends, before the last save and evaluation
+    (finetune_gpt.py's samples after the last iteration)."""
     args = initialize_megatron(extra_args_provider, args_list)
     print_rank_0(layout_line(args))
     model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(model_provider)
@@ -45,6 +46,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     if args.log_jsonl and args.rank == 0:
         operations.write_jsonl_record(args.log_jsonl, operations.header_record(args, train_state.iteration))
     history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state)
+    if after_training is not None:
+        after_training(model)
     if args.save and history["last_saved_iteration"] != train_state.iteration:
         save_checkpoint(train_state, model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
         history["last_saved_iteration"] = train_state.iteration
@@ -327,7 +330,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
                "last_saved_iteration": None}
     exit_controller = ExitController(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler)
     options = CheckpointOptions.from_args(args)
-    interval_losses, interval_start = {}, time.time()
+    interval = IntervalLog(args, timers, writer)
     first_iteration = train_state.iteration + 1
     estimate, setting = _print_model_state_estimate(model, args)
     starving_experts = StarvingExpertWatch(getattr(args, "moe_aux_loss_coeff", 0.0))
@@ -355,8 +358,6 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
         loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
         min_scale_watch.check(iteration, skipped_iter, loss_scale, loss_dict, history["last_saved_iteration"],
                               before_raise=exit_controller.close)
-        for key, value in loss_dict.items():
-            interval_losses[key] = interval_losses.get(key, 0.0) + value
         history["iteration"].append(iteration)
         history["lm loss"].append(loss_dict["lm loss"])
         history["loss scale"].append(float(loss_scale))
@@ -368,25 +369,13 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             print_rank_0(f" > model-state memory measured after step {iteration} (bytes, {setting}): "
                          f"{memory.format_bytes(history['model_state_measured'])}")
             history["model_state_estimate"] = estimate
-        if iteration % args.log_interval == 0:
-            elapsed_ms = (time.time() - interval_start) * 1000.0 / args.log_interval
-            averages = {key: value / args.log_interval for key, value in interval_losses.items()}
-            lr = optimizer.param_groups[0]["lr"]
+        interval.add(loss_dict)
+        if log_due(iteration, args):
             moe = moe_log_fields(unwrap_model(model))
-            record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, writer, moe)
+            interval.log(train_state, optimizer.param_groups[0]["lr"], loss_scale, grad_norm, moe)
             starving = starving_experts.observe(moe, iteration)
             if starving:
                 print_rank_0(starving)
-            phases = operations.phase_ms(timers, args.log_interval)
-            if writer is not None:
-                for name, value in phases.items():
-                    if value is not None:
-                        writer.add_scalar(f"{name}_ms", value, iteration)
-            timers.log([name for name in operations.PHASES if phases[name] is not None], normalizer=args.log_interval)
-            if args.log_jsonl and args.rank == 0:
-                operations.write_jsonl_record(args.log_jsonl, {**record, "timers_ms": phases,
-                                                               "memory": operations.memory_now()})
-            interval_losses, interval_start = {}, time.time()
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
             history["valid"].append(evaluate_and_print_results(f"iteration {iteration}", forward_step_func,
                                                                valid_data_iterator, model, train_state))
@@ -394,6 +383,9 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
             history["last_saved_iteration"] = iteration
         if exit_controller.should_exit(iteration):
+            if interval.iterations:   # an early exit's last iteration is logged too
+                interval.log(train_state, optimizer.param_groups[0]["lr"], loss_scale, grad_norm,
+                             moe_log_fields(unwrap_model(model)))
             if args.save and history["last_saved_iteration"] != iteration:
                 save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
                 history["last_saved_iteration"] = iteration

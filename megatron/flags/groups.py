@@ -238,8 +238,8 @@ def _add_logging_args(parser):
     group = parser.add_argument_group("logging")
     group.add_argument("--tensorboard-dir", type=str, default=None)
     group.add_argument("--log-jsonl", type=str, default=None, metavar="FILE",
-                       help="append one JSON object per log interval (rank 0): every field of the log line, the "
-                            "phase timers and memory")
+                       help="append one JSON object per log line (rank 0): every field of the log line, the "
+                            "phase timers and memory (the file's folder is created if missing)")
     group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                        help="Megatron-LM's timer levels: 0 (default) the iteration time only, no device "
                             "synchronization; 1 also the forward/backward/allreduce/optimizer phases, each timed "

@@ -103,6 +103,10 @@ class MinLossScaleWatch:
 
 
 # ---- --log-jsonl records, phase timers, memory -----------------------------------------------------------------
+class LogFileError(UserError, OSError):
+    """--log-jsonl names a file that cannot be written (a file where its folder should be, no permission)."""
+
+
 PHASES = ("forward", "backward", "allreduce", "optimizer")
 
 
@@ -188,12 +192,19 @@ def is_loss(key):
 
 
 def write_jsonl_record(path, record):
-    """Append one JSON object (non-finite floats as null: strict JSON) and flush."""
+    """Append one JSON object (non-finite floats as null: strict JSON) and flush; the file's folder is created
+    if missing (--log-jsonl newdir/log.jsonl, or under a --save folder the run has not written yet)."""
     clean = {key: ({k: _finite_or_none(v) for k, v in value.items()} if isinstance(value, dict)
                    else _finite_or_none(value)) for key, value in record.items()}
-    with open(path, "a") as handle:
-        handle.write(json.dumps(clean, allow_nan=False) + "\n")
-        handle.flush()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a") as handle:
+            handle.write(json.dumps(clean, allow_nan=False) + "\n")
+            handle.flush()
+    except OSError as error:
+        reason = (f"{error.filename} is a file, not a folder" if isinstance(error, FileExistsError)
+                  else f"{error.strerror}: {error.filename}")
+        raise LogFileError(f"--log-jsonl {path}: cannot write it ({reason}); choose another file") from None
 
 
 def context_parallel_size(args):

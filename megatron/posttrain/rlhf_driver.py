@@ -276,11 +276,12 @@ def _actor_step(config, experience):
 
 
 class IntervalLog:
-    """Every --log-interval iterations: the training log line of the interval's mean metrics, the milliseconds per
-    iteration of generation, scoring and training, and (--log-jsonl) one record of them."""
+    """Every --log-interval iterations and at the last (training.log_due): the training log line of the interval's
+    mean metrics, the milliseconds per iteration of generation, scoring and training, and (--log-jsonl) one record
+    of them."""
 
     def __init__(self, args):
-        self.args, self.metrics, self.start = args, {}, time.time()
+        self.args, self.metrics, self.iterations, self.start = args, {}, 0, time.time()
         self.seconds = {"generation": 0.0, "scoring": 0.0, "training": 0.0}
 
     def add_rollout(self, seconds):
@@ -291,19 +292,21 @@ class IntervalLog:
         args = self.args
         for key, value in losses.items():
             self.metrics[key] = self.metrics.get(key, 0.0) + value
-        if train_state.iteration % args.log_interval:
+        self.iterations += 1
+        if not training.log_due(train_state.iteration, args):
             return
-        elapsed_ms = (time.time() - self.start) * 1000.0 / args.log_interval
+        count = self.iterations   # fewer than --log-interval in a resumed run's first interval or the last
+        elapsed_ms = (time.time() - self.start) * 1000.0 / count
         loss_scale = getattr(optimizer, "cur_scale", 1.0)      # the ZeRO and fp16 wrappers both name it so
-        means = {key: value / args.log_interval for key, value in self.metrics.items()}
+        means = {key: value / count for key, value in self.metrics.items()}
         record = training.training_log(means, train_state, optimizer.param_groups[0]["lr"], loss_scale, grad_norm,
                                        elapsed_ms, get_tensorboard_writer())
-        phases = {key: 1000.0 * value / args.log_interval for key, value in self.seconds.items()}
+        phases = {key: 1000.0 * value / count for key, value in self.seconds.items()}
         print_rank_0(" rlhf ms per iteration: " + " | ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         if args.log_jsonl and args.rank == 0:
             operations.write_jsonl_record(args.log_jsonl, {**record, "rlhf_ms": phases,
                                                            "memory": operations.memory_now()})
-        self.metrics, self.start = {}, time.time()
+        self.metrics, self.iterations, self.start = {}, 0, time.time()
         self.seconds = dict.fromkeys(self.seconds, 0.0)
 
 

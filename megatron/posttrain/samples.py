@@ -1,7 +1,8 @@
 """finetune_gpt.py's --sample-every: greedy continuations of --sample-prompts by the model being trained, printed
-every N iterations (and scored by --reward-model if given), without changing the training.
+every N iterations and after the last (and scored by --reward-model if given), without changing the training.
 
     step = TrainingSamples(forward_step)          # a forward step that prints the samples when they are due
+    pretrain(..., step, after_training=step.after_training)   # and after the last iteration
     error = sampling_flags_error(args)            # None, or the one-line complaint about the sampling flags
 """
 import os
@@ -19,9 +20,10 @@ def read_sample_prompts(path):
 
 class TrainingSamples:
     """--sample-every N: before the first micro-batch of every N-th iteration's successor (after N, 2N, ...
-    iterations of this run), the greedy continuations of --sample-prompts by the model being trained, printed by
-    rank 0 (generate_from_training_model on the ZeRO engine at any stage or the Megatron path's model: modes and
-    RNG restored, so the training is the one without samples). Every rank generates (ZeRO-3 gathers)."""
+    iterations of this run) and once the loop ends (after_training: after its last iteration), the greedy
+    continuations of --sample-prompts by the model being trained, printed by rank 0 (generate_from_training_model
+    on the ZeRO engine at any stage or the Megatron path's model: modes and RNG restored, so the training is the one
+    without samples). Every rank generates (ZeRO-3 gathers)."""
 
     def __init__(self, step):
         self.step, self.training_micro_batches = step, 0
@@ -32,13 +34,22 @@ class TrainingSamples:
         if args.sample_every > 0 and model.training:     # validation forwards are not counted
             done, per_sample = self.training_micro_batches, args.num_micro_batches * args.sample_every
             if done and done % per_sample == 0:
-                if args.reward_model is not None and self.reward_model is None:
-                    from megatron.posttrain.reward import load_reward_model
-                    self.reward_model = load_reward_model(args.reward_model, args.padded_vocab_size,
-                                                          mpu.get_device())
-                print_samples(model, done // args.num_micro_batches, args, self.reward_model)
+                self._print(model, done // args.num_micro_batches, args)
             self.training_micro_batches += 1
         return self.step(data_iterator, model)
+
+    def after_training(self, model):
+        """The samples after the run's last iteration (no later forward prints them); none when it trained none.
+        Never a repeat: the last samples printed came before at least one more training micro-batch."""
+        args = get_args()
+        if args.sample_every > 0 and self.training_micro_batches:
+            self._print(model, self.training_micro_batches // args.num_micro_batches, args)
+
+    def _print(self, model, iterations, args):
+        if args.reward_model is not None and self.reward_model is None:
+            from megatron.posttrain.reward import load_reward_model
+            self.reward_model = load_reward_model(args.reward_model, args.padded_vocab_size, mpu.get_device())
+        print_samples(model, iterations, args, self.reward_model)
 
 
 def print_samples(model, iterations, args, reward_model=None):

@@ -58,8 +58,8 @@ def add_finetune_args(parser):
     group.add_argument("--dpo-beta", type=float, default=0.1,
                        help="DPO's beta: the sigmoid loss -log sigmoid(beta * (chosen - rejected log-ratio)); > 0")
     group.add_argument("--sample-every", type=int, default=0,
-                       help="every N iterations of this run, print the greedy continuations of --sample-prompts by "
-                            "the model being trained (0: off)")
+                       help="every N iterations of this run and after its last, print the greedy continuations of "
+                            "--sample-prompts by the model being trained (0: off)")
     group.add_argument("--sample-prompts", default=None, help="a text file: one prompt per non-empty line")
     group.add_argument("--sample-length", type=int, default=32, help="new tokens per --sample-every continuation")
     group.add_argument("--reward-model", default=None,
@@ -152,4 +152,4 @@ def main(args_list):
     # this run's micro-batch buffer (sft) and reference policy (dpo)
     step = TrainingSamples(functools.partial(objective_step, StepBatches(), dpo.Reference()))
     return pretrain(train_valid_test_datasets_provider, language_model_provider, step,
-                    extra_args_provider=add_finetune_args, args_list=args_list)
+                    extra_args_provider=add_finetune_args, args_list=args_list, after_training=step.after_training)

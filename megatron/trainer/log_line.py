@@ -1,9 +1,12 @@
-"""The training log line every --log-interval (megatron/training.py's train and the RLHF loop,
-megatron/posttrain/rlhf_driver.py, call training_log): printed on rank 0, written to TensorBoard, returned as the
---log-jsonl record's core; its tokens/s and TFLOP/s per rank come from flops_per_token (Narayanan et al. 2021),
-which the benchmarks use too."""
+"""The training log line every --log-interval and at the last iteration (log_due; megatron/training.py's train, through
+IntervalLog, and the RLHF loop, megatron/posttrain/rlhf_driver.py, call training_log): printed on rank 0, written to
+TensorBoard, returned as the --log-jsonl record's core; its tokens/s and TFLOP/s per rank come from flops_per_token
+(Narayanan et al. 2021), which the benchmarks use too."""
+import time
+
 import mpu
 from megatron.global_vars import get_args
+from megatron.guards import operations
 from megatron.model.gpt2_model import recompute_config_from_args
 from megatron.model.moe_args import moe_config_from_args, moe_log_text
 from megatron.utils import print_rank_0
@@ -81,3 +84,40 @@ def training_log(loss_dict, train_state, lr, loss_scale, grad_norm, elapsed_ms, 
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped_iterations": train_state.skipped_iterations, "ms_per_iteration": elapsed_ms,
             "tokens_per_second": tokens_per_second, "tflops_per_rank": tflops, **({"moe": moe} if moe else {})}
+
+
+def log_due(iteration, args):
+    """Whether `iteration` ends a log interval: every --log-interval iterations, and the run's last (--train-iters)
+    whatever the interval, so a run shorter than an interval, or not a multiple of it, logs (and plots) its end."""
+    return iteration % args.log_interval == 0 or iteration == args.train_iters
+
+
+class IntervalLog:
+    """The iterations since the last log line (training.py's train): their summed losses, how many, since when.
+    log() prints the line of their means (a resumed run's first interval, the last one, may be shorter than
+    --log-interval), writes TensorBoard's scalars and (rank 0) the --log-jsonl record, and starts the next."""
+
+    def __init__(self, args, timers, writer):
+        self.args, self.timers, self.writer = args, timers, writer
+        self.losses, self.iterations, self.start = {}, 0, time.time()
+
+    def add(self, loss_dict):
+        for key, value in loss_dict.items():
+            self.losses[key] = self.losses.get(key, 0.0) + value
+        self.iterations += 1
+
+    def log(self, train_state, lr, loss_scale, grad_norm, moe=None):
+        args, count = self.args, self.iterations
+        elapsed_ms = (time.time() - self.start) * 1000.0 / count
+        averages = {key: value / count for key, value in self.losses.items()}
+        record = training_log(averages, train_state, lr, loss_scale, grad_norm, elapsed_ms, self.writer, moe)
+        phases = operations.phase_ms(self.timers, count)
+        if self.writer is not None:
+            for name, value in phases.items():
+                if value is not None:
+                    self.writer.add_scalar(f"{name}_ms", value, train_state.iteration)
+        self.timers.log([name for name in operations.PHASES if phases[name] is not None], normalizer=count)
+        if args.log_jsonl and args.rank == 0:
+            operations.write_jsonl_record(args.log_jsonl, {**record, "timers_ms": phases,
+                                                           "memory": operations.memory_now()})
+        self.losses, self.iterations, self.start = {}, 0, time.time()

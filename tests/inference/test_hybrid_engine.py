@@ -244,10 +244,28 @@ def test_finetune_sample_every_prints_samples_and_leaves_training_unchanged(setu
     for path in ("megatron", "zero3"):   # dropout on (the default 0.1): a consumed RNG would change the losses
         assert rank_0[f"{path}-sampled"][0] == rank_0[f"{path}-plain"][0], path
         lines = rank_0[f"{path}-sampled"][1]
-        # after 2 iterations (the 4th is the last), both prompts, printed by rank 0 only
-        assert len(lines) == 2 and all(line.startswith("[sample] after 2 iterations: ") for line in lines), lines
+        # after 2 iterations and after the last (4), both prompts, printed by rank 0 only
+        assert [line.split(": ")[0] for line in lines] == ["[sample] after 2 iterations"] * 2 + [
+            "[sample] after 4 iterations"] * 2, lines
         assert "'What is 2 plus 3?' -> " in lines[0] and "'Add 4 and 5.' -> " in lines[1], lines
         assert rank_1[f"{path}-sampled"][1] == [] and rank_0[f"{path}-plain"][1] == []
+
+
+def test_finetune_samples_and_logs_after_the_last_iteration(setup, tmp_path):
+    """--train-iters 5 --sample-every 2: samples after 2, 4 and the last iteration, 5 (each once); --log-interval 3:
+    training records at 3 and at the last iteration, 5 (the mean of iterations 4 and 5 alone)."""
+    import json
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 plus 3?\n")
+    log = tmp_path / "log.jsonl"
+    flags = ["--batch-size", "2", "--train-iters", "5", "--eval-iters", "0", "--lr", "1e-3", "--sample-every", "2",
+             "--sample-prompts", str(prompts), "--sample-length", "2", "--log-interval", "3", "--log-jsonl", str(log)]
+    job = ("five", _finetune_args(setup, "five", flags))
+    losses, lines = run_distributed(_finetune_printing, 1, args=([job],), timeout=600)[0]["five"]
+    assert [line.split(": ")[0] for line in lines] == [f"[sample] after {n} iterations" for n in (2, 4, 5)], lines
+    records = [record for record in map(json.loads, open(log)) if record["type"] == "train"]
+    assert [record["iteration"] for record in records] == [3, 5]
+    assert records[1]["losses"]["lm loss"] == pytest.approx(sum(losses[3:]) / 2, rel=1e-12)
 
 
 def test_finetune_bad_sampling_flags_are_one_line(tmp_path, capsys):
@@ -289,7 +307,8 @@ def test_finetune_samples_scored_by_a_reward_model_as_hugging_face_scores_them(s
     assert results["scored"][0] == results["plain"][0]          # the losses, bitwise (dropout 0.1, the default)
     lines = results["scored"][1]
     samples = [json.loads(line) for line in open(log) if '"sample"' in line]
-    assert len(lines) == len(samples) == 2 and all("(reward " in line for line in lines), lines
+    assert len(lines) == len(samples) == 4 and all("(reward " in line for line in lines), lines   # after 1 and 2
+    assert [sample["iteration"] for sample in samples] == [1, 1, 2, 2]
     hf_lm = GPT2LMHeadModel.from_pretrained(setup["hf_dir"])
     hf = GPT2ForSequenceClassification(GPT2Config.from_pretrained(setup["hf_dir"], num_labels=1, pad_token_id=0))
     hf.transformer.load_state_dict(hf_lm.transformer.state_dict())

@@ -117,15 +117,16 @@ def test_missing_corpus_is_one_line(tmp_path):
 def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained, seed):
     """The session's 20-iteration ZeRO-2 pretraining (ds_pretrained), then 20 LoRA steps: the validation perplexity
     drops by at least 3% (LoRA cannot sharpen the frozen, barely trained embeddings much further), both sets of
-    answers print. Spread of after / before (default data 845b8bad124aace2, --seed 1234, 1, 2, 3, 4): 0.946,
+    answers print. Run a second time (make finetune again), it only re-evaluates and appends to the log (see
+    _rerun_appends_to_the_log). Spread of after / before (default data 845b8bad124aace2, --seed 1234, 1, 2, 3, 4): 0.946,
     0.932, 0.932, 0.936, 0.941 (min 0.932, median 0.936, max 0.946; 2689.55 -> 2506-2544): the worst clears the
     bound by 0.024, four times the spread's standard deviation (0.005)."""
     base, _ = ds_pretrained
-    stdout = run_script("finetune_gpt.sh", {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
-                                            "EVAL_ITERS": "4",   # 4 validation batches, not the whole split
-                                            "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base),
-                                            "CHECKPOINT_PATH": str(tmp_path / "lora"),
-                                            "EXTRA_ARGS": f"--seed {seed}"})
+    env = {**SCRIPT_TEST_SHAPE, "LOG_INTERVAL": "10", "TRAIN_ITERS": "20",
+           "EVAL_ITERS": "4",   # 4 validation batches, not the whole split
+           "SFT_DATA_DIR": str(sft_dir), "BASE_CHECKPOINT": str(base), "CHECKPOINT_PATH": str(tmp_path / "lora"),
+           "EXTRA_ARGS": f"--seed {seed}"}
+    stdout = run_script("finetune_gpt.sh", env)
     before = float(re.search(r"^validation perplexity before fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
     after = float(re.search(r"^validation perplexity after fine-tuning: ([0-9.]+)$", stdout, re.M).group(1))
     print(f"spread: finetune_perplexity_ratio seed={seed} before={before} after={after} ratio={after / before:.4f}")
@@ -139,3 +140,22 @@ def test_finetune_gpt_sh(tmp_path, sft_dir, ds_pretrained, seed):
     lora = tmp_path / "lora"
     assert f"plot: {lora}/run.png and {lora}/run.html (from {lora}/log.jsonl)" in stdout
     assert (lora / "run.png").stat().st_size > 10_000 and "<svg" in (lora / "run.html").read_text()
+    _rerun_appends_to_the_log(env, lora)
+
+
+def _rerun_appends_to_the_log(env, lora):
+    """The same command again: nothing to train, the checkpoint re-evaluated; its header and evaluations are
+    appended to log.jsonl after every byte the first run wrote (its training records kept: the plot is redrawn),
+    and the "after" perplexity printed is the re-evaluation's."""
+    first_log, first_plot = (lora / "log.jsonl").read_text(), (lora / "run.png").stat().st_mtime_ns
+    assert [r["iteration"] for r in map(json.loads, first_log.splitlines()) if r["type"] == "train"] == [10, 20]
+    stdout = run_script("finetune_gpt.sh", env)
+    log = (lora / "log.jsonl").read_text()
+    assert log.startswith(first_log)
+    appended = [json.loads(line) for line in log[len(first_log):].splitlines()]
+    assert [(r["type"], r["iteration"], r.get("split")) for r in appended] == [
+        ("header", 20, None), ("validation", 20, "valid"), ("validation", 20, "test")]
+    after = re.search(r"^validation perplexity after fine-tuning: ([0-9.]+)$", stdout, re.M).group(1)
+    assert after == f"{appended[1]['ppl']['lm loss']:.2f}"
+    assert f"plot: {lora}/run.png and {lora}/run.html (from {lora}/log.jsonl)" in stdout
+    assert (lora / "run.png").stat().st_mtime_ns > first_plot

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megatron.spawn import run_distributed
-from tests.helpers import NO_DROPOUT, TINY, train
+from tests.helpers import NO_DROPOUT, TINY, train, train_each
 
 KEYS = {"type", "iteration", "train_iters", "consumed_samples", "learning_rate", "losses", "loss_scale", "grad_norm",
         "skipped_iterations", "ms_per_iteration", "tokens_per_second", "tflops_per_rank", "timers_ms", "memory"}
@@ -102,3 +102,52 @@ def test_tensorboard_gets_the_same_scalars(tmp_path):
     records = _records(path)
     assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([r["losses"]["lm loss"] for r in records])
     assert {"learning_rate", "loss_scale", "grad_norm", "tokens_per_second", "forward_ms"} <= set(events.Tags()["scalars"])
+
+
+def test_the_last_iteration_is_logged_whatever_the_interval(tmp_path):
+    """--train-iters 7 --log-interval 5: records at 5 and 7, the second the mean of iterations 6 and 7 alone; an
+    early exit (--exit-interval 3, interval 5) logs its iteration 3 too, and a --train-iters 4 run (below the
+    interval; make rlhf's TRAIN_ITERS=4) its 4; each --log-jsonl in a folder that did not exist (created)."""
+    runs = {"7": ["--train-iters", "7"], "exit": ["--train-iters", "7", "--exit-interval", "3"],
+            "4": ["--train-iters", "4"]}
+    logs = {name: tmp_path / "new" / name / "log.jsonl" for name in runs}
+    histories = run_distributed(train_each, 1, args=([TINY + NO_DROPOUT + flags + [
+        "--log-interval", "5", "--log-jsonl", str(logs[name])] for name, flags in runs.items()],))[0]
+    for (name, ends), history in zip({"7": [5, 7], "exit": [3], "4": [4]}.items(), histories):
+        records = _records(logs[name])
+        assert [r["iteration"] for r in records] == ends, name
+        starts = [0] + ends[:-1]
+        for record, start, end in zip(records, starts, ends):
+            losses = history["lm loss"][start:end]
+            assert record["losses"]["lm loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12), name
+    import plot_run      # the plot reads them: a run shorter than one interval has its training record
+    assert plot_run.read_run(str(logs["4"]), "4")
+
+
+def test_an_unwritable_log_jsonl_is_one_line(tmp_path):
+    from megatron.cli import UserError
+    from megatron.guards.operations import write_jsonl_record
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "log.jsonl"        # its folder is a file
+    with pytest.raises(UserError) as error:
+        write_jsonl_record(str(path), {"type": "header"})
+    assert str(error.value) == (f"--log-jsonl {path}: cannot write it ({tmp_path / 'file'} is a file, not a "
+                                "folder); choose another file")
+
+
+@pytest.mark.parametrize("train_iters, logged", [(4, [(4, 0.625)]), (7, [(5, 0.5), (7, 0.25)])])
+def test_the_rlhf_loop_logs_its_last_iteration(monkeypatch, train_iters, logged):
+    """train_rlhf.py's interval log at --log-interval 5 (scripts/rlhf.sh's LOG_INTERVAL): TRAIN_ITERS=4 logs
+    iteration 4, 7 iterations log 5 and 7, each the mean of its own iterations' rewards (hand-computed)."""
+    from types import SimpleNamespace
+    from megatron import training
+    from megatron.posttrain.rlhf_driver import IntervalLog
+    lines = []
+    monkeypatch.setattr(training, "training_log", lambda means, state, *rest: lines.append(
+        (state.iteration, means["reward"])) or {})
+    log = IntervalLog(SimpleNamespace(log_interval=5, train_iters=train_iters, log_jsonl=None, rank=0))
+    state, optimizer = SimpleNamespace(iteration=0), SimpleNamespace(param_groups=[{"lr": 0.1}])
+    for reward in [0.5, 0.25, 1.0, 0.75, 0.0, 0.125, 0.375][:train_iters]:
+        state.iteration += 1
+        log.add({"reward": reward}, state, optimizer, None)
+    assert lines == logged

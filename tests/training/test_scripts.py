@@ -1,4 +1,6 @@
 """The Megatron-path launch scripts run as-is on CPU (embedded default data) and the loss falls; the launch port."""
+import pathlib
+import re
 import socket
 import subprocess
 
@@ -38,3 +40,40 @@ def test_a_taken_master_port_is_named_in_one_line(tmp_path):
                 f"error: MASTER_PORT {port} is already in use on this machine (another job?): choose another "
                 "MASTER_PORT, or on one node leave it unset to pick a free port"], script
     assert not (tmp_path / "ckpt").exists()
+
+
+# the scripts' helpers (data, plots), run with "$PYTHON" directly: not entry points, no EXTRA_ARGS
+SCRIPT_HELPERS = {"tools/prepare_default_data.py", "tools/prepare_sft_data.py", "tools/plot_run.py"}
+
+
+def _launches(path):
+    """Each command of `path` (continuation lines joined) that runs a Python entry point: `launch N X.py ...`, or
+    "$PYTHON" X.py ... for an X not in SCRIPT_HELPERS."""
+    commands = re.sub(r"\\\n", " ", path.read_text()).splitlines()
+    return [command.strip() for command in commands if re.match(r"\s*launch\s", command) or any(
+        script not in SCRIPT_HELPERS for script in re.findall(r'"\$PYTHON"\s+(?:-u\s+)?(\S+\.py)\b', command))]
+
+
+def test_every_script_appends_extra_args_to_every_launch():
+    """EXTRA_ARGS is the last of each launch's flags (before any redirection or pipe), so the user's flags reach
+    every entry point and override the script's own (argparse: the last wins)."""
+    scripts = sorted(path for path in pathlib.Path(REPO, "scripts").glob("*.sh") if path.name != "_common.sh")
+    assert len(scripts) >= 8
+    for path in scripts:
+        launches = _launches(path)
+        assert launches, f"{path.name}: no launch found"
+        for command in launches:
+            flags = re.split(r"\s+(?:\d?>|\|)", command)[0]
+            assert flags.endswith("${EXTRA_ARGS:-}"), f"{path.name}: EXTRA_ARGS is not the last flag of: {command}"
+
+
+def test_extra_args_reach_generate_text_sh(tmp_path, webtext_data):
+    """A flag in EXTRA_ARGS reaches tools/generate_samples_gpt.py: an unknown one is refused there (before the
+    missing checkpoint is looked at)."""
+    result = subprocess.run(["bash", "scripts/generate_text.sh"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env=script_env({"EXTRA_ARGS": "--no-such-flag-h66b",
+                                                         "CHECKPOINT_PATH": str(tmp_path / "none")}))
+    assert result.returncode == 1
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        "generate_samples_gpt.py: error: unrecognized arguments: --no-such-flag-h66b"), errors
