@@ -6,6 +6,7 @@ import torch
 import mpu
 from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import layout as ckpt
+from megatron.checkpoint.optimizer_kind import check_other_optimizer
 from megatron.checkpoint.reshard import partitioning
 from megatron.checkpoint.rng import set_rng_state
 from megatron.checkpoint.saving import is_zero_engine, optimizer_param_names
@@ -110,7 +111,7 @@ def _load_megatron_optimizer(optimizer, module, saved, shard):
             for kind in ckpt.MUON_KINDS if id(stepped) in muon else ckpt.ADAM_KINDS:
                 value = shard(name, kind)
                 if value is None:
-                    ckpt.check_other_optimizer(lambda _, other: shard(name, other), param, kind)
+                    check_other_optimizer(lambda _, other: shard(name, other), param, kind)
                     inner.state.pop(stepped, None)
                     break
                 if kind in state:
