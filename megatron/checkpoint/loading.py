@@ -118,6 +118,8 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, rel
     zero = is_zero_engine(model)  # --deepspeed
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)
+    if config is not None:
+        reshard_load.check_lora_adapters(saved, config)
     same_padding = config is None or saved.padded_vocab_size() == config.vocab_size
     # the same stages holding the same layers (an interleaved stage holds other layers than a plain one)
     same_pipeline = saved.pipeline_model_parallel_size == mpu.get_pipeline_model_parallel_world_size() and \
