@@ -18,11 +18,12 @@ from megatron.model.moe_args import check_moe_args
 def parse_args(extra_args_provider=None, args_list=None):
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(args_list)
-    validate_args(args, parser, pretraining=extra_args_provider is None)
     if extra_args_provider is not None and args.context_parallel_size > 1:
-        # the post-training, evaluation and generation entry points read whole sequences
+        # the post-training, evaluation and generation entry points read whole sequences: said before the checks of
+        # the sizes (a world size that C does not divide), which would send the user after the wrong flag
         parser.error(f"--context-parallel-size {args.context_parallel_size} is for pretrain_gpt.py: this entry "
                      "point reads whole sequences; use --context-parallel-size 1 (checkpoints load at any C)")
+    validate_args(args, parser, pretraining=extra_args_provider is None)
     return args
 
 
@@ -71,9 +72,9 @@ def _check_context_parallel(args, parser):
     cp = args.context_parallel_size
     if cp == 1:
         return
-    if args.seq_length % (2 * cp):
-        parser.error(f"--seq-length ({args.seq_length}) is not divisible by 2 x --context-parallel-size ({2 * cp}): "
-                     f"each context-parallel rank holds 2 of 2C chunks; use a multiple of {2 * cp}")
+    problem = mpu.sequence_length_problem(args.seq_length, cp, names=("--seq-length", "--context-parallel-size"))
+    if problem:
+        parser.error(problem)
     if args.sequence_parallel and (args.seq_length // cp) % args.model_parallel_size:
         parser.error(f"--sequence-parallel with --context-parallel-size {cp}: the {args.seq_length // cp} tokens a "
                      f"rank holds are not divisible by --model-parallel-size ({args.model_parallel_size})")

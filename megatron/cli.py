@@ -9,6 +9,7 @@ one line on stderr naming it and what to do, and a non-zero exit, never a usage 
 Imports only the standard library, so light tools (tokenizer training, preprocessing) can use it too.
 """
 import argparse
+import difflib
 import sys
 import time
 
@@ -23,11 +24,40 @@ class UserError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser whose error() prints `prog: error: message (see --help)` as one line, exit 2."""
+    """argparse.ArgumentParser whose error() prints `prog: error: message (see --help)` as one line, exit 2, and
+    whose parse_args suggests the nearest flag for a misspelt one (as zero.config does for a JSON key):
+    `unrecognized arguments: --context-paralel-size 2; did you mean --context-parallel-size?`."""
 
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())} (see --help)\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{nearest_flags_hint(self, unknown)}")
+        return parsed
+
+
+def nearest_flags_hint(parser, unknown):
+    """'; did you mean --x?' naming the parser's nearest flag to each unknown one in `unknown` (an argument list:
+    values and `--flag=value` allowed), or '' when none is close (difflib, as zero.config's key hints)."""
+    flags = sorted(option for action in parser._actions for option in action.option_strings)
+    words = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    close = {word: difflib.get_close_matches(word, flags, n=1) for word in words}
+    hints = [match[0] if len(words) == 1 else f"{match[0]} (for {word})" for word, match in close.items() if match]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def one_line_errors(parser, prog):
+    """Give a third-party argparse parser (and its subcommands' parsers) this module's one-line error(), under the
+    name the user ran it by (`prog`): e.g. lm-eval's command line run as `python -m ...lm_eval_model`."""
+    old_prog = parser.prog
+    parser.prog, parser.error = prog, ArgumentParser.error.__get__(parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                one_line_errors(sub, sub.prog.replace(old_prog, prog, 1))
 
 
 def flag(dest):

@@ -10,8 +10,8 @@ from .initialize import (destroy_model_parallel, get_data_parallel_group, get_da
 from .initialize import (get_context_parallel_global_ranks, get_context_parallel_group, get_context_parallel_rank,
                          get_context_parallel_world_size, get_sequence_data_parallel_group,
                          get_sequence_data_parallel_rank, get_sequence_data_parallel_world_size)
-from .context_parallel import (context_parallel_positions, ring_attention, slice_for_context_parallel,
-                               SequenceLengthError)
+from .context_parallel import (context_parallel_positions, ring_attention, sequence_length_problem,
+                               slice_for_context_parallel, SequenceLengthError)
 from .initialize import (get_embedding_group, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
                          get_pipeline_model_parallel_ranks, get_pipeline_model_parallel_world_size,
                          get_virtual_pipeline_model_parallel_rank, get_virtual_pipeline_model_parallel_world_size,

@@ -40,11 +40,20 @@ class SequenceLengthError(ValueError):
     """A sequence length the context-parallel layout cannot split (not a multiple of 2C)."""
 
 
+def sequence_length_problem(seq_length, cp_size, names=("the sequence length", "context-parallel size")):
+    """Why `seq_length` cannot be split over `cp_size` ranks, or None; `names` are how the caller calls the two (the
+    command line: its flags): "--seq-length (126) is not divisible by 2C = 4 (--context-parallel-size 2): ..."."""
+    if seq_length % (2 * cp_size) == 0:
+        return None
+    length, size = names
+    return (f"{length} ({seq_length}) is not divisible by 2C = {2 * cp_size} ({size} {cp_size}): each rank holds "
+            f"2 of the 2C chunks; use a multiple of {2 * cp_size}")
+
+
 def check_sequence_length(seq_length, cp_size):
-    if seq_length % (2 * cp_size):
-        raise SequenceLengthError(
-            f"the sequence length ({seq_length}) is not divisible by 2 x context-parallel size ({2 * cp_size}): "
-            f"each rank holds 2 of the 2C chunks; use a multiple of {2 * cp_size}")
+    problem = sequence_length_problem(seq_length, cp_size)
+    if problem:
+        raise SequenceLengthError(problem)
 
 
 def held_positions(seq_length, cp_size, cp_rank, device=None):

@@ -115,6 +115,24 @@ def test_user_errors_keep_their_builtin_bases(project_errors):
         assert bases[name][:2] == ["UserError", builtin], (name, bases[name])
 
 
+def test_a_misspelt_flag_gets_the_nearest_one_suggested(capsys):
+    """cli.ArgumentParser (every entry point's): one line, exit 2, the nearest flag for each misspelt one (difflib,
+    as for a JSON key), none for a word near nothing; a tool's parser suggests among its own flags."""
+    from megatron.arguments import parse_args
+    from tests.helpers import parser_error
+    import estimate_memory
+    line = parser_error(lambda argv: parse_args(args_list=argv), ["--mock-data", "--context-paralel-size", "2"],
+                        capsys)
+    assert line.endswith("error: unrecognized arguments: --context-paralel-size 2; did you mean "
+                         "--context-parallel-size? (see --help)"), line
+    line = parser_error(lambda argv: parse_args(args_list=argv), ["--mock-data", "--sed=3", "--qqqqqqqq",
+                                                                  "--hiden-size", "8"], capsys)
+    assert line.endswith("unrecognized arguments: --sed=3 --qqqqqqqq --hiden-size 8; did you mean --seed (for "
+                         "--sed), --hidden-size (for --hiden-size)? (see --help)"), line
+    line = parser_error(estimate_memory.build_parser().parse_args, ["--zero-stag", "2"], capsys)
+    assert line.endswith("error: unrecognized arguments: --zero-stag 2; did you mean --zero-stage? (see --help)"), line
+
+
 def test_the_walk_flags_an_error_re_parented_to_exception(tmp_path):
     """A planted module beside the project: its class derived from Exception (or a builtin) alone is flagged; one
     from a project error (through it, UserError) is not."""

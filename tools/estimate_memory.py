@@ -213,7 +213,7 @@ def main(argv=None):
     cli.require_range(parser, args, positive=(
         "num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings", "vocab_size",
         "make_vocab_size_divisible_by", "model_parallel_size", "data_parallel_size", "reduce_bucket_size",
-        "device_memory_gb", "micro_batch_size", "recompute_num_layers"),
+        "device_memory_gb", "micro_batch_size", "recompute_num_layers", "context_parallel_size"),
         non_negative=("param_persistence_threshold", "attention_dropout", "hidden_dropout"))
     if args.plan:
         return print_plan(args.device_memory_gb)
@@ -228,9 +228,10 @@ def main(argv=None):
                  f"estimate is the Megatron optimizer's, which has none of them)")
     if args.hidden_size % args.num_attention_heads or args.num_attention_heads % args.model_parallel_size:
         sys.exit("error: --hidden-size must divide by --num-attention-heads, and the heads by --model-parallel-size")
-    if args.context_parallel_size < 1 or args.seq_length % (2 * args.context_parallel_size):
-        sys.exit(f"error: --seq-length ({args.seq_length}) is not divisible by 2 x --context-parallel-size "
-                 f"({2 * args.context_parallel_size})")
+    problem = mpu.sequence_length_problem(args.seq_length, args.context_parallel_size,
+                                          names=("--seq-length", "--context-parallel-size"))
+    if problem:
+        sys.exit(f"error: {problem}")
     try:
         recompute = recompute_config(args)
     except ValueError as error:

@@ -12,6 +12,7 @@
     pipeline_stages.py  a pipelined checkpoint's stage files merged into one view per tensor-parallel rank
     experts.py          where an expert's optimizer state lies in a checkpoint saved under expert parallelism
     reshard_load.py     loading those into this rank's model, optimizer and lr scheduler
+    optimizer_kind.py   a checkpoint's optimizer (AdamW or Muon) checked against the run's before its state loads
     full_checkpoint.py  the tools' view: read_full_checkpoint, write_full_checkpoint, resize_checkpoint
     deepspeed_format.py DeepSpeed 0.19.8's ZeRO files read as ours (and re-exports the two below)
     deepspeed_keys.py   DeepSpeed's key names in its files

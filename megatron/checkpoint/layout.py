@@ -432,14 +432,3 @@ def check_weights_only_safe(obj, name="checkpoint"):
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")     # per-element optimizer state of a parameter, by half
 MUON_KINDS = ("momentum_buffer",)
-
-
-def check_other_optimizer(tensor_of, param, kind):
-    """A resharded load found no `kind` for `param`: when the checkpoint holds the other optimizer's state instead
-    (switched between AdamW and Muon), say so rather than start that state from zero."""
-    other = ADAM_KINDS[0] if kind in MUON_KINDS else MUON_KINDS[0] if kind in ADAM_KINDS else None
-    if other is not None and tensor_of(param, other) is not None:
-        names = {MUON_KINDS[0]: "Muon", ADAM_KINDS[0]: "AdamW"}
-        raise CheckpointError(f"the checkpoint's optimizer state is {names[other]}'s, this run's optimizer for that "
-                              f"parameter is {names.get(kind, 'AdamW')}: load it with --no-load-optim (or "
-                              "--finetune) to start this optimizer fresh, or keep the checkpoint's --optimizer")

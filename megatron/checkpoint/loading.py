@@ -18,6 +18,7 @@ import mpu
 from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import atomic_io, reshard, reshard_load
 from megatron.checkpoint import layout as ckpt
+from megatron.checkpoint.optimizer_kind import check_same_optimizer
 from megatron.checkpoint.rng import set_rng_state
 from megatron.checkpoint.saving import is_zero_engine, iterations_saved, model_chunks, model_shape, rank_file
 from megatron.train_state import TrainState
@@ -117,6 +118,8 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, rel
     zero = is_zero_engine(model)  # --deepspeed
     saved = reshard.SavedCheckpoint(options.load, os.path.basename(directory))   # memory-mapped: cheap
     config = getattr(unwrap_model(model), "config", None)
+    if config is not None:
+        reshard_load.check_lora_adapters(saved, config)
     same_padding = config is None or saved.padded_vocab_size() == config.vocab_size
     # the same stages holding the same layers (an interleaved stage holds other layers than a plain one)
     same_pipeline = saved.pipeline_model_parallel_size == mpu.get_pipeline_model_parallel_world_size() and \
@@ -124,6 +127,9 @@ def _load_any_topology(result, model, optimizer, lr_scheduler, options, tag, rel
     if saved.path == ("zero" if zero else "megatron") and \
             saved.model_parallel_size == mpu.get_model_parallel_world_size() and same_padding and same_pipeline:
         if zero:
+            # the model shape first: a model of another shape (MoE without --num-experts) would fail inside
+            # load_state_dict with torch's lists of missing and unexpected keys
+            _check_model_shape(saved.run_state.get(ckpt.MODEL_SHAPE), model, saved.directory)
             _load_ds_checkpoint(result, model, options, tag, release)
         else:
             _load_into(result, model, optimizer, lr_scheduler, options, tag, release)
@@ -146,6 +152,8 @@ def _load_into(result, model, optimizer, lr_scheduler, options, tag, release):
     fresh = release or options.finetune
     if not fresh and not options.no_load_optim:
         _require(state, (ckpt.OPTIMIZER, ckpt.LR_SCHEDULER), path, "--no-save-optim", "--no-load-optim")
+        saved_optimizer = state[ckpt.OPTIMIZER].get("optimizer", state[ckpt.OPTIMIZER])   # inside FP16_Optimizer's
+        check_same_optimizer(saved_optimizer["param_groups"], optimizer.param_groups, path)
         optimizer.load_state_dict(state[ckpt.OPTIMIZER])
         try:
             lr_scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
@@ -170,8 +178,6 @@ def _load_ds_checkpoint(result, model, options, tag, release):
         raise ckpt.CheckpointError(f"{options.load}/{tag}: the saved weights do not fit this model: {e}") from None
     if path is None:
         raise ckpt.CheckpointError("Unable to load checkpoint.")
-    if ckpt.MODEL_SHAPE in client_state:
-        _check_model_shape(client_state[ckpt.MODEL_SHAPE], model, path)
     result["train_state"] = restore_run_state(client_state, options, path, fresh)
 
 

@@ -6,9 +6,11 @@ import torch
 import mpu
 from megatron import print_rank_0, unwrap_model
 from megatron.checkpoint import layout as ckpt
+from megatron.checkpoint.optimizer_kind import check_other_optimizer
 from megatron.checkpoint.reshard import partitioning
 from megatron.checkpoint.rng import set_rng_state
 from megatron.checkpoint.saving import is_zero_engine, optimizer_param_names
+from megatron.checkpoint.stage3_module import tensor_shape
 from megatron.train_state import TrainState
 
 
@@ -19,6 +21,27 @@ def check_same_model(saved, config):
     if saved.real_vocab_size is not None and config.real_vocab_size is not None:
         ours["vocab_size"] = config.real_vocab_size
     ckpt.check_model_shape(saved.model_shape, ours, list(ours), saved.directory, strict=False)
+
+
+def check_lora_adapters(saved, config):
+    """A checkpoint holding LoRA adapters loads only into a model with the same ones (--lora-rank, --lora-alpha,
+    --lora-targets as saved): into one without them the adapters would be dropped and the base model run. (A model
+    with adapters loads a base checkpoint: fresh adapters, the start of LoRA fine-tuning.)"""
+    weights = saved.weights_of[0]
+    adapters = [name for name in weights if mpu.is_lora_parameter(name)]
+    if not adapters:
+        return
+    targets = [t for t, linear in mpu.LORA_TARGETS.items() if any(f".{linear}.lora_" in n for n in adapters)]
+    rank = tensor_shape(weights, next(name for name in adapters if name.endswith(".lora_A")))[0]
+    alpha = saved.model_shape.get("lora_alpha")    # not recorded by a resized copy (tools/checkpoint_util.py)
+    ours = getattr(config, "lora", None)
+    if ours is not None and (ours.rank, set(ours.targets)) == (rank, set(targets)) and alpha in (None, ours.alpha):
+        return
+    wanted = f"--lora-rank {rank} --lora-alpha {'(its training value)' if alpha is None else format(alpha, 'g')}" + \
+        ("" if targets == list(mpu.LORA_TARGETS) else f" --lora-targets {','.join(targets)}")
+    has = "has none (it would run the base model alone)" if ours is None else \
+        f"has --lora-rank {ours.rank} --lora-alpha {ours.alpha:g} --lora-targets {','.join(ours.targets)}"
+    raise ckpt.CheckpointError(f"{saved.directory} holds LoRA adapters ({wanted}), this run {has}: pass {wanted}")
 
 
 def load_resharded(model, optimizer, lr_scheduler, saved, options, fresh=False):
@@ -110,7 +133,7 @@ def _load_megatron_optimizer(optimizer, module, saved, shard):
             for kind in ckpt.MUON_KINDS if id(stepped) in muon else ckpt.ADAM_KINDS:
                 value = shard(name, kind)
                 if value is None:
-                    ckpt.check_other_optimizer(lambda _, other: shard(name, other), param, kind)
+                    check_other_optimizer(lambda _, other: shard(name, other), param, kind)
                     inner.state.pop(stepped, None)
                     break
                 if kind in state:

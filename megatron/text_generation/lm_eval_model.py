@@ -41,6 +41,7 @@ except ImportError as error:   # the optional dependency: say how to get it
 from .generation import _unwrap, generate, load_inference_model
 
 MODEL_NAME = "megatron_gpt2"
+PROG = "python -m megatron.text_generation.lm_eval_model"
 
 
 def load_from_megatron_args(args_list):
@@ -186,12 +187,18 @@ class MegatronGPT2LM(TemplateLM):
 
 
 def main():
-    """The harness's command line with this model registered; our bad input (flags, checkpoint) is one line."""
+    """The harness's command line (lm_eval.__main__.cli_evaluate's steps) with this model registered; a bad flag is
+    one `PROG: error: ... (see --help)` line as for every entry point, our bad input (checkpoint) one line too."""
     import sys
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+    from megatron import cli
     from megatron.checkpoint.layout import CheckpointError
     try:
-        cli_evaluate()
+        setup_logging()
+        harness = HarnessCLI()
+        cli.one_line_errors(harness._parser, PROG)
+        harness.execute(harness.parse_args())
     except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)

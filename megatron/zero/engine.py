@@ -21,6 +21,7 @@ import mpu.moe as mpu_moe
 import mpu.utils as mpu_utils
 from mpu.utils import full_shape
 from megatron.checkpoint import atomic_io, deepspeed_format, layout as ckpt
+from megatron.checkpoint.optimizer_kind import check_same_optimizer
 from megatron.checkpoint.stage3_module import PartitionedModule
 from megatron.timers import Timers
 
@@ -386,6 +387,7 @@ class ZeroEngine(EngineSaving, torch.nn.Module):
             # Stage 0 does not partition: every data-parallel rank's file is the same full state, so one is read
             # (reading all would hold data-parallel-size copies of the optimizer state in host memory).
             # Memory-mapped: only this rank's pieces are read.
+            check_same_optimizer(optim_states[0][ckpt.PARAM_GROUPS], self.optimizer.param_groups, directory)
             if any(self.optimizer.experts) or state.get(ckpt.EXPERT_MODEL_PARALLEL_SIZE, 1) > 1:
                 expert_checkpoint.check_optimizer_states_load(state, self.ctx, path)
             self.optimizer.load_partitioned_state_dicts(

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from .bucketing import BoundaryReducer, BucketReducer
 from megatron.checkpoint.layout import (ADAM_KINDS, DATA_PARALLEL_RANK, DATA_PARALLEL_SIZE, END, GROUPS, LOSS_SCALER,
                                         MASTER, MUON_KINDS, NUMEL, PARAM_GROUPS, SCALAR_STATE, SLICE_STATE, START,
-                                        ZERO_STAGE, check_other_optimizer)
+                                        ZERO_STAGE)
+from megatron.checkpoint.optimizer_kind import check_other_optimizer
 from . import offload as offload_memory
 from .grad_norm import clip_coefficient, global_norm_and_overflow
 from .muon import Muon, MuonError, partition_update

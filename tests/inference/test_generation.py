@@ -306,3 +306,34 @@ def test_end_of_text_inside_a_prompt_does_not_stop_that_row():
     eod, batched, alone = run_distributed(_stops_inside_a_prompt, 1, model_parallel_size=1)[0]
     assert batched[0] == alone[0] == [eod]          # the short row stops right after producing end-of-text
     assert batched[1] == alone[1] and len(alone[1]) > 0
+
+
+def _lora_generation_errors(save, config, argvs):
+    """Pretrain a tiny LoRA model on the ZeRO path (as scripts/finetune_gpt.sh saves one), then generate."""
+    import mpu
+    import pretrain_gpt
+    pretrain_gpt.main(MODEL + ["--lora-rank", "2", "--lora-alpha", "4", "--lora-targets", "qkv,fc2", "--batch-size",
+                               "2", "--train-iters", "2", "--eval-iters", "0", "--save", save, "--deepspeed",
+                               "--deepspeed_config", config])
+    mpu.destroy_model_parallel()
+    return _generation_errors(argvs)
+
+
+def test_a_lora_checkpoint_needs_its_lora_flags(tmp_path):
+    """tools/generate_samples_gpt.py (as tasks/main.py: the one load) --load of a LoRA checkpoint without its
+    --lora-* flags, or with another alpha, stops in one line naming them instead of running the base model."""
+    from tests.helpers import write_config
+    save = str(tmp_path / "lora")
+    (tmp_path / "prompts.txt").write_text("5 9 3\n")
+    io = ["--load", save, "--sample-input-file", str(tmp_path / "prompts.txt"), "--sample-output-file",
+          str(tmp_path / "out.txt"), "--greedy", "--out-seq-length", "2"]
+    lora = ["--lora-rank", "2", "--lora-targets", "qkv,fc2"]
+    messages = run_distributed(_lora_generation_errors, 1, args=(save, write_config(str(tmp_path)), [
+        MODEL + io, MODEL + io + lora + ["--lora-alpha", "8"], MODEL + io + lora + ["--lora-alpha", "4"]]))[0]
+    wanted = "--lora-rank 2 --lora-alpha 4 --lora-targets qkv,fc2"
+    assert messages == [
+        f"{save}/iter_0000002 holds LoRA adapters ({wanted}), this run has none (it would run the base model alone): "
+        f"pass {wanted}",
+        f"{save}/iter_0000002 holds LoRA adapters ({wanted}), this run has --lora-rank 2 --lora-alpha 8 "
+        f"--lora-targets qkv,fc2: pass {wanted}",
+        None]

@@ -146,3 +146,18 @@ def test_missing_lm_eval_gives_the_install_hint(monkeypatch):
     monkeypatch.delitem(sys.modules, "megatron.text_generation.lm_eval_model", raising=False)
     with pytest.raises(ImportError, match=r"needs lm-evaluation-harness .*: pip install lm-eval==0\.4\.13"):
         importlib.import_module("megatron.text_generation.lm_eval_model")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--bogus-flag"], "python -m megatron.text_generation.lm_eval_model: error: unrecognized arguments: --bogus-flag"),
+    (["run", "--tasks"], "python -m megatron.text_generation.lm_eval_model run: error: argument --tasks/-t: expected "
+                         "at least one argument")])
+def test_a_bad_flag_is_the_one_line_every_entry_point_prints(monkeypatch, capsys, argv, message):
+    """`python -m megatron.text_generation.lm_eval_model` with a bad flag (the harness's parser, or its run
+    subcommand's): `PROG: error: ... (see --help)`, exit 2, no usage block."""
+    from megatron.text_generation import lm_eval_model
+    monkeypatch.setattr(sys, "argv", [lm_eval_model.__file__] + argv)
+    with pytest.raises(SystemExit) as exit_info:
+        lm_eval_model.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"{message} (see --help)\n"

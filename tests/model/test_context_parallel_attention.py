@@ -30,7 +30,7 @@ def test_held_positions_table():
     assert held_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
     assert held_positions(16, 4, 3).tolist() == [6, 7, 8, 9]
     assert held_positions(4, 1, 0).tolist() == [0, 1, 2, 3]
-    with pytest.raises(SequenceLengthError, match=r"\(12\) is not divisible by 2 x context-parallel size \(8\)"):
+    with pytest.raises(SequenceLengthError, match=r"\(12\) is not divisible by 2C = 8 \(context-parallel size 4\)"):
         held_positions(12, 4, 0)
 
 

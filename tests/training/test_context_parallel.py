@@ -226,14 +226,20 @@ def test_bad_lengths_and_dropout_are_one_line(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     line = parser_error(lambda argv: parse_args(args_list=argv),
                         TINY + NO_DROPOUT + ["--seq-length", "20", "--context-parallel-size", "4"], capsys)
-    assert line.endswith("error: --seq-length (20) is not divisible by 2 x --context-parallel-size (8): each "
-                         "context-parallel rank holds 2 of 2C chunks; use a multiple of 8 (see --help)")
+    assert line.endswith("error: --seq-length (20) is not divisible by 2C = 8 (--context-parallel-size 4): each "
+                         "rank holds 2 of the 2C chunks; use a multiple of 8 (see --help)")
     line = parser_error(lambda argv: parse_args(args_list=argv), TINY + _cp(2), capsys)
     assert line.endswith("error: --context-parallel-size 2 computes attention ring-style without dropout: pass "
                          "--attention-dropout 0 (see --help)")
     line = parser_error(lambda argv: parse_args(lambda parser: parser, args_list=argv), TINY + NO_DROPOUT + _cp(2),
                         capsys)     # an entry point with its own flags (post-training, evaluation, generation)
     assert "--context-parallel-size 2 is for pretrain_gpt.py: this entry point reads whole sequences" in line
+    monkeypatch.setenv("WORLD_SIZE", "1")     # scripts/finetune_gpt.sh's one process: that refusal, not "world size"
+    from megatron.posttrain.sft_driver import add_finetune_args
+    line = parser_error(lambda argv: parse_args(add_finetune_args, args_list=argv), TINY + NO_DROPOUT + _cp(2),
+                        capsys)
+    assert "error: --context-parallel-size 2 is for pretrain_gpt.py: this entry point reads whole sequences" in line
+    monkeypatch.setenv("WORLD_SIZE", "4")
     line = parser_error(lambda argv: parse_args(args_list=argv), TINY + NO_DROPOUT + _cp(2) + ["--num-experts", "2"],
                         capsys)
     assert "--context-parallel-size 2 cannot be combined with --num-experts yet: drop one of them" in line
@@ -273,5 +279,6 @@ def test_estimate_memory_tool_knows_the_context_parallel_size():
     layout = memory.ActivationLayout.for_run("cuda", 4, 0.1, 0.1, context_parallel_size=4)
     assert with_cp[3] == memory.activation_bytes(2, 32, 2, 64, 4, 1, None, layout)
     assert with_cp[2] == wide[2]                          # ZeRO-2 at dp 2 x C 4 partitions like dp 8
-    with pytest.raises(SystemExit, match=r"--seq-length \(100\) is not divisible by 2 x --context-parallel-size"):
+    with pytest.raises(SystemExit, match=r"--seq-length \(100\) is not divisible by 2C = 8 "
+                                         r"\(--context-parallel-size 4\)"):
         estimate_memory.main(flags[:7] + ["100"] + flags[8:] + _cp(4))

@@ -63,8 +63,8 @@ def test_a_muon_checkpoint_continues_at_another_tensor_parallel_size(tmp_path, d
     assert resumed["iteration"] == [4, 5, 6]
     assert max(abs(a - b) for a, b in zip(straight[0]["lm loss"][3:], resumed["lm loss"])) <= 1e-5
     adamw = [a for a in common if a not in MUON]
-    with pytest.raises(RuntimeError, match="the checkpoint's optimizer state is Muon's, this run's optimizer for "
-                                           "that parameter is AdamW"):
+    with pytest.raises(RuntimeError, match="the checkpoint's optimizer state is Muon's, this run's optimizer is "
+                                           "AdamW: resume with --optimizer muon, or pass --no-load-optim"):
         run_distributed(train, 2, args=(adamw + ["--load", str(tmp_path / "ck"), "--model-parallel-size", "2"],))
 
 
