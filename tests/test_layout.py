@@ -1,5 +1,5 @@
 """The package boundaries the design promises: mpu imports only torch (and the standard library), no tool imports
-the tests, no import circle in megatron/, megatron.zero entered only by its front door, a short megatron/ root;
+the tests, no import circle in megatron/ or mpu/, megatron.zero entered only by its front door, a short megatron/ root;
 four short entry points that import no script, and no source file over 450 lines."""
 import ast
 import os
@@ -58,7 +58,7 @@ def test_no_tool_imports_the_tests():
         assert "tests" not in _imported_modules(path), f"{os.path.relpath(path, REPO)} imports tests/"
 
 
-# ---- megatron/: no import circle, zero's front door, a short root -----------------------------------------------
+# ---- megatron/ and mpu/: no import circle; zero's front door, a short root -----------------------------------------------
 
 def _module_name(path):
     """megatron/checkpoint/layout.py -> megatron.checkpoint.layout; a package's __init__.py -> the package."""
@@ -89,55 +89,92 @@ def _imports_of(path, modules, name=None):
     return found - {name} - ancestors    # a module's own packages are initialised before it runs
 
 
-def _import_graph(directory):
-    paths = list(_python_files(directory))
+def _import_graph(*directories):
+    """{module: the project modules it imports} over every .py under `directories`."""
+    paths = [p for directory in directories for p in _python_files(directory)]
     modules = {_module_name(p) for p in paths}
     return {_module_name(p): _imports_of(p, modules) for p in paths}
 
 
-def _find_cycle(graph):
-    """One import circle of `graph` as a list of modules (first == last), or None."""
-    state, stack = {}, []
+def _import_circles(graph):
+    """Every import circle of `graph`, each as a list of modules (first == last): one circle through each strongly
+    connected component of more than one module (Tarjan), so a failure names all of them, not just the first."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
 
-    def visit(node):
-        state[node] = "open"
+    def connect(node):
+        index[node] = low[node] = len(index)
         stack.append(node)
+        on_stack.add(node)
         for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state:
-                cycle = visit(nxt)
-                if cycle:
-                    return cycle
-        stack.pop()
-        state[node] = "done"
-        return None
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while node not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                components.append(component)
     for node in sorted(graph):
-        if node not in state:
-            cycle = visit(node)
-            if cycle:
-                return cycle
-    return None
+        if node not in index:
+            connect(node)
+    return [_circle_through(graph, component) for component in components]
 
 
-def test_no_import_circle_in_megatron():
-    cycle = _find_cycle(_import_graph("megatron"))
-    assert cycle is None, " -> ".join(cycle)
+def _circle_through(graph, component):
+    """A path min(component) -> ... -> min(component) inside `component` (breadth first: a shortest one)."""
+    start = min(component)
+    previous, frontier = {start: None}, [start]
+    while frontier:
+        node = frontier.pop(0)
+        for nxt in sorted(graph[node] & component):
+            if nxt == start:
+                path = [node]
+                while previous[path[-1]] is not None:
+                    path.append(previous[path[-1]])
+                return [start] + path[::-1][1:] + [start]
+            if nxt not in previous:
+                previous[nxt] = node
+                frontier.append(nxt)
+    raise AssertionError(f"no circle through {component}")
 
 
-def test_the_cycle_finder_finds_a_planted_circle(tmp_path):
-    """The check above can fail: a lazy import inside a function closes a circle through a package __init__
-    (importing megatron.checkpoint.layout runs megatron/checkpoint/__init__.py, which imports saving)."""
-    graph = _import_graph("megatron")
+def test_no_import_circle_in_megatron_or_mpu():
+    """Computed from the imports themselves (ast). Imports inside functions count: a lazy import hides a circle, it
+    does not remove it (both circles issue 67 removed, moe -> transformer -> architecture -> moe and initialize <->
+    expert_parallel, were imports inside functions)."""
+    circles = _import_circles(_import_graph("megatron", "mpu"))
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def _plant(graph, module, source, tmp_path):
+    """`graph` with `module`'s imports replaced by those of `source` (what the file would import if edited)."""
+    planted_file = tmp_path / (module.rpartition(".")[2] + ".py")
+    planted_file.write_text(source)
+    planted = dict(graph)
+    planted[module] = graph[module] | _imports_of(str(planted_file), set(graph), name=module)
+    return planted
+
+
+def test_the_circle_finder_names_each_planted_circle(tmp_path):
+    """Both circles of issue 67 put back (each a lazy import inside a function, one a relative `from . import`), and
+    one through a package __init__ (importing megatron.checkpoint.layout runs megatron/checkpoint/__init__.py, which
+    imports saving): each is found and named."""
+    graph = _import_graph("megatron", "mpu")
     assert "megatron.checkpoint" in graph["megatron.zero.engine"]
     assert "megatron.checkpoint.saving" in graph["megatron.checkpoint"]
-    lazy = tmp_path / "saving.py"
-    lazy.write_text("import os\n\n\ndef f():\n    from megatron.zero import ZeroEngine\n")
-    planted = dict(graph)
-    planted["megatron.checkpoint.saving"] = _imports_of(str(lazy), set(graph), name="megatron.checkpoint.saving")
-    assert planted["megatron.checkpoint.saving"] == {"megatron.zero"}
-    cycle = _find_cycle(planted)
-    assert cycle is not None and {"megatron.checkpoint.saving", "megatron.zero.engine"} <= set(cycle), cycle
+    planted = _plant(graph, "mpu.moe", "def f():\n    from .transformer import skip_init_draws\n", tmp_path)
+    planted = _plant(planted, "mpu.expert_parallel", "def f():\n    from . import initialize\n", tmp_path)
+    planted = _plant(planted, "megatron.checkpoint.saving", "import os\n\n\ndef f():\n"
+                     "    from megatron.zero import ZeroEngine\n", tmp_path)
+    circles = {tuple(circle) for circle in _import_circles(planted)}
+    assert ("mpu.expert_parallel", "mpu.initialize", "mpu.expert_parallel") in circles, circles
+    assert any({"mpu.moe", "mpu.transformer"} <= set(c) for c in circles), circles
+    assert any({"megatron.checkpoint.saving", "megatron.zero.engine"} <= set(c) for c in circles), circles
+    assert len(circles) == 3, circles
 
 
 def _zero_internal_imports(path):
