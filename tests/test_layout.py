@@ -245,6 +245,38 @@ def test_checkpoint_code_lives_in_the_checkpoint_package():
 
 
 
+
+# ---- megatron/posttrain: each method's file holds its method; what they share comes from common.py ---------------
+
+POSTTRAIN = os.path.join(REPO, "megatron", "posttrain")
+# the shared parts each method takes (issue 67: rlhf went to dpo.py for the reference and eval mode, to sft_loss.py
+# for the group sums; reward to dpo.py for the pair batches)
+TAKES_FROM_COMMON = {"rlhf": {"eval_mode", "sum_over_group"}, "dpo": {"Reference", "pair_batch", "sum_over_group"},
+                     "reward": {"pair_batch", "sum_over_group"}, "sft_loss": {"sum_over_group", "trim_to_longest"}}
+
+
+def _defined_and_taken(path):
+    """(names the file defines at its top level, {name: the module it is imported from}, function bodies too)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    taken = {alias.asname or alias.name: "." * node.level + (node.module or "")
+             for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    return defined, taken
+
+
+def test_post_training_methods_take_the_shared_parts_from_common():
+    shared, _ = _defined_and_taken(os.path.join(POSTTRAIN, "common.py"))
+    for method, expected in TAKES_FROM_COMMON.items():
+        defined, taken = _defined_and_taken(os.path.join(POSTTRAIN, f"{method}.py"))
+        assert not defined & shared, f"{method}.py defines {sorted(defined & shared)}: common.py's"
+        elsewhere = {name: source for name, source in taken.items()
+                     if name in shared and source not in (".common", "megatron.posttrain.common")}
+        assert not elsewhere, f"{method}.py takes common.py's parts from elsewhere: {elsewhere}"
+        assert {name for name, source in taken.items() if source == ".common"} >= expected, method
+
+
 # ---- entry points: thin doors that import no script; no source file past the size bound --------------------------
 
 SCRIPTS = ("pretrain_gpt", "finetune_gpt", "train_reward_model", "train_rlhf")
