@@ -1,6 +1,7 @@
-"""Megatron's command line, parsed (the flags' `_add_*_args` groups are megatron/flags/groups.py's) and validated up
-front, before any model is built (validate_args and its checks, here; under --deepspeed the JSON config is
-reconciled with the flags by megatron/flags/deepspeed_json.py).
+"""Megatron's command line, built (build_parser: the flags' `_add_*_args` groups are megatron/flags/groups.py's; the
+ZeRO engine's flags are added here, where the DeepSpeed-Megatron tutorial adds them), parsed and validated up front,
+before any model is built (validate_args and its checks, here; under --deepspeed the JSON config is reconciled with
+the flags by megatron/flags/deepspeed_json.py).
 
 Every inconsistency is reported with `parser.error` (one line naming the flags and numbers, exit status 2; see
 megatron/cli.py).
@@ -8,11 +9,25 @@ megatron/cli.py).
 import os
 
 import mpu
-from megatron import cli
+from megatron import cli, zero
 from megatron.flags.deepspeed_json import reconcile_with_deepspeed_config
 from megatron.flags.compile_choice import resolve_torch_compile
-from megatron.flags.groups import build_parser
+from megatron.flags.groups import ARGUMENT_GROUPS
 from megatron.model.moe_args import check_moe_args
+
+
+def build_parser(extra_args_provider=None):
+    """Every flag: Megatron's groups, the entry point's own (`extra_args_provider(parser)` returns the parser), then
+    the ZeRO engine's --deepspeed, --deepspeed_config and --deepspeed_activation_checkpointing."""
+    parser = cli.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
+                                allow_abbrev=False)
+    for add_group in ARGUMENT_GROUPS:
+        add_group(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    # Include DeepSpeed configuration arguments
+    parser = zero.add_config_arguments(parser)
+    return parser
 
 
 def parse_args(extra_args_provider=None, args_list=None):

@@ -277,6 +277,41 @@ def test_post_training_methods_take_the_shared_parts_from_common():
         assert {name for name, source in taken.items() if source == ".common"} >= expected, method
 
 
+
+# ---- the DeepSpeed-Megatron tutorial's per-file changes stand in the files it names ------------------------------
+
+def _parsed(relative):
+    return ast.parse(open(os.path.join(REPO, relative), encoding="utf-8").read(), filename=relative)
+
+
+def test_the_tutorials_lines_stand_in_the_files_it_names():
+    """The tutorial adds `parser = deepspeed.add_config_arguments(parser)` to megatron/arguments.py and builds the
+    model in pretrain_gpt.py's model_provider under `with deepspeed.zero.Init(data_parallel_group=...,
+    remote_device=..., enabled=...)`: a reader finds both there (`zero` for `deepspeed`), and the flags are
+    registered nowhere else in megatron/ (outside the engine's own package)."""
+    registrations = {}
+    for path in _python_files("megatron"):
+        if os.sep + os.path.join("megatron", "zero") + os.sep not in path:
+            found = [ast.unparse(node) for node in ast.walk(_parsed(path)) if isinstance(node, ast.Call)
+                     and ast.unparse(node.func).endswith("add_config_arguments")]
+            if found:
+                registrations[os.path.relpath(path, REPO).replace(os.sep, "/")] = found
+    assert registrations == {"megatron/arguments.py": ["zero.add_config_arguments(parser)"]}, registrations
+    assert "parser = zero.add_config_arguments(parser)" in {
+        ast.unparse(node) for node in ast.walk(_parsed("megatron/arguments.py")) if isinstance(node, ast.Assign)}
+    provider = next(node for node in _parsed("pretrain_gpt.py").body
+                    if isinstance(node, ast.FunctionDef) and node.name == "model_provider")
+    blocks = [node for node in ast.walk(provider) if isinstance(node, ast.With) and any(
+        isinstance(item.context_expr, ast.Call) and ast.unparse(item.context_expr.func) == "zero.Init"
+        for item in node.items)]
+    assert len(blocks) == 1, "pretrain_gpt.py's model_provider builds the model under `with zero.Init(...)`"
+    keywords = {k.arg for item in blocks[0].items for k in item.context_expr.keywords}
+    assert keywords >= {"data_parallel_group", "remote_device", "enabled"}, keywords
+    built = [ast.unparse(node.func) for stmt in blocks[0].body for node in ast.walk(stmt)
+             if isinstance(node, ast.Call)]
+    assert "GPT2Model" in built, built
+
+
 # ---- entry points: thin doors that import no script; no source file past the size bound --------------------------
 
 SCRIPTS = ("pretrain_gpt", "finetune_gpt", "train_reward_model", "train_rlhf")
