@@ -58,15 +58,18 @@ def _check_lora_args(args, parser):
     args.lora_targets = targets
 
 
-# Sizes, lengths and intervals: zero or a negative value is a typo, refused by name before anything is built.
+# Sizes, lengths, intervals and the optimizer's numbers: a value out of range is a typo (a negative rate trains
+# backwards, a beta of 1 never forgets), refused by name before anything is built.
 POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
                   "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
                   "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "checkpoint_num_layers",
-                  "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
-NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
+                  "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes",
+                  "layernorm_epsilon", "adam_eps", "lr_decay_iters", "lr", "muon_lr", "critic_lr")
+NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
                       "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
+FRACTION_FLAGS = ("adam_beta1", "adam_beta2", "muon_momentum")      # [0, 1), as torch's AdamW takes its betas
 
 
 def _check_sequence_parallel(args, parser):
@@ -115,7 +118,7 @@ def _check_backend(args, parser):
 def validate_args(args, parser, pretraining=True):
     """Check every cross-flag constraint before anything is built; fill derived defaults. pretraining: the entry
     point is pretrain_gpt.py (fixed-shape batches; post-training, evaluation and generation pass their own flags)."""
-    cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
+    cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS, fraction=FRACTION_FLAGS)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mp, pp, cp = args.model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if mp < 1 or world_size % mp != 0:
