@@ -1,6 +1,7 @@
 """The package boundaries the design promises: mpu imports only torch (and the standard library), no tool imports
 the tests, no import circle in megatron/ or mpu/, megatron.zero entered only by its front door, a short megatron/ root;
-four short entry points that import no script, and no source file over 450 lines."""
+the post-training methods take what they share from megatron/posttrain/common.py; the DeepSpeed-Megatron tutorial's
+lines in the files it names; four short entry points that import no script, and no source file over 450 lines."""
 import ast
 import os
 import subprocess
