@@ -7,18 +7,27 @@
 import torch
 
 import mpu
+from megatron import zero
 from megatron.data.context_parallel import batch_on_this_context_parallel_rank, masked_token_mean
 from megatron.data.pretraining import pretraining_datasets, pretraining_masks
 from megatron.global_vars import get_args, get_timers, get_tokenizer
 from megatron.initialize import run_main
-from megatron.model.providers import gpt_model, set_deepspeed_activation_checkpointing  # noqa: F401 (its old home)
+from megatron.model import GPT2Model, GPT2ModelConfig
+from megatron.model.providers import partitioned_while_built, set_deepspeed_activation_checkpointing
 from megatron.training import pretrain
-from megatron.utils import reduce_losses
+from megatron.utils import print_rank_0, reduce_losses
 
 
 def model_provider():
-    """GPT2Model of the arguments, built under zero.Init (ZeRO-3 partitions each parameter as it is built)."""
-    return gpt_model(get_args())
+    """Build the model: GPT2Model of the arguments under zero.Init (at ZeRO-3 each parameter is partitioned over the
+    data-parallel group as its module is built)."""
+    args = get_args()
+    set_deepspeed_activation_checkpointing(args)
+    print_rank_0("building GPT2 model ...")
+    with zero.Init(data_parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
+                   remote_device=args.remote_device, enabled=partitioned_while_built(args)):
+        model = GPT2Model(GPT2ModelConfig.from_args(args), num_tokentypes=0, parallel_output=True)
+    return model
 
 
 def get_batch(data_iterator):

@@ -1,6 +1,7 @@
-"""Megatron's command line, parsed (the flags' `_add_*_args` groups are megatron/flags/groups.py's) and validated up
-front, before any model is built (validate_args and its checks, here; under --deepspeed the JSON config is
-reconciled with the flags by megatron/flags/deepspeed_json.py).
+"""Megatron's command line, built (build_parser: the flags' `_add_*_args` groups are megatron/flags/groups.py's; the
+ZeRO engine's flags are added here, where the DeepSpeed-Megatron tutorial adds them), parsed and validated up front,
+before any model is built (validate_args and its checks, here; under --deepspeed the JSON config is reconciled with
+the flags by megatron/flags/deepspeed_json.py).
 
 Every inconsistency is reported with `parser.error` (one line naming the flags and numbers, exit status 2; see
 megatron/cli.py).
@@ -8,11 +9,25 @@ megatron/cli.py).
 import os
 
 import mpu
-from megatron import cli
+from megatron import cli, zero
 from megatron.flags.deepspeed_json import reconcile_with_deepspeed_config
 from megatron.flags.compile_choice import resolve_torch_compile
-from megatron.flags.groups import build_parser
+from megatron.flags.groups import ARGUMENT_GROUPS
 from megatron.model.moe_args import check_moe_args
+
+
+def build_parser(extra_args_provider=None):
+    """Every flag: Megatron's groups, the entry point's own (`extra_args_provider(parser)` returns the parser), then
+    the ZeRO engine's --deepspeed, --deepspeed_config and --deepspeed_activation_checkpointing."""
+    parser = cli.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
+                                allow_abbrev=False)
+    for add_group in ARGUMENT_GROUPS:
+        add_group(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    # Include DeepSpeed configuration arguments
+    parser = zero.add_config_arguments(parser)
+    return parser
 
 
 def parse_args(extra_args_provider=None, args_list=None):
@@ -44,15 +59,18 @@ def _check_lora_args(args, parser):
     args.lora_targets = targets
 
 
-# Sizes, lengths and intervals: zero or a negative value is a typo, refused by name before anything is built.
+# Sizes, lengths, intervals and the optimizer's numbers: a value out of range is a typo (a negative rate trains
+# backwards, a beta of 1 never forgets), refused by name before anything is built.
 POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
                   "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
                   "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "checkpoint_num_layers",
-                  "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
-NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
+                  "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes",
+                  "layernorm_epsilon", "adam_eps", "lr_decay_iters", "lr", "muon_lr", "critic_lr")
+NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
                       "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
+FRACTION_FLAGS = ("adam_beta1", "adam_beta2", "muon_momentum")      # [0, 1), as torch's AdamW takes its betas
 
 
 def _check_sequence_parallel(args, parser):
@@ -101,7 +119,7 @@ def _check_backend(args, parser):
 def validate_args(args, parser, pretraining=True):
     """Check every cross-flag constraint before anything is built; fill derived defaults. pretraining: the entry
     point is pretrain_gpt.py (fixed-shape batches; post-training, evaluation and generation pass their own flags)."""
-    cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS)
+    cli.require_range(parser, args, positive=POSITIVE_FLAGS, non_negative=NON_NEGATIVE_FLAGS, fraction=FRACTION_FLAGS)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mp, pp, cp = args.model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if mp < 1 or world_size % mp != 0:

@@ -65,13 +65,25 @@ def flag(dest):
     return "--" + dest.replace("_", "-")
 
 
-def require_range(parser, args, positive=(), non_negative=()):
+# What each range accepts and how a message names it; written as "accepted" tests so that NaN is out of every range.
+RANGES = {"positive": (lambda v: v > 0, "a positive number"),
+          "non_negative": (lambda v: v >= 0, "zero or a positive number"),
+          "fraction": (lambda v: 0 <= v < 1, "a number in [0, 1)")}
+
+
+def out_of_range(value, kind):
+    """What `value` must be (RANGES[kind]'s words) when it is outside that range; None when it is inside."""
+    accepted, wanted = RANGES[kind]
+    return None if accepted(value) else wanted
+
+
+def require_range(parser, args, positive=(), non_negative=(), fraction=()):
     """parser.error naming the first flag given a value outside its range (None means unset: not checked)."""
-    for names, bad, wanted in ((positive, lambda v: v <= 0, "a positive number"),
-                               (non_negative, lambda v: v < 0, "zero or a positive number")):
+    for kind, names in (("positive", positive), ("non_negative", non_negative), ("fraction", fraction)):
         for dest in names:
             value = getattr(args, dest, None)
-            if value is not None and bad(value):
+            wanted = None if value is None else out_of_range(value, kind)
+            if wanted:
                 parser.error(f"{flag(dest)} is {value}: it must be {wanted}")
 
 

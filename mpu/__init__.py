@@ -19,10 +19,11 @@ from .initialize import (get_embedding_group, get_pipeline_model_parallel_group,
                          set_virtual_pipeline_model_parallel_rank)
 from .layers import (ColumnParallelLinear, GroupedQKVStride, replicated_mask_dropout, RowParallelLinear,
                      VocabParallelEmbedding)
-from .expert_parallel import (get_expert_data_parallel_group, get_expert_data_parallel_rank,
-                              get_expert_data_parallel_world_size, get_expert_model_parallel_group,
-                              get_expert_model_parallel_rank, get_expert_model_parallel_world_size,
-                              initialize_expert_parallel, is_expert_parameter)
+from .initialize import (get_expert_data_parallel_group, get_expert_data_parallel_rank,
+                         get_expert_data_parallel_world_size, get_expert_model_parallel_group,
+                         get_expert_model_parallel_rank, get_expert_model_parallel_world_size,
+                         initialize_expert_parallel)
+from .expert_parallel import is_expert_parameter
 from .lora import TARGETS as LORA_TARGETS
 from .lora import (LoRAConfig, adapters_disabled, add_lora, fresh_adapters, has_adapters, is_lora_parameter,
                    mark_only_lora_as_trainable)

@@ -1,4 +1,4 @@
-"""Expert-parallel process groups and the all-to-all that carries tokens to their experts and back.
+"""The expert-parallel layout and the all-to-all that carries tokens to their experts and back.
 
 Expert parallelism (Megatron-LM's --expert-model-parallel-size EP) splits each MoE layer's experts over EP
 consecutive ranks of a data-parallel group: the expert-model-parallel group. Ranks at the same position of the
@@ -14,20 +14,15 @@ tensor-parallel size 2 (data-parallel size 4), EP = 2:
 Tensor parallelism splits each expert as it splits a dense MLP (its ranks hold the same tokens and send them to
 expert-parallel peers of the same tensor-parallel rank). Before initialize_expert_parallel (or at EP = 1) the
 getters answer EP = 1: the experts are replicated over the data-parallel group, which is then also the
-expert-data-parallel group.
+expert-data-parallel group. The groups themselves (initialize_expert_parallel, the getters) live in
+mpu/initialize.py beside the other process groups, built from expert_parallel_layout below: destroy_model_parallel
+forgets them all, and this module imports nothing from mpu.
 
 all_to_all(x, output_splits, input_splits, group) is its own pair: its backward is the all-to-all with the splits
 swapped. Every rank calls it with its own (possibly zero) split sizes; empty pieces are normal.
 """
 import torch
 import torch.distributed as dist
-
-from .initialize import get_data_parallel_group, get_data_parallel_rank, get_data_parallel_world_size
-
-_EXPERT_MODEL_PARALLEL_GROUP = None
-_EXPERT_MODEL_PARALLEL_RANKS = None
-_EXPERT_DATA_PARALLEL_GROUP = None
-_EXPERT_DATA_PARALLEL_RANKS = None
 
 
 def expert_parallel_layout(data_parallel_ranks, expert_model_parallel_size):
@@ -36,73 +31,6 @@ def expert_parallel_layout(data_parallel_ranks, expert_model_parallel_size):
     ep = expert_model_parallel_size
     blocks = [list(data_parallel_ranks[i:i + ep]) for i in range(0, len(data_parallel_ranks), ep)]
     return blocks, [[block[j] for block in blocks] for j in range(ep)]
-
-
-def initialize_expert_parallel(expert_model_parallel_size, timeout=None):
-    """Build the expert groups of every data-parallel group (mpu.initialize_model_parallel first). Collective:
-    every rank calls it, in the same order. EP must divide the data-parallel size."""
-    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS
-    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS
-    assert _EXPERT_MODEL_PARALLEL_RANKS is None, "expert-parallel groups are already initialized"
-    ep, dp = expert_model_parallel_size, get_data_parallel_world_size()
-    if ep < 1 or dp % ep:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp})")
-    # every data-parallel group's ranks, from every rank (new_group must be called for every group everywhere)
-    mine = dist.get_process_group_ranks(get_data_parallel_group())
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    rank = dist.get_rank()
-    for data_parallel_ranks in sorted({tuple(ranks) for ranks in every}):
-        model_groups, data_groups = expert_parallel_layout(data_parallel_ranks, ep)
-        for ranks in model_groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS = group, ranks
-        for ranks in data_groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS = group, ranks
-
-
-def destroy_expert_parallel():
-    """Forget the expert groups (mpu.destroy_model_parallel calls it)."""
-    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS
-    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS
-    _EXPERT_MODEL_PARALLEL_GROUP = _EXPERT_MODEL_PARALLEL_RANKS = None
-    _EXPERT_DATA_PARALLEL_GROUP = _EXPERT_DATA_PARALLEL_RANKS = None
-
-
-def get_expert_model_parallel_group():
-    """The ranks sharing one MoE layer's experts; None at EP = 1."""
-    return _EXPERT_MODEL_PARALLEL_GROUP if get_expert_model_parallel_world_size() > 1 else None
-
-
-def get_expert_model_parallel_world_size():
-    return len(_EXPERT_MODEL_PARALLEL_RANKS) if _EXPERT_MODEL_PARALLEL_RANKS is not None else 1
-
-
-def get_expert_model_parallel_rank():
-    """Which slice of the experts this rank holds (0 at EP = 1)."""
-    return _EXPERT_MODEL_PARALLEL_RANKS.index(dist.get_rank()) if _EXPERT_MODEL_PARALLEL_RANKS is not None else 0
-
-
-def get_expert_data_parallel_group():
-    """The ranks holding the same experts (the data-parallel group at EP = 1)."""
-    if _EXPERT_DATA_PARALLEL_RANKS is None:
-        return get_data_parallel_group()
-    return _EXPERT_DATA_PARALLEL_GROUP
-
-
-def get_expert_data_parallel_world_size():
-    if _EXPERT_DATA_PARALLEL_RANKS is None:
-        return get_data_parallel_world_size()
-    return len(_EXPERT_DATA_PARALLEL_RANKS)
-
-
-def get_expert_data_parallel_rank():
-    if _EXPERT_DATA_PARALLEL_RANKS is None:
-        return get_data_parallel_rank()
-    return _EXPERT_DATA_PARALLEL_RANKS.index(dist.get_rank())
 
 
 def is_expert_parameter(param):

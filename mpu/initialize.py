@@ -1,4 +1,5 @@
-"""Tensor-, context-, data- and pipeline-parallel process groups (Megatron-LM's layout and order tp, cp, dp, pp).
+"""Tensor-, context-, data-, pipeline- and expert-parallel process groups (Megatron-LM's layout and order tp, cp, dp,
+pp; the expert groups split each data-parallel group as mpu/expert_parallel.py draws).
 
 World = pp x dp x cp x mp. Consecutive ranks form a tensor (model)-parallel group; ranks mp apart within a block of
 cp x mp form a context-parallel group (each holds two chunks of the sequence: mpu/context_parallel.py); ranks
@@ -38,6 +39,8 @@ stage P - 1 (`ignore_virtual=True`: the physical stage), as in Megatron-LM's par
 """
 import torch.distributed as dist
 
+from .expert_parallel import expert_parallel_layout
+
 _MODEL_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP = None
 _PIPELINE_GROUP = None
@@ -49,6 +52,10 @@ _CONTEXT_PARALLEL_RANKS = None   # global ranks of this rank's context-parallel 
 _DATA_CONTEXT_PARALLEL_GROUP = None
 _VIRTUAL_PIPELINE_WORLD_SIZE = None   # model chunks per stage with the interleaved schedule; None: not interleaved
 _VIRTUAL_PIPELINE_RANK = None         # the model chunk running now (set by the schedule)
+_EXPERT_MODEL_PARALLEL_GROUP = None
+_EXPERT_MODEL_PARALLEL_RANKS = None
+_EXPERT_DATA_PARALLEL_GROUP = None
+_EXPERT_DATA_PARALLEL_RANKS = None
 
 
 def initialize_model_parallel(model_parallel_size, pipeline_model_parallel_size=1, timeout=None,
@@ -265,9 +272,75 @@ def is_rank_in_embedding_group():
     return _EMBEDDING_RANKS is not None and dist.get_rank() in _EMBEDDING_RANKS
 
 
+def initialize_expert_parallel(expert_model_parallel_size, timeout=None):
+    """Build the expert groups of every data-parallel group (mpu.initialize_model_parallel first). Collective:
+    every rank calls it, in the same order. EP must divide the data-parallel size."""
+    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS
+    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS
+    assert _EXPERT_MODEL_PARALLEL_RANKS is None, "expert-parallel groups are already initialized"
+    ep, dp = expert_model_parallel_size, get_data_parallel_world_size()
+    if ep < 1 or dp % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp})")
+    # every data-parallel group's ranks, from every rank (new_group must be called for every group everywhere)
+    mine = dist.get_process_group_ranks(get_data_parallel_group())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rank = dist.get_rank()
+    for data_parallel_ranks in sorted({tuple(ranks) for ranks in every}):
+        model_groups, data_groups = expert_parallel_layout(data_parallel_ranks, ep)
+        for ranks in model_groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS = group, ranks
+        for ranks in data_groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS = group, ranks
+
+
+def destroy_expert_parallel():
+    """Forget the expert groups (mpu.destroy_model_parallel calls it)."""
+    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS
+    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_RANKS
+    _EXPERT_MODEL_PARALLEL_GROUP = _EXPERT_MODEL_PARALLEL_RANKS = None
+    _EXPERT_DATA_PARALLEL_GROUP = _EXPERT_DATA_PARALLEL_RANKS = None
+
+
+def get_expert_model_parallel_group():
+    """The ranks sharing one MoE layer's experts; None at EP = 1."""
+    return _EXPERT_MODEL_PARALLEL_GROUP if get_expert_model_parallel_world_size() > 1 else None
+
+
+def get_expert_model_parallel_world_size():
+    return len(_EXPERT_MODEL_PARALLEL_RANKS) if _EXPERT_MODEL_PARALLEL_RANKS is not None else 1
+
+
+def get_expert_model_parallel_rank():
+    """Which slice of the experts this rank holds (0 at EP = 1)."""
+    return _EXPERT_MODEL_PARALLEL_RANKS.index(dist.get_rank()) if _EXPERT_MODEL_PARALLEL_RANKS is not None else 0
+
+
+def get_expert_data_parallel_group():
+    """The ranks holding the same experts (the data-parallel group at EP = 1)."""
+    if _EXPERT_DATA_PARALLEL_RANKS is None:
+        return get_data_parallel_group()
+    return _EXPERT_DATA_PARALLEL_GROUP
+
+
+def get_expert_data_parallel_world_size():
+    if _EXPERT_DATA_PARALLEL_RANKS is None:
+        return get_data_parallel_world_size()
+    return len(_EXPERT_DATA_PARALLEL_RANKS)
+
+
+def get_expert_data_parallel_rank():
+    if _EXPERT_DATA_PARALLEL_RANKS is None:
+        return get_data_parallel_rank()
+    return _EXPERT_DATA_PARALLEL_RANKS.index(dist.get_rank())
+
+
 def destroy_model_parallel():
     """Forget the groups (the process groups themselves die with torch.distributed)."""
-    from .expert_parallel import destroy_expert_parallel
     destroy_expert_parallel()
     global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_GROUP, _PIPELINE_RANKS
     global _EMBEDDING_GROUP, _EMBEDDING_RANKS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK

@@ -41,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .expert_parallel import (all_to_all, exchange_counts, get_expert_model_parallel_group,
-                              get_expert_model_parallel_rank, get_expert_model_parallel_world_size)
+from .expert_parallel import all_to_all, exchange_counts
+from .initialize import (get_expert_model_parallel_group, get_expert_model_parallel_rank,
+                         get_expert_model_parallel_world_size)
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .random import skip_init_draws
 from .utils import divide, get_device
 
 ROUTERS = ("softmax", "sigmoid")
@@ -215,7 +217,6 @@ class MoEMLP(nn.Module):
     def __init__(self, hidden_size, ffn_hidden_size, config, init_method, output_layer_init_method, swiglu=False,
                  bias=True, output_dropout_prob=0.0):
         super().__init__()
-        from .transformer import skip_init_draws     # (transformer builds this module)
         self.config = config
         self.group = get_expert_model_parallel_group()
         self.ep = get_expert_model_parallel_world_size()

@@ -8,10 +8,15 @@ swaps it back afterwards, so the default stream continues as if the region never
 Seeds (`model_parallel_cuda_manual_seed(seed)`): default generator = seed (same on all mp ranks);
 tracker 'model-parallel-rng' = seed + 2718 + model-parallel rank.
 
+Weights a rank builds but does not keep (the layers of other pipeline stages, the experts of other expert-parallel
+ranks) still take their draws from the default generator: `skip_init_draws` advances it exactly as those draws would,
+so every kept weight equals the single-process model's.
+
 Device-agnostic: the states are those of the generator of `get_device()` (CUDA's when present, else CPU's).
 """
 import contextlib
 import hashlib
+import math
 
 import torch
 from torch.utils.checkpoint import detach_variable
@@ -125,6 +130,17 @@ def model_parallel_cuda_manual_seed(seed):
     _manual_seed_device(seed)
     _RNG_STATE_TRACKER.reset()
     _RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
+
+
+def skip_init_draws(shapes, device):
+    """Advance `device`'s default generator exactly as normal_ into fresh fp32 tensors of `shapes` (in order) would,
+    keeping none of them: the draws go into one scratch buffer of the largest shape (how much of the stream a draw
+    consumes depends on its element count, dtype and device, not on its storage or its mean and std)."""
+    if not shapes:
+        return
+    scratch = torch.empty(max(math.prod(shape) for shape in shapes), dtype=torch.float32, device=device)
+    for shape in shapes:
+        scratch[:math.prod(shape)].view(shape).normal_()
 
 
 def get_rng_states():

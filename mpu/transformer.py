@@ -21,8 +21,6 @@ The layer's parts live beside it (each name is re-exported here): mpu/architectu
 methods, the hidden dropout), mpu/attention.py (ParallelSelfAttention), mpu/mlp.py (ParallelMLP; an MoE layer's
 MoEMLP is mpu/moe.py's), mpu/decoding.py (the incremental-decoding cache and CPU weight layouts).
 """
-import math
-
 import torch
 from torch import nn
 
@@ -37,7 +35,7 @@ from .mappings import copy_to_model_parallel_region, reduce_from_model_parallel_
 from .mlp import ParallelMLP
 from .moe import MoEMLP, moe_init_shapes
 from .random import checkpoint as mpu_checkpoint
-from .random import get_cuda_rng_tracker
+from .random import get_cuda_rng_tracker, skip_init_draws
 from .recompute import RecomputeConfig
 from .utils import get_device
 
@@ -117,17 +115,6 @@ def layer_init_shapes(hidden_size, num_attention_heads=1, architecture=GPT2_ARCH
     if architecture.moe is not None:
         return attention + moe_init_shapes(hidden_size, ffn, architecture.swiglu, architecture.moe)
     return attention + [((2 if architecture.swiglu else 1) * ffn, hidden_size), (hidden_size, ffn)]
-
-
-def skip_init_draws(shapes, device):
-    """Advance `device`'s default generator exactly as normal_ into fresh fp32 tensors of `shapes` (in order) would,
-    keeping none of them: the draws go into one scratch buffer of the largest shape (how much of the stream a draw
-    consumes depends on its element count, dtype and device, not on its storage or its mean and std)."""
-    if not shapes:
-        return
-    scratch = torch.empty(max(math.prod(shape) for shape in shapes), dtype=torch.float32, device=device)
-    for shape in shapes:
-        scratch[:math.prod(shape)].view(shape).normal_()
 
 
 def pipeline_layer_ranges(num_layers, num_stages, stage, num_chunks=1):

@@ -1,6 +1,7 @@
 """The package boundaries the design promises: mpu imports only torch (and the standard library), no tool imports
-the tests, no import circle in megatron/, megatron.zero entered only by its front door, a short megatron/ root;
-four short entry points that import no script, and no source file over 450 lines."""
+the tests, no import circle in megatron/ or mpu/, megatron.zero entered only by its front door, a short megatron/ root;
+the post-training methods take what they share from megatron/posttrain/common.py; the DeepSpeed-Megatron tutorial's
+lines in the files it names; four short entry points that import no script, and no source file over 450 lines."""
 import ast
 import os
 import subprocess
@@ -58,7 +59,7 @@ def test_no_tool_imports_the_tests():
         assert "tests" not in _imported_modules(path), f"{os.path.relpath(path, REPO)} imports tests/"
 
 
-# ---- megatron/: no import circle, zero's front door, a short root -----------------------------------------------
+# ---- megatron/ and mpu/: no import circle; zero's front door, a short root -----------------------------------------------
 
 def _module_name(path):
     """megatron/checkpoint/layout.py -> megatron.checkpoint.layout; a package's __init__.py -> the package."""
@@ -89,55 +90,92 @@ def _imports_of(path, modules, name=None):
     return found - {name} - ancestors    # a module's own packages are initialised before it runs
 
 
-def _import_graph(directory):
-    paths = list(_python_files(directory))
+def _import_graph(*directories):
+    """{module: the project modules it imports} over every .py under `directories`."""
+    paths = [p for directory in directories for p in _python_files(directory)]
     modules = {_module_name(p) for p in paths}
     return {_module_name(p): _imports_of(p, modules) for p in paths}
 
 
-def _find_cycle(graph):
-    """One import circle of `graph` as a list of modules (first == last), or None."""
-    state, stack = {}, []
+def _import_circles(graph):
+    """Every import circle of `graph`, each as a list of modules (first == last): one circle through each strongly
+    connected component of more than one module (Tarjan), so a failure names all of them, not just the first."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
 
-    def visit(node):
-        state[node] = "open"
+    def connect(node):
+        index[node] = low[node] = len(index)
         stack.append(node)
+        on_stack.add(node)
         for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state:
-                cycle = visit(nxt)
-                if cycle:
-                    return cycle
-        stack.pop()
-        state[node] = "done"
-        return None
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while node not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                components.append(component)
     for node in sorted(graph):
-        if node not in state:
-            cycle = visit(node)
-            if cycle:
-                return cycle
-    return None
+        if node not in index:
+            connect(node)
+    return [_circle_through(graph, component) for component in components]
 
 
-def test_no_import_circle_in_megatron():
-    cycle = _find_cycle(_import_graph("megatron"))
-    assert cycle is None, " -> ".join(cycle)
+def _circle_through(graph, component):
+    """A path min(component) -> ... -> min(component) inside `component` (breadth first: a shortest one)."""
+    start = min(component)
+    previous, frontier = {start: None}, [start]
+    while frontier:
+        node = frontier.pop(0)
+        for nxt in sorted(graph[node] & component):
+            if nxt == start:
+                path = [node]
+                while previous[path[-1]] is not None:
+                    path.append(previous[path[-1]])
+                return [start] + path[::-1][1:] + [start]
+            if nxt not in previous:
+                previous[nxt] = node
+                frontier.append(nxt)
+    raise AssertionError(f"no circle through {component}")
 
 
-def test_the_cycle_finder_finds_a_planted_circle(tmp_path):
-    """The check above can fail: a lazy import inside a function closes a circle through a package __init__
-    (importing megatron.checkpoint.layout runs megatron/checkpoint/__init__.py, which imports saving)."""
-    graph = _import_graph("megatron")
+def test_no_import_circle_in_megatron_or_mpu():
+    """Computed from the imports themselves (ast). Imports inside functions count: a lazy import hides a circle, it
+    does not remove it (both circles issue 67 removed, moe -> transformer -> architecture -> moe and initialize <->
+    expert_parallel, were imports inside functions)."""
+    circles = _import_circles(_import_graph("megatron", "mpu"))
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def _plant(graph, module, source, tmp_path):
+    """`graph` with `module`'s imports replaced by those of `source` (what the file would import if edited)."""
+    planted_file = tmp_path / (module.rpartition(".")[2] + ".py")
+    planted_file.write_text(source)
+    planted = dict(graph)
+    planted[module] = graph[module] | _imports_of(str(planted_file), set(graph), name=module)
+    return planted
+
+
+def test_the_circle_finder_names_each_planted_circle(tmp_path):
+    """Both circles of issue 67 put back (each a lazy import inside a function, one a relative `from . import`), and
+    one through a package __init__ (importing megatron.checkpoint.layout runs megatron/checkpoint/__init__.py, which
+    imports saving): each is found and named."""
+    graph = _import_graph("megatron", "mpu")
     assert "megatron.checkpoint" in graph["megatron.zero.engine"]
     assert "megatron.checkpoint.saving" in graph["megatron.checkpoint"]
-    lazy = tmp_path / "saving.py"
-    lazy.write_text("import os\n\n\ndef f():\n    from megatron.zero import ZeroEngine\n")
-    planted = dict(graph)
-    planted["megatron.checkpoint.saving"] = _imports_of(str(lazy), set(graph), name="megatron.checkpoint.saving")
-    assert planted["megatron.checkpoint.saving"] == {"megatron.zero"}
-    cycle = _find_cycle(planted)
-    assert cycle is not None and {"megatron.checkpoint.saving", "megatron.zero.engine"} <= set(cycle), cycle
+    planted = _plant(graph, "mpu.moe", "def f():\n    from .transformer import skip_init_draws\n", tmp_path)
+    planted = _plant(planted, "mpu.expert_parallel", "def f():\n    from . import initialize\n", tmp_path)
+    planted = _plant(planted, "megatron.checkpoint.saving", "import os\n\n\ndef f():\n"
+                     "    from megatron.zero import ZeroEngine\n", tmp_path)
+    circles = {tuple(circle) for circle in _import_circles(planted)}
+    assert ("mpu.expert_parallel", "mpu.initialize", "mpu.expert_parallel") in circles, circles
+    assert any({"mpu.moe", "mpu.transformer"} <= set(c) for c in circles), circles
+    assert any({"megatron.checkpoint.saving", "megatron.zero.engine"} <= set(c) for c in circles), circles
+    assert len(circles) == 3, circles
 
 
 def _zero_internal_imports(path):
@@ -206,6 +244,73 @@ def test_checkpoint_code_lives_in_the_checkpoint_package():
         assert any(isinstance(f, ast.Attribute) and f.attr == name and getattr(f.value, "id", None) == "checkpoint"
                    for f in calls), name
 
+
+
+
+# ---- megatron/posttrain: each method's file holds its method; what they share comes from common.py ---------------
+
+POSTTRAIN = os.path.join(REPO, "megatron", "posttrain")
+# the shared parts each method takes (issue 67: rlhf went to dpo.py for the reference and eval mode, to sft_loss.py
+# for the group sums; reward to dpo.py for the pair batches)
+TAKES_FROM_COMMON = {"rlhf": {"eval_mode", "sum_over_group"}, "dpo": {"Reference", "pair_batch", "sum_over_group"},
+                     "reward": {"pair_batch", "sum_over_group"}, "sft_loss": {"sum_over_group", "trim_to_longest"}}
+
+
+def _defined_and_taken(path):
+    """(names the file defines at its top level, {name: the module it is imported from}, function bodies too)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    taken = {alias.asname or alias.name: "." * node.level + (node.module or "")
+             for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    return defined, taken
+
+
+def test_post_training_methods_take_the_shared_parts_from_common():
+    shared, _ = _defined_and_taken(os.path.join(POSTTRAIN, "common.py"))
+    for method, expected in TAKES_FROM_COMMON.items():
+        defined, taken = _defined_and_taken(os.path.join(POSTTRAIN, f"{method}.py"))
+        assert not defined & shared, f"{method}.py defines {sorted(defined & shared)}: common.py's"
+        elsewhere = {name: source for name, source in taken.items()
+                     if name in shared and source not in (".common", "megatron.posttrain.common")}
+        assert not elsewhere, f"{method}.py takes common.py's parts from elsewhere: {elsewhere}"
+        assert {name for name, source in taken.items() if source == ".common"} >= expected, method
+
+
+
+# ---- the DeepSpeed-Megatron tutorial's per-file changes stand in the files it names ------------------------------
+
+def _parsed(relative):
+    return ast.parse(open(os.path.join(REPO, relative), encoding="utf-8").read(), filename=relative)
+
+
+def test_the_tutorials_lines_stand_in_the_files_it_names():
+    """The tutorial adds `parser = deepspeed.add_config_arguments(parser)` to megatron/arguments.py and builds the
+    model in pretrain_gpt.py's model_provider under `with deepspeed.zero.Init(data_parallel_group=...,
+    remote_device=..., enabled=...)`: a reader finds both there (`zero` for `deepspeed`), and the flags are
+    registered nowhere else in megatron/ (outside the engine's own package)."""
+    registrations = {}
+    for path in _python_files("megatron"):
+        if os.sep + os.path.join("megatron", "zero") + os.sep not in path:
+            found = [ast.unparse(node) for node in ast.walk(_parsed(path)) if isinstance(node, ast.Call)
+                     and ast.unparse(node.func).endswith("add_config_arguments")]
+            if found:
+                registrations[os.path.relpath(path, REPO).replace(os.sep, "/")] = found
+    assert registrations == {"megatron/arguments.py": ["zero.add_config_arguments(parser)"]}, registrations
+    assert "parser = zero.add_config_arguments(parser)" in {
+        ast.unparse(node) for node in ast.walk(_parsed("megatron/arguments.py")) if isinstance(node, ast.Assign)}
+    provider = next(node for node in _parsed("pretrain_gpt.py").body
+                    if isinstance(node, ast.FunctionDef) and node.name == "model_provider")
+    blocks = [node for node in ast.walk(provider) if isinstance(node, ast.With) and any(
+        isinstance(item.context_expr, ast.Call) and ast.unparse(item.context_expr.func) == "zero.Init"
+        for item in node.items)]
+    assert len(blocks) == 1, "pretrain_gpt.py's model_provider builds the model under `with zero.Init(...)`"
+    keywords = {k.arg for item in blocks[0].items for k in item.context_expr.keywords}
+    assert keywords >= {"data_parallel_group", "remote_device", "enabled"}, keywords
+    built = [ast.unparse(node.func) for stmt in blocks[0].body for node in ast.walk(stmt)
+             if isinstance(node, ast.Call)]
+    assert "GPT2Model" in built, built
 
 
 # ---- entry points: thin doors that import no script; no source file past the size bound --------------------------

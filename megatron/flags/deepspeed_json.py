@@ -4,7 +4,11 @@ reconcile_with_deepspeed_config). The JSON is the source of truth for the values
 value than its default that disagrees with the JSON is an error naming both."""
 import os
 
-from megatron import zero
+from megatron import cli, zero
+
+# The JSON's rates set --lr and --muon-lr after validate_args checked the flags: held to the flags' range here (the
+# engine's config refuses negative rates, and betas or momentum outside [0, 1), itself; a rate of 0 it allows)
+JSON_RANGES = {"lr": "positive", "muon_lr": "positive"}
 
 
 def reconcile_with_deepspeed_config(args, parser):
@@ -33,6 +37,9 @@ def reconcile_with_deepspeed_config(args, parser):
     if config.scheduler is not None:
         _check_scheduler_flags(args, parser, config.scheduler, path)
     for dest, flag, json_value, key in shared:
+        wanted = cli.out_of_range(json_value, JSON_RANGES[dest]) if dest in JSON_RANGES else None
+        if wanted:     # validate_args checked the flags before the JSON set them
+            parser.error(f"{key} is {json_value} in {path}: it must be {wanted} (it sets {flag})")
         value = getattr(args, dest)
         if value != parser.get_default(dest) and value != json_value:
             parser.error(f"{flag} ({value}) disagrees with {key} ({json_value}) in {path}; under --deepspeed the "

@@ -1,25 +1,11 @@
-"""Megatron's command line as an argparse parser: build_parser and its `_add_*_args` groups (every flag, its
-default and its help). megatron/arguments.py parses with it and validates the result; the post-training drivers
-add their own group through `extra_args_provider`."""
+"""Megatron's command line: the `_add_*_args` groups (every flag, its default and its help), in ARGUMENT_GROUPS.
+megatron/arguments.py's build_parser adds them in that order, then the entry point's own group
+(`extra_args_provider`) and the ZeRO engine's flags; it parses with it and validates the result."""
 import argparse
 
 import mpu
-from megatron import cli, zero
+from megatron import cli
 from megatron.model.moe_args import add_moe_args
-
-
-def build_parser(extra_args_provider=None):
-    parser = cli.ArgumentParser(description="Megatron-style GPT-2 pretraining with integrated ZeRO",
-                                allow_abbrev=False)
-    for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
-                      _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
-                      _add_distributed_args, _add_zero_args, _add_validation_args, _add_data_args,
-                      _add_logging_args, _add_lora_args, add_moe_args):
-        add_group(parser)
-    if extra_args_provider is not None:
-        parser = extra_args_provider(parser)
-    parser = zero.add_config_arguments(parser)
-    return parser
 
 
 def _add_network_size_args(parser):
@@ -256,3 +242,8 @@ def _add_lora_args(parser):
     group.add_argument("--lora-targets", type=str, default=",".join(mpu.LORA_TARGETS),
                        help=f"comma-separated linears of every layer to adapt, from {','.join(mpu.LORA_TARGETS)}")
     return parser
+
+
+ARGUMENT_GROUPS = (_add_network_size_args, _add_regularization_args, _add_training_args, _add_learning_rate_args,
+                   _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args, _add_zero_args,
+                   _add_validation_args, _add_data_args, _add_logging_args, _add_lora_args, add_moe_args)

@@ -18,7 +18,7 @@ global numbers; the first stage also the embeddings, the last the final LayerNor
 the word embedding as the LM head, initialized identically and kept identical by summing the two copies'
 gradients over mpu.get_embedding_group() after backward (parameters marked `pipeline_tied`; the last stage's
 copy is also marked `shared`, so the global gradient norm counts it once). A stage builds nothing else; the
-weights it does not hold are drawn into a scratch buffer and dropped (mpu.transformer.skip_init_draws), so its
+weights it does not hold are drawn into a scratch buffer and dropped (mpu.random.skip_init_draws), so its
 weights are bitwise the single-stage model's of the same seed. Names stay the single-stage model's:
 
     P = 2, L = 4:  stage 0: word_embeddings, position_embeddings, transformer.layers.{0,1}
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 import mpu
-from mpu.transformer import skip_init_draws
+from mpu.random import skip_init_draws
 from megatron.model.hf_interchange import REWARD_HEAD
 from megatron.model.moe_args import moe_config_from_args
 from megatron.zero import GatheredParameters, register_external_parameter

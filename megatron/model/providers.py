@@ -1,9 +1,8 @@
-"""The GPT model providers of the entry points and the post-training drivers (the body of the seed tutorial's
-pretrain_gpt.py model_provider, in one place): each takes the parsed arguments, sets up ZeRO's activation
-checkpointing if asked, and builds the model under zero.Init (at ZeRO-3 each parameter is partitioned as its
-module is built).
+"""The GPT model provider of the post-training drivers, as pretrain_gpt.py's model_provider (the seed tutorial's)
+builds it: ZeRO's activation checkpointing set up if asked, then the model under zero.Init (at ZeRO-3 each parameter
+is partitioned as its module is built). pretrain_gpt.py shares its two helpers.
 
-    model = gpt_model(args)                       # pretrain_gpt.py, finetune_gpt.py, RLHF's actor
+    model = gpt_model(args)                       # finetune_gpt.py, RLHF's actor
     model = gpt_model(args, reward_head=True)     # train_reward_model.py, RLHF's critic
 """
 import dataclasses
@@ -22,6 +21,12 @@ def set_deepspeed_activation_checkpointing(args):
         checkpointing.configure(mpu, deepspeed_config=args.zero_config, partition_activations=True)
 
 
+def partitioned_while_built(args):
+    """zero.Init's `enabled`: ZeRO-3 partitions each parameter as its module is built, except under expert
+    parallelism (the model is built whole: the engine partitions the experts over their own group)."""
+    return args.zero_stage == 3 and getattr(args, "expert_model_parallel_size", 1) == 1
+
+
 def gpt_model(args, reward_head=False):
     """GPT2Model of the command line's config (reward_head: with the scalar head of a reward model)."""
     set_deepspeed_activation_checkpointing(args)
@@ -29,12 +34,7 @@ def gpt_model(args, reward_head=False):
     config = GPT2ModelConfig.from_args(args)
     if reward_head:
         config = dataclasses.replace(config, reward_head=True)
-    # ZeRO-3: each parameter partitioned as its module is built (under expert parallelism built whole: the engine
-    # partitions the experts over their own group)
     with zero.Init(data_parallel_group=mpu.get_data_parallel_group(with_context_parallel=True),
-                   remote_device=args.remote_device,
-                   enabled=args.zero_stage == 3 and getattr(args, "expert_model_parallel_size", 1) == 1):
-        # the class is looked up on megatron.model when called, as the seed's pretrain_gpt.py imported it from there:
-        # a caller that replaces megatron.model.GPT2Model (tests/training/test_nonfinite.py poisons a gradient so)
-        # gets its own class
+                   remote_device=args.remote_device, enabled=partitioned_while_built(args)):
+        # looked up on megatron.model when called: a caller that replaces megatron.model.GPT2Model gets its class
         return megatron.model.GPT2Model(config, num_tokentypes=0, parallel_output=True)

@@ -2,8 +2,10 @@
 
     sft_data      chat templates, one example -> ids + loss mask, packing rows (pure; tools/preprocess_sft_data.py)
     sft_dataset   the two aligned indexed datasets -> train/valid/test rows (finetune_gpt.py)
-    sft_loss      rows -> model inputs (masks and positions per packed example), the step's token-weighted loss
-    dpo           Direct Preference Optimization on preference pairs: the reference policy, the sigmoid loss
+    common        what the methods share: rows -> model inputs (masks and positions per packed example),
+                  preference pairs, the group reductions, the eval-mode switch, the frozen reference policy
+    sft_loss      SFT: the step's token-weighted loss
+    dpo           Direct Preference Optimization on preference pairs: the sigmoid loss
     reward        the reward model's pair losses (last token, DeepSpeed-Chat's divergence span) and metrics
     rlhf          RLHF step 3: experience from the actor being trained, the per-micro-batch PPO and GRPO steps
     rlhf_loss     RLHF step 3's losses: PPO as DeepSpeed-Chat computes it, GRPO's advantages and reductions as TRL
@@ -19,11 +21,12 @@ from .sft_data import (DEFAULT_TEMPLATE, TEMPLATES, ChatTemplate, ExampleError, 
                        encode_prompt, pack_examples, parse_example, parse_preference, truncate_example)
 from .sft_dataset import (PreferenceDataset, SFTDataError, SFTDataset, build_preference_datasets, build_sft_datasets,
                           open_sft_files, output_prefixes)
-from . import dpo, ema, reward, rlhf, rlhf_loss
-from .sft_loss import StepBatches, masked_sum, model_inputs, sum_over_group, trim_to_longest
+from . import common, dpo, ema, reward, rlhf, rlhf_loss
+from .common import model_inputs, sum_over_group, trim_to_longest
+from .sft_loss import StepBatches, masked_sum
 
 __all__ = ["DEFAULT_TEMPLATE", "TEMPLATES", "ChatTemplate", "ExampleError", "assemble_row", "encode_example",
            "encode_prompt", "pack_examples", "parse_example", "parse_preference", "truncate_example", "SFTDataError",
            "SFTDataset", "PreferenceDataset", "build_sft_datasets", "build_preference_datasets", "open_sft_files",
            "output_prefixes", "StepBatches", "masked_sum", "model_inputs", "sum_over_group", "trim_to_longest",
-           "dpo", "ema", "reward", "rlhf", "rlhf_loss"]
+           "common", "dpo", "ema", "reward", "rlhf", "rlhf_loss"]

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 import mpu
 from megatron.checkpoint.rng import preserved_rng_state
 
-from .dpo import pair_batch
-from .sft_loss import sum_over_group
+from .common import pair_batch, sum_over_group
 
 LOSSES = ("last-token", "divergence")
 METRICS = ("accuracy", "chosen score", "rejected score")

@@ -41,8 +41,7 @@ from megatron.checkpoint.rng import preserved_rng_state
 from megatron.guards import breadcrumbs
 
 from . import rlhf_loss
-from .dpo import _eval_mode
-from .sft_loss import sum_over_group
+from .common import eval_mode, sum_over_group
 
 ALGORITHMS = ("ppo", "grpo")
 PPO_METRICS = ("objective/kl", "objective/scores", "objective/non_score_reward", "objective/rlhf_reward")
@@ -93,7 +92,7 @@ class RLHFConfig:
 @dataclasses.dataclass
 class Roles:
     """The models of one run: the actor (being trained; an engine or the Megatron path's wrapped model), the critic
-    (PPO), the frozen reference (a dpo.Reference: the actor with adapters off, or a frozen copy of the starting
+    (PPO), the frozen reference (a common.Reference: the actor with adapters off, or a frozen copy of the starting
     weights) and what scores a completion: a reward model (reward.load_reward_model) or a function."""
     actor: object
     critic: object = None
@@ -268,7 +267,7 @@ def make_experience(config, roles, prompts, seed, tokenizer, micro_batch_size, m
     keep_old = config.algorithm == "ppo" or config.ppo_epochs > 1
     with torch.no_grad():
         for batch in batches:
-            with _eval_mode(roles.actor):
+            with eval_mode(roles.actor):
                 if keep_old:
                     batch.old_logprobs = token_log_probs(roles.actor, batch)
                 if config.needs_reference:
@@ -278,7 +277,7 @@ def make_experience(config, roles, prompts, seed, tokenizer, micro_batch_size, m
                         batch.tokens[:, 1:])
                     batch.ref_logprobs = -losses.float()
             if roles.critic is not None:
-                with _eval_mode(roles.critic):
+                with eval_mode(roles.critic):
                     batch.old_values = values_of(roles.critic, batch)
     all_scores = gather_over_data_parallel(scores)
     rank, n = mpu.get_data_parallel_rank(), scores.numel()

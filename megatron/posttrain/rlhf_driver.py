@@ -49,7 +49,7 @@ from megatron.train_state import CheckpointOptions
 from megatron import training   # its functions looked up when called (tests wrap training.train_step)
 from megatron.utils import print_rank_0
 
-from . import dpo, rlhf
+from . import common, rlhf
 from .ema import EMAActor
 from .rlhf_flags import add_rlhf_args, critic_save_dir, ema_save_dir, fill_defaults, rlhf_config, starting_point
 from .sft_dataset import build_sft_datasets
@@ -60,8 +60,8 @@ def _build_roles(args, actor):
     from .reward import load_reward_model
     roles = rlhf.Roles(actor)
     if rlhf_config(args).needs_reference:
-        roles.reference = dpo.Reference(resuming=not args.finetune, checkpoint=args.reference_load,
-                                        flag="--reference-load")
+        roles.reference = common.Reference(resuming=not args.finetune, checkpoint=args.reference_load,
+                                           flag="--reference-load")
     if args.reward_fn is not None:
         roles.reward_fn = rlhf.load_reward_fn(args.reward_fn)
     else:

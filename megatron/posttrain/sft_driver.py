@@ -20,7 +20,8 @@ tools/preprocess_sft_data.py --preference's pairs, from an SFT checkpoint (--loa
 loss (mean over the global batch's pairs), logged (and in --log-jsonl) with TRL's rewards/chosen, rewards/rejected,
 rewards/margins, rewards/accuracies. The reference policy is the starting weights, frozen, computed in the same
 step: with --lora-rank the model with its adapters off (no copy), else a frozen copy taken before the first update
-(megatron/posttrain/dpo.py; no packing, no pipeline parallelism, ZeRO-3 only with LoRA).
+(megatron/posttrain/common.py's Reference; the loss: megatron/posttrain/dpo.py; no packing, no pipeline parallelism,
+ZeRO-3 only with LoRA).
 """
 import functools
 
@@ -30,9 +31,10 @@ from megatron.training import pretrain
 from megatron.utils import print_rank_0
 
 from . import dpo
+from .common import Reference, model_inputs, sum_over_group
 from .samples import TrainingSamples, sampling_flags_error
 from .sft_dataset import build_sft_datasets
-from .sft_loss import StepBatches, masked_sum, model_inputs, sum_over_group
+from .sft_loss import StepBatches, masked_sum
 from .start import (add_no_finetune_flag, check_data_flags, language_model_provider, preference_datasets,
                     require_tokenizer, resume_or_start)
 
@@ -150,6 +152,6 @@ def main(args_list):
     """Fine-tune from the command line `args_list`; returns the training history (megatron.training.pretrain)."""
     args_list = starting_point(args_list)
     # this run's micro-batch buffer (sft) and reference policy (dpo)
-    step = TrainingSamples(functools.partial(objective_step, StepBatches(), dpo.Reference()))
+    step = TrainingSamples(functools.partial(objective_step, StepBatches(), Reference()))
     return pretrain(train_valid_test_datasets_provider, language_model_provider, step,
                     extra_args_provider=add_finetune_args, args_list=args_list, after_training=step.after_training)

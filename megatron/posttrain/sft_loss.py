@@ -1,4 +1,4 @@
-"""From SFTDataset rows to the model's inputs, and the masked loss normalized over the whole global batch.
+"""SFT's loss: the masked loss normalized over the whole global batch (rows -> model inputs: common.model_inputs).
 
     batches = StepBatches()                                   # one per training run
     rows, step_tokens = batches.next(data_iterator, num_micro_batches, data_parallel_group)
@@ -16,62 +16,18 @@ before the first backward takes the step's micro-batches up front: StepBatches r
 forward, counts their mask tokens and sums the counts over the data-parallel group. The choice is exact for any
 split of a batch over ranks and micro-batches (a mean of per-rank means would weight a short answer's tokens
 more); logged and validation losses are (sum, count) pairs, summed over everything and divided once.
-
-Rows (sft_data.assemble_row): tokens = text[:, :-1], labels = text[:, 1:], the mask of labels[t] is
-loss_mask[:, t + 1]. Unpacked rows are causal as they are (padding comes after every real token, so nothing real
-attends to it: attention_mask None, SDPA's own causal path); packed rows get a [b, 1, s, s] mask that keeps every
-token inside its example and position ids that restart at 0 at each example (megatron.data.masks).
 """
 import torch
 
 import mpu
-from megatron.guards import breadcrumbs
-from megatron.data.masks import document_masks_and_position_ids
 
-ROW_KEYS = ("text", "loss_mask", "segments")
-
-
-def trim_to_longest(rows):
-    """The rows cut after the last non-padding token of the longest one (padding to the longest in the batch).
-    Called on the host rows, before they go to the device: the new length is read on the host (on device rows it
-    would be a stream sync)."""
-    used = rows["segments"].gt(0).any(dim=0).nonzero()
-    length = int(used.max()) + 1 if used.numel() else 2
-    return {key: value[:, :max(length, 2)].contiguous() for key, value in rows.items()}
-
-
-def model_inputs(rows, pack):
-    """tokens, labels [b, s] long; loss_mask [b, s] float; attention_mask None (causal) or bool [b, 1, s, s] (True
-    = hidden); position_ids [b, s] long."""
-    text, segments = rows["text"], rows["segments"]
-    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()          # [b, s] each
-    loss_mask = rows["loss_mask"][:, 1:].float()                                  # [b, s], aligned with labels
-    if pack:
-        inputs = segments[:, :-1]                                                 # [b, s]
-        starts = torch.zeros_like(inputs, dtype=torch.bool)
-        starts[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
-        attention_mask, position_ids = document_masks_and_position_ids(starts)
-    else:
-        attention_mask = None
-        position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return tokens, labels, loss_mask, attention_mask, position_ids
+from .common import ROW_KEYS, sum_over_group, trim_to_longest
 
 
 def masked_sum(per_token_losses, loss_mask):
     """(sum of per-token losses where the mask is 1, number of such tokens) of one micro-batch, as tensors."""
     mask = loss_mask.view(-1)
     return torch.sum(per_token_losses.float().view(-1) * mask), mask.sum()
-
-
-def sum_over_group(values, name, group):
-    """[number or 0-d tensor, ...] summed over `group`: a float64 tensor on the model's device, one element per value
-    (left on the device: the training loop reads a step's losses on the host once, training.losses_to_host). A
-    Python number is filled in on the device (torch.as_tensor would copy it from the host and wait for the stream)."""
-    device = mpu.get_device()
-    tensor = torch.stack([v.to(device, torch.float64).reshape(()) if torch.is_tensor(v) else
-                          torch.full((), v, dtype=torch.float64, device=device) for v in values])
-    breadcrumbs.all_reduce(tensor, name, group=group)
-    return tensor
 
 
 class StepBatches:

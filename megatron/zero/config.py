@@ -24,7 +24,7 @@ import json
 import os
 from typing import Optional
 
-from megatron.cli import UserError
+from megatron.cli import UserError, out_of_range
 
 # The schema (config_schema.py) and the key tables (config_keys.py), defined here before the split: importable
 # from here as they were.
@@ -272,7 +272,23 @@ def _optimizer(raw, no_effect):
         raise ConfigError(f"optimizer.params.betas: expected two numbers, got {params['betas']!r}")
     if params.get("bias_correction") is False:
         raise ConfigError("optimizer.params.bias_correction: false is not supported")
+    _check_param_ranges(params)
     return OptimizerConfig(type=names[kind.lower()], params=params)
+
+
+# torch's rules for its optimizers' numbers, checked at parse time (one line, not a traceback at build); an lr of 0
+# is allowed, as torch allows it (a JSON scheduler sets the lr)
+_PARAM_RANGES = {"lr": "non_negative", "muon_lr": "non_negative", "adam_lr": "non_negative", "eps": "non_negative",
+                 "weight_decay": "non_negative", "momentum": "fraction"}
+
+
+def _check_param_ranges(params):
+    checks = [(f"optimizer.params.{key}", params[key], kind) for key, kind in _PARAM_RANGES.items() if key in params]
+    checks += [(f"optimizer.params.betas[{i}]", beta, "fraction") for i, beta in enumerate(params.get("betas", ()))]
+    for name, value, kind in checks:
+        wanted = out_of_range(value, kind)
+        if wanted:
+            raise ConfigError(f"{name} is {value}: it must be {wanted}")
 
 
 def _check_muon(params):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron.text_generation.generation import check_sampling_options
-from tests.helpers import parser_error, REPO, TINY_SHAPE
+from tests.helpers import parser_error, REPO, TINY_SHAPE, write_config
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
@@ -27,12 +27,52 @@ TINY = TINY_SHAPE + ["--mock-data"]
     ("--eval-interval", "-1", "a positive number"), ("--vocab-size", "0", "a positive number"),
     ("--make-vocab-size-divisible-by", "0", "a positive number"), ("--lr-decay-iters", "0", "a positive number"),
     ("--train-iters", "-1", "zero or a positive number"), ("--eval-iters", "-2", "zero or a positive number"),
-    ("--lr", "-0.1", "zero or a positive number"), ("--clip-grad", "-1.0", "zero or a positive number"),
+    ("--clip-grad", "-1.0", "zero or a positive number"),
+    # the optimizer's numbers (issue 67: they trained silently, or died in a traceback when the optimizer was built)
+    ("--lr", "-0.1", "a positive number"), ("--lr", "0.0", "a positive number"), ("--lr", "nan", "a positive number"),
+    ("--muon-lr", "-1.0", "a positive number"), ("--muon-lr", "0.0", "a positive number"),
+    ("--min-lr", "-0.5", "zero or a positive number"), ("--weight-decay", "-0.1", "zero or a positive number"),
+    ("--adam-eps", "0.0", "a positive number"), ("--adam-eps", "-0.5", "a positive number"),
+    ("--adam-beta1", "1.0", "a number in [0, 1)"), ("--adam-beta1", "-0.1", "a number in [0, 1)"),
+    ("--adam-beta2", "1.0", "a number in [0, 1)"), ("--adam-beta2", "1.5", "a number in [0, 1)"),
+    ("--muon-momentum", "1.0", "a number in [0, 1)"), ("--muon-momentum", "-0.5", "a number in [0, 1)"),
 ])
 def test_megatron_flags_out_of_range_are_one_line(flag, value, wanted, capsys):
     from megatron.arguments import parse_args
     line = parser_error(lambda argv: parse_args(args_list=argv), TINY + [flag, value], capsys)
     assert line.split(": error: ", 1)[1] == f"{flag} is {value}: it must be {wanted} (see --help)"
+
+
+def test_the_edges_of_the_optimizer_ranges_are_accepted():
+    from megatron.arguments import parse_args
+    edges = ["--adam-beta1", "0", "--adam-beta2", "0.9999", "--muon-momentum", "0", "--weight-decay", "0",
+             "--min-lr", "0", "--lr", "1e-9", "--muon-lr", "1e-9", "--adam-eps", "1e-30"]
+    args = parse_args(args_list=TINY + edges)
+    assert (args.adam_beta1, args.adam_beta2, args.muon_momentum, args.weight_decay, args.min_lr, args.lr,
+            args.muon_lr, args.adam_eps) == (0.0, 0.9999, 0.0, 0.0, 0.0, 1e-9, 1e-9, 1e-30)
+
+
+@pytest.mark.parametrize("optimizer,message", [
+    ({"type": "AdamW", "params": {"lr": 0.0}}, "optimizer.params.lr is 0.0 in {}: it must be a positive number (it "
+                                               "sets --lr)"),
+    ({"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.0}}, "optimizer.params.adam_lr is 0.0 in {}: it must be a "
+                                                               "positive number (it sets --lr)"),
+    ({"type": "Muon", "params": {"muon_lr": 0.0}}, "optimizer.params.muon_lr is 0.0 in {}: it must be a positive "
+                                                   "number (it sets --muon-lr)"),
+    ({"type": "Muon", "params": {"adam_lr": -0.001}}, "--deepspeed_config: optimizer.params.adam_lr is -0.001: it "
+                                                      "must be zero or a positive number"),
+    ({"type": "Muon", "params": {"momentum": 1.0}}, "--deepspeed_config: optimizer.params.momentum is 1.0: it must "
+                                                    "be a number in [0, 1)"),
+])
+def test_json_optimizer_numbers_are_one_line(tmp_path, capsys, optimizer, message):
+    """Under --deepspeed the JSON's lr, adam_lr and muon_lr set --lr and --muon-lr after their check ran: a rate of 0
+    (which the engine's config allows, as torch does) is held to the flags' range and named by its key; a negative
+    rate or a momentum outside [0, 1) the config refuses itself."""
+    from megatron.arguments import parse_args
+    config = write_config(str(tmp_path), optimizer=optimizer)
+    line = parser_error(lambda argv: parse_args(args_list=argv), TINY + ["--deepspeed", "--deepspeed_config", config],
+                        capsys)
+    assert line.split(": error: ", 1)[1] == message.format(config) + " (see --help)"
 
 
 @pytest.mark.parametrize("flags", [["--reset-attention-mask"], ["--eod-mask-loss", "--reset-position-ids"]])

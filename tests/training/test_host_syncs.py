@@ -86,7 +86,7 @@ def _count_trims_on_device_rows_only(counting):
     import weakref
     import mpu
     import megatron.posttrain as posttrain
-    from megatron.posttrain import dpo, sft_loss
+    from megatron.posttrain import common, sft_loss
     sent, broadcast = [], mpu.broadcast_data
 
     def to_device(*args, **kwargs):
@@ -104,7 +104,7 @@ def _count_trims_on_device_rows_only(counting):
             return trim(rows)
         finally:
             counting[0] = was
-    sft_loss.trim_to_longest = dpo.trim_to_longest = posttrain.trim_to_longest = counted_trim
+    sft_loss.trim_to_longest = common.trim_to_longest = posttrain.trim_to_longest = counted_trim
 
 
 @pytest.mark.parametrize("model_parallel_size,most", [(1, 2), (2, 3)])

@@ -180,6 +180,23 @@ BAD_CONFIGS = [
      "unknown key 'learning_rate' in 'optimizer.params'"),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
      "betas: expected two numbers"),
+    # torch's ranges for its optimizers' numbers, one line at parse time (issue 67)
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}},
+     r"optimizer.params.betas\[1\] is 1.0: it must be a number in \[0, 1\)"),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": [-0.1, 0.9]}}},
+     r"optimizer.params.betas\[0\] is -0.1: it must be a number in \[0, 1\)"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -0.001}}},
+     "optimizer.params.lr is -0.001: it must be zero or a positive number"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"eps": -1e-8}}},
+     "optimizer.params.eps is -1e-08: it must be zero or a positive number"),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"weight_decay": -0.01}}},
+     "optimizer.params.weight_decay is -0.01: it must be zero or a positive number"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Muon", "params": {"muon_lr": -1}}},
+     "optimizer.params.muon_lr is -1.0: it must be zero or a positive number"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Muon", "params": {"adam_lr": -1}}},
+     "optimizer.params.adam_lr is -1.0: it must be zero or a positive number"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Muon", "params": {"momentum": 1.0}}},
+     r"optimizer.params.momentum is 1.0: it must be a number in \[0, 1\)"),
     ({"train_batch_size": 8, "scheduler": {"type": "WarmupLr"}}, "did you mean 'WarmupLR'"),
     ({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps is required"),
     ({"train_batch_size": 8, "gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1.0"),
@@ -192,6 +209,14 @@ BAD_CONFIGS = [
 def test_bad_config_messages(raw, message):
     with pytest.raises(ConfigError, match=message):
         load_config(raw, data_parallel_size=2)
+
+
+def test_the_edges_of_the_optimizer_ranges_are_accepted():
+    """torch's own edges: an lr of 0 (a JSON scheduler sets the lr), betas 0 and just below 1, eps, decay 0."""
+    edges = {"lr": 0.0, "betas": [0.0, 0.9999], "eps": 0.0, "weight_decay": 0.0, "muon_lr": 0.0, "adam_lr": 0.0,
+             "momentum": 0.0}
+    config = load_config({"train_batch_size": 8, "optimizer": {"type": "Muon", "params": edges}}, data_parallel_size=2)
+    assert config.optimizer.params == edges
 
 
 def test_bad_files(tmp_path):
