@@ -58,6 +58,11 @@ GRPO = ["--algorithm", "grpo", "--num-generations", "2", "--ppo-epochs", "2", "-
         "--lr", str(LR["grpo"]),
         "--reward-fn", "tests.posttrain.test_rlhf:vowel_reward"]
 TOLERANCE = 1e-5
+# mp2 sums the row-parallel partial products in another order; the first rollout's losses agree within 2e-6, but
+# Adam at lr 5e-3 turns the rounding noise of near-zero gradients (GPT-2's key bias, whose true gradient is 0) into
+# +-lr steps, and the second rollout's losses differ by up to 3.0e-5 on an AVX-512/AMX Xeon (measured 2026-12-07;
+# under 1e-5 on the CI machine before). A real mp2 bug (a missed all-reduce, a wrong split) moves them by > 1e-2.
+MP2_TOLERANCE = 5e-5
 
 
 def vowel_reward(completions, **kwargs):
@@ -349,8 +354,8 @@ def hf_ppo(setup):
     return _hf_ppo(setup, _prompts(setup, 8))
 
 
-def _close(ours, theirs, what):
-    assert abs(ours - theirs) <= TOLERANCE * max(1.0, abs(theirs)), (what, ours, theirs)
+def _close(ours, theirs, what, tolerance=TOLERANCE):
+    assert abs(ours - theirs) <= tolerance * max(1.0, abs(theirs)), (what, ours, theirs)
 
 
 def _weights_change_equal(saved, before, after, what, skip=()):
@@ -395,9 +400,10 @@ def test_ppo_steps_equal_plain_pytorch(setup, request, hf_ppo, name):
             assert ranks[0] + ranks[1] == generated[rollout], name
     ours = (results if name == "ppo-mp1" else results[0])[name]["losses"]
     assert len(ours) == 4
+    tolerance = MP2_TOLERANCE if name == "ppo-mp2" else TOLERANCE
     for step, (mine, theirs) in enumerate(zip(ours, logged)):
         for key, value in theirs.items():
-            _close(mine[key], value, (step, key))
+            _close(mine[key], value, (step, key), tolerance)
     assert logged[2]["objective/kl"] != 0 and logged[0]["objective/kl"] == 0          # the second rollout's KL
     kl = ours[2]["objective/kl"]        # DeepSpeed-Chat's kl_ctl 0.1, a penalty: -0.1 KL (the KL's sign is the data's)
     assert ours[2]["objective/non_score_reward"] == pytest.approx(-0.1 * kl, rel=1e-5) and kl != 0
