@@ -30,6 +30,8 @@ import torch.distributed as dist
 import mpu
 from megatron.cli import UserError
 
+from .capture import capture_for
+
 DONE_CHECK_INTERVAL = 16
 """Decoding steps between two checks whether every row has finished (each check waits for the device)."""
 
@@ -100,14 +102,17 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     max_positions = config.max_sequence_length
     real_vocab = config.real_vocab_size or config.vocab_size
     prompts = [list(map(int, p)) for p in prompts_token_ids]
-    if not prompts:
+    group = lockstep_group(module)
+    if not prompts and group is None:
         return []
+    asked = len(prompts)
+    prompts = prompts or [[0]]              # a rank with nothing to generate still joins its group's steps
     _check_prompts(prompts, max_positions, real_vocab)
     device = module.word_embeddings.weight.device
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     new_counts = [min(max_new_tokens, max_positions - n) for n in lengths]    # the position table caps a row
-    steps = max(new_counts)
+    steps = _agreed_max(max(new_counts), group, device)
     if steps == 0:
         return [[] for _ in prompts]
     width, total = max(lengths), max(lengths) + steps                         # prompt columns, all columns
@@ -128,7 +133,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
         step = None                                     # the static one-token step, after the prompt
         fed = 0                                         # columns already in the cache
         for column in range(width, total):              # the column whose token this step produces
-            if (column - width) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
+            if (column - width) % DONE_CHECK_INTERVAL == 0 and _agreed_max(int(not done.all()), group, device) == 0:
                 break
             first = fed if cache is not None else 0
             if step is not None:
@@ -140,7 +145,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
                 if cache is not None and static_cache and column + 1 < total:
                     step_mask = mask if mask is not None else causal_mask(total, device)   # [b|1, 1, total, total]
                     step = DecodeStep(model, cache, batch, step_mask.size(0), total, device,
-                                      chosen_capture(cuda_graph, device))
+                                      capture_for(cuda_graph, device, module))
             fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
             if gather:
@@ -163,7 +168,27 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
         if eod_id is not None and eod_id in out:
             out = out[:out.index(eod_id) + 1]
         results.append(out)
-    return results
+    return results[:asked]
+
+
+def lockstep_group(module):
+    """The expert-model-parallel group of `module`'s MoE layers when they are split over more than one rank, else
+    None. Every forward's dispatch is an all-to-all over that group, so its ranks (data-parallel ranks with their
+    own prompts, lengths and ends) must run the same number of forward steps: generate agrees with them on the
+    number of steps and on when every row of every rank is done."""
+    for layer in module.modules():
+        if isinstance(layer, mpu.MoEMLP) and layer.ep > 1:
+            return layer.group
+    return None
+
+
+def _agreed_max(value, group, device):
+    """max(value) over `group` (value itself when group is None)."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
 
 
 def causal_mask(total, device):
@@ -209,45 +234,6 @@ class DecodeStep:
         if self.replay is None:
             self.replay = self.capture(self.forward)
         return self.replay()
-
-
-def graph_capture_default(device):
-    """The capture generate uses when cuda_graph is None: cuda_graph_capture on CUDA at model-parallel size 1;
-    None (eager static steps) on the CPU, and at larger model-parallel sizes, whose collectives inside a captured
-    graph have not been checked on a GPU here (pass cuda_graph=True to try)."""
-    if device.type == "cuda" and mpu.get_model_parallel_world_size() == 1:
-        return cuda_graph_capture
-    return None
-
-
-def chosen_capture(cuda_graph, device):
-    """The capture function generate's `cuda_graph` option names: None -> graph_capture_default, True ->
-    cuda_graph_capture, False -> None (eager), a callable -> itself."""
-    if cuda_graph is None:
-        return graph_capture_default(device)
-    if callable(cuda_graph):
-        return cuda_graph
-    return cuda_graph_capture if cuda_graph else None
-
-
-def cuda_graph_capture(forward, warmup=2):
-    """forward's kernels captured once into a torch.cuda.CUDAGraph; returns replay() -> forward's output tensor,
-    which every replay overwrites. The warm-up runs (on a side stream, as torch's CUDA-graph notes ask) compute
-    the step itself: they rewrite the same cache slot with the same values."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = forward()
-
-    def replay():
-        graph.replay()
-        return output
-    return replay
 
 
 def _check_prompts(prompts, max_positions, real_vocab):
