@@ -207,3 +207,53 @@ def capture_for(cuda_graph, device, module=None):
     if callable(cuda_graph):
         return cuda_graph
     return cuda_graph_capture if cuda_graph else None
+
+
+GRAPH_CACHE_SIZE = 4
+"""Captured steps kept per model (each holds a KV cache of its batch and length)."""
+
+
+class CapturedSteps:
+    """A model's captured one-token steps (generation.DecodeStep with its capture and KV cache), kept across
+    generate calls by (capture, batch, mask rows, cache length): a later call of the same shape restarts that cache
+    and replays the same capture (a capture costs two warm-up steps and the capture itself; lm-eval requests and
+    rollout batches repeat shapes). At most GRAPH_CACHE_SIZE, the least recently used dropped first. A capture reads
+    the parameters' memory, so they are all dropped when a parameter's storage moves (and, on the CPU, where the
+    decode layouts are copies made at capture, when a parameter is changed in place)."""
+
+    def __init__(self):
+        self.steps, self.weights = {}, None
+
+    @staticmethod
+    def of(module):
+        if "_captured_steps" not in module.__dict__:
+            module.__dict__["_captured_steps"] = CapturedSteps()
+        return module.__dict__["_captured_steps"]
+
+    def find(self, capture, batch, mask_rows, total, device):
+        """The kept step of this shape, or None (always None without a capture)."""
+        if capture is None:
+            return None
+        step = self.steps.pop((capture, batch, mask_rows, total), None)
+        if step is not None:
+            if self._weights(step.model, device) != self.weights:
+                self.steps.clear()
+                return None
+            self.steps[step.key] = step                   # now the most recently used
+        return step
+
+    def keep(self, step):
+        """Keep a new step (when it has a capture); returns it."""
+        if step.capture is not None:
+            weights = self._weights(step.model, step.position.device)
+            if weights != self.weights:
+                self.steps.clear()
+                self.weights = weights
+            self.steps[step.key] = step
+            while len(self.steps) > GRAPH_CACHE_SIZE:
+                self.steps.pop(next(iter(self.steps)))
+        return step
+
+    @staticmethod
+    def _weights(model, device):
+        return tuple((p.data_ptr(), p._version if device.type == "cpu" else 0) for p in model.parameters())

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import mpu
 from megatron.cli import UserError
 
-from .capture import capture_for
+from .capture import CapturedSteps, capture_for
 
 DONE_CHECK_INTERVAL = 16
 """Decoding steps between two checks whether every row has finished (each check waits for the device)."""
@@ -129,7 +129,9 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     was_training = model.training
     model.eval()
     try:
-        cache = module.new_inference_cache(total) if use_cache else None
+        capture = capture_for(cuda_graph, device, module) if use_cache and static_cache else None
+        kept = CapturedSteps.of(module).find(capture, batch, 1 if mask is None else batch, total, device)
+        cache = kept.cache.restart() if kept else (module.new_inference_cache(total) if use_cache else None)
         step = None                                     # the static one-token step, after the prompt
         fed = 0                                         # columns already in the cache
         for column in range(width, total):              # the column whose token this step produces
@@ -144,8 +146,8 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
                                inference_cache=cache, last_logits_only=True)
                 if cache is not None and static_cache and column + 1 < total:
                     step_mask = mask if mask is not None else causal_mask(total, device)   # [b|1, 1, total, total]
-                    step = DecodeStep(model, cache, batch, step_mask.size(0), total, device,
-                                      capture_for(cuda_graph, device, module))
+                    step = kept.rearm() if kept else CapturedSteps.of(module).keep(
+                        DecodeStep(model, cache, batch, step_mask.size(0), total, device, capture))
             fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
             if gather:
@@ -210,11 +212,17 @@ class DecodeStep:
 
     def __init__(self, model, cache, batch, mask_rows, total, device, capture=None):
         self.model, self.cache, self.capture, self.replay = model, cache, capture, None
+        self.key = (capture, batch, mask_rows, total)        # what CapturedSteps keeps it under
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(mask_rows, 1, 1, total, dtype=torch.bool, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         cache.write_at(self.position)
+
+    def rearm(self):
+        """Static decoding on this step's slot again, after a prompt was written into its (restarted) cache."""
+        self.cache.write_at(self.position)
+        return self
 
     def forward(self):
         """The model on the static buffers (what a capture records)."""

@@ -154,12 +154,43 @@ def test_every_family_decodes_through_the_strict_stand_in_or_eagerly_for_moe():
             static, growing = result[family, mode]
             assert static == growing and [len(row) for row in static] == [NEW] * 3, (family, mode)
         assert result[family, "greedy"][0] != result[family, "sampled"][0]
-    assert (result["llama", "captures"], result["lora", "captures"]) == (2, 2)    # one per generate call
+    assert (result["llama", "captures"], result["lora", "captures"]) == (1, 1)    # the 2nd call reuses it
     assert result["llama", "said"] == result["lora", "said"] == ""
     assert result["moe", "captures"] == 0                                       # eager steps, said once:
     assert result["moe", "said"] == ("generation: CUDA graphs off for this model: its MoEMLP layers read the host "
                                      "in forward (token counts per expert); the static decode steps run eagerly\n")
     assert "aten.nonzero" in result["moe forced"]       # why: its dispatch cannot be captured
+
+
+def _repeated_calls():
+    """(tokens equal the growing cache's, captures made) per generate call through one capture function: calls of
+    one shape after another, then a weight changed in place."""
+    from megatron.text_generation import generate
+    model, recordings = build_model(), []
+    capture = counting_strict_capture(recordings, [])
+    calls = [(PROMPTS, NEW, dict(greedy=True)), (PROMPTS, NEW, SAMPLING), (PROMPTS[:1], NEW, dict(greedy=True)),
+             (PROMPTS, NEW - 2, dict(greedy=True)), (PROMPTS[::-1], NEW, dict(greedy=True)), "change a weight",
+             (PROMPTS, NEW, dict(greedy=True))]
+    result = []
+    for call in calls:
+        if call == "change a weight":
+            with torch.no_grad():
+                model.transformer.layers[0].mlp.dense_h_to_4h.weight.mul_(1.5)
+            continue
+        prompts, new, sampling = call
+        before = len(recordings)
+        tokens = generate(model, prompts, new, cuda_graph=capture, **sampling)
+        result.append((tokens == generate(model, prompts, new, static_cache=False, **sampling),
+                       len(recordings) - before))
+    return result
+
+
+def test_repeated_calls_of_one_shape_reuse_the_capture():
+    result = run_distributed(_repeated_calls, 1, model_parallel_size=1)[0]
+    assert all(equal for equal, _ in result)
+    # (batch 3, length 21) captured; sampled at that shape reuses it; batch 1 and length 19 are new shapes; other
+    # prompts of the first shape reuse it; after a weight changed in place (CPU: the layouts are copies) a new one
+    assert [captures for _, captures in result] == [1, 0, 1, 1, 0, 1]
 
 
 # ---- the stand-in itself -----------------------------------------------------------------------------------------
