@@ -14,9 +14,16 @@ Static decoding (static_cache=True, the default with the cache): after the promp
 same shapes and reads only fixed buffers (DecodeStep): the token, its position ids and its mask row are copied into
 buffers made once per call, the step writes its keys/values at the slot a device tensor names
 (InferenceCache.write_at) and attends over every slot of the cache, the slots not written yet (and a row's
-padding) masked. On CUDA the step is then captured once per call as a CUDA graph and replayed (cuda_graph; the
-host launches one graph per token instead of every kernel: generation at batch 1 is host-bound without it). The
-tokens are those of the growing-cache path (static_cache=False), which stays for comparison.
+padding) masked. On CUDA the step is then captured as a CUDA graph and replayed (cuda_graph; the host launches one
+graph per token instead of every kernel: generation at batch 1 is host-bound without it); captured steps are kept
+per model by (batch, cache length) for the next calls of that shape, and a model whose forward reads the host (MoE)
+runs them eagerly (capture.py). The tokens are those of the growing-cache path (static_cache=False), which stays
+for comparison.
+
+Expert parallelism: every forward of an MoE model split over an expert group is an all-to-all over that group,
+whose ranks (data-parallel ranks) pass their own prompts. They agree on the number of steps (the longest of the
+group's) and on when every row of every rank is done, so each runs the same number of forward steps; a rank with
+no prompt runs a placeholder and returns [] (lockstep_group).
 
 Logits are gathered over the vocab-parallel group (when the model keeps them parallel) and cut to the real
 vocabulary (config.real_vocab_size), so padded ids are never produced. Model-parallel rank 0 samples with a
@@ -92,7 +99,8 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
              eod_id=None, use_cache=True, seed=1234, static_cache=True, cuda_graph=None):
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens; returns a list of lists of the
     new token ids per prompt (ending with eod_id where it was produced). Every model-parallel rank must call it
-    with the same prompts and arguments. static_cache: the one-token steps at fixed shapes (DecodeStep); False:
+    with the same prompts and arguments; under expert parallelism every rank of the expert group calls it too (its
+    own prompts, maybe none). static_cache: the one-token steps at fixed shapes (DecodeStep); False:
     the cache read as a growing prefix. cuda_graph: capture the static step as a CUDA graph (True), run it eagerly
     (False), the default (None: on CUDA at model-parallel size 1, graph_capture_default), or a capture function
     (DecodeStep)."""
@@ -114,7 +122,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     new_counts = [min(max_new_tokens, max_positions - n) for n in lengths]    # the position table caps a row
     steps = _agreed_max(max(new_counts), group, device)
     if steps == 0:
-        return [[] for _ in prompts]
+        return [[] for _ in range(asked)]
     width, total = max(lengths), max(lengths) + steps                         # prompt columns, all columns
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)       # left-padded
     for row, prompt in enumerate(prompts):
