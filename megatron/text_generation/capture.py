@@ -19,6 +19,7 @@ all-to-all and expert pieces from token counts read on the host, mpu/moe.py); su
 eagerly and says so once per process.
 """
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -87,18 +88,13 @@ class _Recorder(TorchDispatchMode):
         return output
 
 
-class _NoHostCopies:
+class _NoHostCopies(TorchFunctionMode):
     """Tensor.tolist/.numpy inside the recording fail: on the CPU they read memory without any aten op."""
 
-    def __enter__(self):
-        self.saved = torch.Tensor.tolist, torch.Tensor.numpy
-
-        def refuse(name):
-            return lambda tensor, *args, **kwargs: _refuse(f"copies a tensor to the host (Tensor.{name})")
-        torch.Tensor.tolist, torch.Tensor.numpy = refuse("tolist"), refuse("numpy")
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist, torch.Tensor.numpy = self.saved
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+            _refuse(f"copies a tensor to the host (Tensor.{func.__name__})")
+        return func(*args, **(kwargs or {}))
 
 
 class Recording:

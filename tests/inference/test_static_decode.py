@@ -211,7 +211,7 @@ def test_strict_capture_refuses_every_host_read():
         forward()                                       # each runs eagerly (the warm-ups)
         with pytest.raises(HostReadInCapture, match=named[what]):
             strict_capture(forward)
-    assert torch.Tensor.tolist(torch.ones(2)) == [1.0, 1.0]    # the host copies work again after
+    assert torch.ones(2).tolist() == [1.0, 1.0]                # the host copies work again after
 
 
 def test_strict_capture_replays_the_recording_with_its_scalars_frozen():
