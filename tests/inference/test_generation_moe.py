@@ -35,50 +35,44 @@ def _generate_counted(model, prompts, **options):
         handle.remove()
 
 
-def _reference():
-    """EP 1, one process: each rank's prompts in turn, every mode; the end-of-document id that ends rank 1's
-    first row at its second token (greedy)."""
-    model = _moe_model()
-    result = {(mode, rank): _generate_counted(model, prompts, **options)[0]
-              for mode, options in MODES.items() for rank, prompts in enumerate(RANK_PROMPTS)}
-    eod = result["greedy static", 1][0][1]
-    for rank, prompts in enumerate(RANK_PROMPTS):
-        result["eod", rank] = _generate_counted(model, prompts, greedy=True, eod_id=eod)[0]
-    return result, eod
-
-
-def _expert_parallel(eod):
+def _ep_1_then_ep_2():
+    """On each rank: per mode, (EP 1 tokens: the whole model in this process, before the expert groups exist, on
+    this rank's prompts; EP 2 tokens; EP 2 forward calls). The end-of-document id ends rank 1's first row at its
+    second token (greedy)."""
     import torch.distributed as dist
 
     import mpu
     from megatron.text_generation.generation import lockstep_group
-    mpu.initialize_expert_parallel(2)
-    model = _moe_model()
     rank = dist.get_rank()
     prompts = RANK_PROMPTS[rank]
-    result = {mode: _generate_counted(model, prompts, **options) for mode, options in MODES.items()}
-    result["eod"] = _generate_counted(model, prompts, greedy=True, eod_id=eod)
-    result["one rank without prompts"] = _generate_counted(model, prompts if rank else [], greedy=True)
-    result["experts"] = sorted({name.split(".experts.")[1].split(".")[0] for name, _ in model.named_parameters()
-                                if ".experts." in name})
-    result["group"] = dist.get_process_group_ranks(lockstep_group(model))
-    return result
+    whole = _moe_model()
+    eod = _generate_counted(whole, RANK_PROMPTS[1], greedy=True)[0][0][1]
+    modes = dict(MODES, eod=dict(greedy=True, eod_id=eod))
+    reference = {mode: _generate_counted(whole, prompts, **options)[0] for mode, options in modes.items()}
+    reference["one rank without prompts"] = reference["greedy static"] if rank else []
+    mpu.initialize_expert_parallel(2)
+    model = _moe_model()
+    result = {mode: (reference[mode],) + _generate_counted(model, prompts, **options)
+              for mode, options in modes.items()}
+    result["one rank without prompts"] = (reference["one rank without prompts"],) + _generate_counted(
+        model, prompts if rank else [], greedy=True)
+    experts = sorted({name.split(".experts.")[1].split(".")[0] for name, _ in model.named_parameters()
+                      if ".experts." in name})
+    return result, eod, experts, dist.get_process_group_ranks(lockstep_group(model))
 
 
 def test_moe_generation_at_ep_2_equals_ep_1_with_every_rank_in_step():
-    reference, eod = run_distributed(_reference, 1, model_parallel_size=1)[0]
-    assert [len(row) for row in reference["greedy static", 0]] == [10, 14]      # the position table ends them
-    assert [len(row) for row in reference["greedy static", 1]] == [NEW] * 3
-    assert len(reference["eod", 1][0]) == 2 and reference["eod", 1][0][-1] == eod
-    assert reference["sampled static", 1] != reference["greedy static", 1]
-    results = run_distributed(_expert_parallel, 2, args=(eod,), model_parallel_size=1, timeout=150)
-    for rank, result in enumerate(results):
-        assert result["experts"] == (["0", "1"] if rank == 0 else ["2", "3"])       # each rank its half
-        assert result["group"] == [0, 1]
-        for mode in list(MODES) + ["eod"]:
-            assert result[mode][0] == reference[mode, rank], (mode, rank)
-        assert results[1]["one rank without prompts"][0] == reference["greedy static", 1]
-    assert results[0]["one rank without prompts"][0] == []
+    results = run_distributed(_ep_1_then_ep_2, 2, model_parallel_size=1, timeout=150)
+    for rank, (result, eod, experts, group) in enumerate(results):
+        assert experts == (["0", "1"] if rank == 0 else ["2", "3"]) and group == [0, 1]
+        for mode, (reference, tokens, _) in result.items():
+            assert tokens == reference, (mode, rank)
+    first, second = results[0][0], results[1][0]
+    assert [len(row) for row in first["greedy static"][0]] == [10, 14]         # the position table ends them
+    assert [len(row) for row in second["greedy static"][0]] == [NEW] * 3
+    assert len(second["eod"][0][0]) == 2 and second["eod"][0][0][-1] == results[1][1]
+    assert second["sampled static"][0] != second["greedy static"][0]
+    assert first["one rank without prompts"][1] == []
     for mode in list(MODES) + ["one rank without prompts"]:    # the prompt, then one step per later token
-        assert results[0][mode][1] == results[1][mode][1] == NEW, mode
-    assert results[0]["eod"][1] == results[1]["eod"][1]
+        assert first[mode][2] == second[mode][2] == NEW, mode
+    assert first["eod"][2] == second["eod"][2]
