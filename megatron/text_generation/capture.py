@@ -18,6 +18,8 @@ module whose forward reads the host (`graph_capturable = False`: the MoE layer, 
 all-to-all and expert pieces from token counts read on the host, mpu/moe.py); such a model decodes its static steps
 eagerly and says so once per process.
 """
+from dataclasses import dataclass
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -54,15 +56,22 @@ def _refuse(what):
                             "read only device tensors at fixed shapes, or decode this model without a graph)")
 
 
+@dataclass(frozen=True)
+class _Output:
+    """A recorded argument that is an earlier op's output: its `leaf`-th output tensor."""
+    op: int
+    leaf: int
+
+
 class _Recorder(TorchDispatchMode):
-    """Records (op, argument leaves, output leaves) of every aten op run inside it; a tensor argument is either an
-    earlier op's output (("out", op index, leaf index)) or a tensor that existed before (kept as it is: the
-    buffers, parameters and cache a graph reads in place); any other argument is a constant."""
+    """Records (op, argument leaves, output shapes) of every aten op run inside it; a tensor argument is either an
+    earlier op's output (_Output) or a tensor that existed before (kept as it is: the buffers, parameters and
+    cache a graph reads in place); any other argument is a constant."""
 
     def __init__(self):
         super().__init__()
-        self.ops = []            # (func, arg spec, arg leaves, output spec, output shapes)
-        self.produced = {}       # id(tensor) -> ("out", op index, leaf index)
+        self.ops = []            # (func, argument spec, argument leaves, output shapes)
+        self.produced = {}       # id(tensor) -> _Output
         self.alive = []          # the outputs, held so that ids are not reused while recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -76,15 +85,15 @@ class _Recorder(TorchDispatchMode):
         leaves, spec = tree_flatten((args, kwargs))
         recorded = [self.produced.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
         output = func(*args, **kwargs)
-        out_leaves, out_spec = tree_flatten(output)
+        out_leaves = tree_flatten(output)[0]
         for position, leaf in enumerate(out_leaves):
             if isinstance(leaf, (bool, int, float, complex)):
                 _refuse(f"hands a device value to Python ({func} returned {type(leaf).__name__})")
             if isinstance(leaf, torch.Tensor):
-                self.produced[id(leaf)] = ("out", len(self.ops), position)
+                self.produced[id(leaf)] = _Output(len(self.ops), position)
                 self.alive.append(leaf)
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in out_leaves]
-        self.ops.append((func, spec, recorded, out_spec, shapes))
+        self.ops.append((func, spec, recorded, shapes))
         return output
 
 
@@ -100,27 +109,23 @@ class _NoHostCopies(TorchFunctionMode):
 class Recording:
     """The ops of one captured forward; replay() re-executes them in order and returns the forward's output."""
 
-    def __init__(self, ops, output_ref):
-        self.ops, self.output_ref = ops, output_ref
+    def __init__(self, ops, output):
+        self.ops, self.output = ops, output      # output: the _Output forward returned
 
     def op_names(self):
         return [str(func) for func, *_ in self.ops]
 
     def replay(self):
         results = []
-        for index, (func, spec, recorded, _, shapes) in enumerate(self.ops):
-            leaves = [results[x[1]][x[2]] if _is_ref(x) else x for x in recorded]
+        for func, spec, recorded, shapes in self.ops:
+            leaves = [results[x.op][x.leaf] if isinstance(x, _Output) else x for x in recorded]
             args, kwargs = tree_unflatten(leaves, spec)
             out_leaves = tree_flatten(func(*args, **kwargs))[0]
             got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in out_leaves]
             if got != shapes:
                 _refuse(f"changed an output's shape at replay ({func}: {shapes} at capture, {got} now)")
             results.append(out_leaves)
-        return results[self.output_ref[1]][self.output_ref[2]]
-
-
-def _is_ref(x):
-    return isinstance(x, tuple) and len(x) == 3 and x[0] == "out"
+        return results[self.output.op][self.output.leaf]
 
 
 def strict_capture(forward, warmup=2, recordings=None):
