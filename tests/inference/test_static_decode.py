@@ -1,7 +1,10 @@
 """Static decoding (generation.DecodeStep): the one-token steps at fixed shapes over the whole preallocated cache,
 under a mask, give token for token what the growing-cache path gives (greedy and seeded sampling, batch 1 and a
 left-padded batch of 3, model-parallel 1 and 2) and what Hugging Face's generate gives; the steps read only
-buffers made once per call, so a replay that takes no arguments (what a CUDA graph is) gives the same tokens."""
+buffers made once per call, so a replay that takes no arguments (what a CUDA graph is) gives the same tokens.
+The replays go through capture.strict_capture, a stand-in as strict as a graph (the step's ops recorded once and
+re-executed with their Python scalars frozen; a host read refused): GPT-2, the Llama options, LoRA through it, MoE
+eagerly (the capture generate picks on CUDA); repeated calls of one shape reuse the capture."""
 import pytest
 import torch
 
