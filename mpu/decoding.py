@@ -80,6 +80,13 @@ class InferenceCache:
         for layer in self.layers:
             layer.position = position
 
+    def restart(self):
+        """Forget what is cached (keeping the buffers): the next prompt is written from position 0 by plain appends,
+        then InferenceCache.write_at again. Returns the cache."""
+        for layer in self.layers:
+            layer.length, layer.position = 0, None
+        return self
+
     def set_length(self, length):
         """Static decoding: record that `length` positions are cached (the steps do not count, they are replayed
         without the host)."""

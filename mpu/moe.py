@@ -214,6 +214,10 @@ class _LocalExperts(nn.Module):
 class MoEMLP(nn.Module):
     """The MoE layer (module docstring): forward(hidden_states [b, s, h]) -> [b, s, h]."""
 
+    graph_capturable = False
+    """Its dispatch reads token counts on the host (nonzero, the split sizes): generation decodes it without a CUDA
+    graph (megatron/text_generation/capture.py)."""
+
     def __init__(self, hidden_size, ffn_hidden_size, config, init_method, output_layer_init_method, swiglu=False,
                  bias=True, output_dropout_prob=0.0):
         super().__init__()

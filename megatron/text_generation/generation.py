@@ -14,9 +14,16 @@ Static decoding (static_cache=True, the default with the cache): after the promp
 same shapes and reads only fixed buffers (DecodeStep): the token, its position ids and its mask row are copied into
 buffers made once per call, the step writes its keys/values at the slot a device tensor names
 (InferenceCache.write_at) and attends over every slot of the cache, the slots not written yet (and a row's
-padding) masked. On CUDA the step is then captured once per call as a CUDA graph and replayed (cuda_graph; the
-host launches one graph per token instead of every kernel: generation at batch 1 is host-bound without it). The
-tokens are those of the growing-cache path (static_cache=False), which stays for comparison.
+padding) masked. On CUDA the step is then captured as a CUDA graph and replayed (cuda_graph; the host launches one
+graph per token instead of every kernel: generation at batch 1 is host-bound without it); captured steps are kept
+per model by (batch, cache length) for the next calls of that shape, and a model whose forward reads the host (MoE)
+runs them eagerly (capture.py). The tokens are those of the growing-cache path (static_cache=False), which stays
+for comparison.
+
+Expert parallelism: every forward of an MoE model split over an expert group is an all-to-all over that group,
+whose ranks (data-parallel ranks) pass their own prompts. They agree on the number of steps (the longest of the
+group's) and on when every row of every rank is done, so each runs the same number of forward steps; a rank with
+no prompt runs a placeholder and returns [] (lockstep_group).
 
 Logits are gathered over the vocab-parallel group (when the model keeps them parallel) and cut to the real
 vocabulary (config.real_vocab_size), so padded ids are never produced. Model-parallel rank 0 samples with a
@@ -29,6 +36,8 @@ import torch.distributed as dist
 
 import mpu
 from megatron.cli import UserError
+
+from .capture import CapturedSteps, capture_for
 
 DONE_CHECK_INTERVAL = 16
 """Decoding steps between two checks whether every row has finished (each check waits for the device)."""
@@ -90,7 +99,8 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
              eod_id=None, use_cache=True, seed=1234, static_cache=True, cuda_graph=None):
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens; returns a list of lists of the
     new token ids per prompt (ending with eod_id where it was produced). Every model-parallel rank must call it
-    with the same prompts and arguments. static_cache: the one-token steps at fixed shapes (DecodeStep); False:
+    with the same prompts and arguments; under expert parallelism every rank of the expert group calls it too (its
+    own prompts, maybe none). static_cache: the one-token steps at fixed shapes (DecodeStep); False:
     the cache read as a growing prefix. cuda_graph: capture the static step as a CUDA graph (True), run it eagerly
     (False), the default (None: on CUDA at model-parallel size 1, graph_capture_default), or a capture function
     (DecodeStep)."""
@@ -100,16 +110,19 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     max_positions = config.max_sequence_length
     real_vocab = config.real_vocab_size or config.vocab_size
     prompts = [list(map(int, p)) for p in prompts_token_ids]
-    if not prompts:
+    group = lockstep_group(module)
+    if not prompts and group is None:
         return []
+    asked = len(prompts)
+    prompts = prompts or [[0]]              # a rank with nothing to generate still joins its group's steps
     _check_prompts(prompts, max_positions, real_vocab)
     device = module.word_embeddings.weight.device
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     new_counts = [min(max_new_tokens, max_positions - n) for n in lengths]    # the position table caps a row
-    steps = max(new_counts)
+    steps = _agreed_max(max(new_counts), group, device)
     if steps == 0:
-        return [[] for _ in prompts]
+        return [[] for _ in range(asked)]
     width, total = max(lengths), max(lengths) + steps                         # prompt columns, all columns
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)       # left-padded
     for row, prompt in enumerate(prompts):
@@ -124,11 +137,13 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     was_training = model.training
     model.eval()
     try:
-        cache = module.new_inference_cache(total) if use_cache else None
+        capture = capture_for(cuda_graph, device, module) if use_cache and static_cache else None
+        kept = CapturedSteps.of(module).find(capture, batch, 1 if mask is None else batch, total, device)
+        cache = kept.cache.restart() if kept else (module.new_inference_cache(total) if use_cache else None)
         step = None                                     # the static one-token step, after the prompt
         fed = 0                                         # columns already in the cache
         for column in range(width, total):              # the column whose token this step produces
-            if (column - width) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
+            if (column - width) % DONE_CHECK_INTERVAL == 0 and _agreed_max(int(not done.all()), group, device) == 0:
                 break
             first = fed if cache is not None else 0
             if step is not None:
@@ -139,8 +154,8 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
                                inference_cache=cache, last_logits_only=True)
                 if cache is not None and static_cache and column + 1 < total:
                     step_mask = mask if mask is not None else causal_mask(total, device)   # [b|1, 1, total, total]
-                    step = DecodeStep(model, cache, batch, step_mask.size(0), total, device,
-                                      chosen_capture(cuda_graph, device))
+                    step = kept.rearm() if kept else CapturedSteps.of(module).keep(
+                        DecodeStep(model, cache, batch, step_mask.size(0), total, device, capture))
             fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
             if gather:
@@ -163,7 +178,27 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
         if eod_id is not None and eod_id in out:
             out = out[:out.index(eod_id) + 1]
         results.append(out)
-    return results
+    return results[:asked]
+
+
+def lockstep_group(module):
+    """The expert-model-parallel group of `module`'s MoE layers when they are split over more than one rank, else
+    None. Every forward's dispatch is an all-to-all over that group, so its ranks (data-parallel ranks with their
+    own prompts, lengths and ends) must run the same number of forward steps: generate agrees with them on the
+    number of steps and on when every row of every rank is done."""
+    for layer in module.modules():
+        if isinstance(layer, mpu.MoEMLP) and layer.ep > 1:
+            return layer.group
+    return None
+
+
+def _agreed_max(value, group, device):
+    """max(value) over `group` (value itself when group is None)."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
 
 
 def causal_mask(total, device):
@@ -185,11 +220,17 @@ class DecodeStep:
 
     def __init__(self, model, cache, batch, mask_rows, total, device, capture=None):
         self.model, self.cache, self.capture, self.replay = model, cache, capture, None
+        self.key = (capture, batch, mask_rows, total)        # what CapturedSteps keeps it under
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(mask_rows, 1, 1, total, dtype=torch.bool, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         cache.write_at(self.position)
+
+    def rearm(self):
+        """Static decoding on this step's slot again, after a prompt was written into its (restarted) cache."""
+        self.cache.write_at(self.position)
+        return self
 
     def forward(self):
         """The model on the static buffers (what a capture records)."""
@@ -209,45 +250,6 @@ class DecodeStep:
         if self.replay is None:
             self.replay = self.capture(self.forward)
         return self.replay()
-
-
-def graph_capture_default(device):
-    """The capture generate uses when cuda_graph is None: cuda_graph_capture on CUDA at model-parallel size 1;
-    None (eager static steps) on the CPU, and at larger model-parallel sizes, whose collectives inside a captured
-    graph have not been checked on a GPU here (pass cuda_graph=True to try)."""
-    if device.type == "cuda" and mpu.get_model_parallel_world_size() == 1:
-        return cuda_graph_capture
-    return None
-
-
-def chosen_capture(cuda_graph, device):
-    """The capture function generate's `cuda_graph` option names: None -> graph_capture_default, True ->
-    cuda_graph_capture, False -> None (eager), a callable -> itself."""
-    if cuda_graph is None:
-        return graph_capture_default(device)
-    if callable(cuda_graph):
-        return cuda_graph
-    return cuda_graph_capture if cuda_graph else None
-
-
-def cuda_graph_capture(forward, warmup=2):
-    """forward's kernels captured once into a torch.cuda.CUDAGraph; returns replay() -> forward's output tensor,
-    which every replay overwrites. The warm-up runs (on a side stream, as torch's CUDA-graph notes ask) compute
-    the step itself: they rewrite the same cache slot with the same values."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = forward()
-
-    def replay():
-        graph.replay()
-        return output
-    return replay
 
 
 def _check_prompts(prompts, max_positions, real_vocab):

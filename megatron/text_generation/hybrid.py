@@ -17,7 +17,8 @@ hybrid_engine.py), reaches it for a GPT2Model through `generate_ids`, which this
 
 LoRA adapters are not merged into the base weights: the unmerged forward is exact, and merging then unmerging
 (W + s B A - s B A) would not give W back bitwise. Data-parallel ranks may pass different prompts and lengths: the
-only collectives inside are the model-parallel ones (every rank of a model-parallel group passes the same prompts);
+only collectives inside are the model-parallel ones (every rank of a model-parallel group passes the same prompts)
+and, for an MoE model at expert-parallel size > 1, the expert group's (its ranks decode in lockstep: generate);
 every data-parallel rank calls it (stage 3's gather is collective).
 """
 import contextlib
@@ -67,7 +68,7 @@ def generate_ids(engine, input_ids, attention_mask=None, max_length=None, max_ne
     temperature 1) for what is left out; greedy unless do_sample. Returns a LongTensor [b, s + n]: input_ids, then
     each row's new ids, a row that ended (eos_token_id) or ran out of positions padded with pad_token_id (else
     eos_token_id, else 0); n is the longest row's. Sampling seeds its generator from torch's CPU generator (the
-    engine's sampling stream). `synced_gpus` is accepted: nothing needs the ranks in lockstep here."""
+    engine's sampling stream). `synced_gpus` is accepted: generate keeps the ranks that must be in lockstep so."""
     if attention_mask is None:
         infer = pad_token_id is not None and pad_token_id != eos_token_id and bool((input_ids == pad_token_id).any())
         attention_mask = input_ids.ne(pad_token_id) if infer else torch.ones_like(input_ids)
