@@ -31,6 +31,7 @@ naming the collective, the rule, the tensor and the caller.
 """
 import functools
 import os
+import threading
 
 ENV = "MEGATRON_NCCL_RULES"
 
@@ -93,21 +94,20 @@ def uninstall():
 def _checking(name, function):
     @functools.wraps(function)
     def call(*args, **kwargs):
-        global _inside
         check(name, list(args) + list(kwargs.values()))
-        if _inside:      # torch's own calls inside a checked one (dist.send -> ProcessGroup.send): posted already
+        if getattr(_inside, "call", False):   # torch's own calls inside a checked one (dist.send -> group.send)
             return function(*args, **kwargs)
         _check_p2p_order(name, args, kwargs)
-        _inside = True
+        _inside.call = True
         try:
             return function(*args, **kwargs)
         finally:
-            _inside = False
+            _inside.call = False
     call._nccl_rules = True
     return call
 
 
-_inside = False       # inside a checked call
+_inside = threading.local()     # .call: this thread is inside a checked call
 _trackers = {}        # id(default store) -> (store, p2p_order.Tracker)
 
 
