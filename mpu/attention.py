@@ -55,7 +55,7 @@ class ParallelSelfAttention(nn.Module):
         # [b or 1, 1, s, t], True = masked out, t = past + s keys. layer_past: a LayerPast to read the cached
         # keys/values from and append this step's to. rotary: None or the (cos, sin) tables of the whole sequence's
         # s positions (mpu.rotary), applied to q and k per head: the column-parallel q/k/v linear has gathered the
-        # sequence, so q, k, v (and rotary, GQA's repeat and the core) cover all s positions.
+        # sequence, so q, k, v (and rotary and the core) cover all s positions. k, v keep their n_kv/p heads.
         qkv = self.query_key_value(hidden_states, weight_t=None if layer_past is None else
                                    layer_past.weight_t(self.query_key_value.weight),
                                    sequence_parallel=sequence_parallel)     # [b, s, (n + 2 n_kv) d / p]
@@ -73,10 +73,6 @@ class ParallelSelfAttention(nn.Module):
                 raise ValueError("static decoding reads every cache slot: pass the mask that hides the slots not "
                                  "written yet")
             k, v = layer_past.append(k, v)                  # [b, n_kv/p, past + s, d] (static: capacity)
-        group = self.heads_per_partition // self.kv_heads_per_partition
-        ring = layer_past is None and get_context_parallel_world_size() > 1   # context parallel: ring attention
-        if group > 1 and not ring:   # kv head j serves query heads j*group .. (j+1)*group - 1 (HF's repeat_kv)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [b, n/p, t, d]
         if self.checkpoint_core_attention and self.training and q.requires_grad:   # else autograd keeps nothing
             # Selective recomputation: keep q, k, v (views of qkv) and recompute the core in backward under the
             # forward's RNG states (default and tracker), so its dropout mask is the one drawn here. mpu's plain
@@ -91,10 +87,14 @@ class ParallelSelfAttention(nn.Module):
 
     def core_attention(self, q, k, v, attention_mask=None, past=0):
         """softmax(q k^T / sqrt(d) + mask) with attention dropout, times v (Megatron's "core attention": what
-        selective recomputation recomputes). q: [b, heads/p, s, d]; k, v: [b, heads/p, past + s, d] -> the
-        context [b, s, h/p]."""
+        selective recomputation recomputes). q: [b, heads/p, s, d]; k, v: [b, kv_heads/p, past + s, d] (grouped-
+        query attention: key/value head j serves query heads j*group .. (j+1)*group - 1, HF's repeat_kv order,
+        never repeated here) -> the context [b, s, h/p]."""
         b, _, s, _ = q.shape
         dropout_p = self.attention_dropout_prob if self.training else 0.0
+        gqa = q.size(1) > k.size(1)      # SDPA's kernels read each key/value head for its query group
+        if gqa and s == 1 and past > 0 and dropout_p == 0:
+            return self._grouped_decode(q, k, v, attention_mask)
         if past == 0 and get_context_parallel_world_size() > 1:
             # this rank's 2 chunks of the sequence against every rank's keys/values (k, v: n_kv heads, not repeated)
             if attention_mask is not None or dropout_p > 0:
@@ -105,12 +105,27 @@ class ParallelSelfAttention(nn.Module):
         # dropout nothing is drawn: skip saving and restoring the RNG states (~20 us per layer and step).
         with self.rng_tracker.fork() if dropout_p > 0 else contextlib.nullcontext():
             if attention_mask is not None:
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p,
+                                                         enable_gqa=gqa)
             elif past == 0:  # query length == key length: SDPA's own causal mask
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                         enable_gqa=gqa)
             elif s == 1:     # one new token sees every cached key and itself
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
             else:            # all past keys, causal over the s new ones (is_causal would align top-left)
                 allowed = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                         enable_gqa=gqa)
         return context.transpose(1, 2).reshape(b, s, self.hidden_size_per_partition)  # [b, s, h/p]
+
+    def _grouped_decode(self, q, k, v, attention_mask):
+        """Grouped-query attention of one new token per sequence (decoding, no dropout): kv head j's query group
+        becomes its `group` query rows, [b, n_kv/p, group, d] against [b, n_kv/p, past + 1, d], so the cache is
+        read in place, never repeated (a repeat copies the whole cache per token), and every kernel that takes a
+        mask applies (SDPA's enable_gqa has fewer). The mask row [b|1, 1, 1, t] covers each of the group's rows."""
+        b, heads, _, d = q.shape
+        kv_heads = k.size(1)
+        rows = q.reshape(b, kv_heads, heads // kv_heads, d)      # query head j*group + i -> kv head j, row i
+        mask = None if attention_mask is None else ~attention_mask
+        context = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)     # [b, n_kv/p, group, d]
+        return context.reshape(b, 1, self.hidden_size_per_partition)            # head-major, as transpose(1, 2)

@@ -5,8 +5,9 @@ A layer's forward runs as (collectives and the RNG fork stay eager, outside ever
 
     ln1 = input_layernorm(x)                          eager (one kernel already)
     copy_to_model_parallel_region(ln1)                identity forward, all-reduce backward
-    partial = attention(ln1, Wqkv, bqkv, Wdense, ...) compiled: qkv + bias, rotary, GQA's repeat, SDPA, the dense
-                                                      matmul (no bias) (under the model-parallel RNG fork: dropout)
+    partial = attention(ln1, Wqkv, bqkv, Wdense, ...) compiled: qkv + bias, rotary, SDPA (GQA: enable_gqa, k/v
+                                                      not repeated), the dense matmul (no bias) (under the
+                                                      model-parallel RNG fork: dropout)
     reduce_from_model_parallel_region(partial)        all-reduce
     x, ln2 = bias_dropout_add_norm(...)               compiled: x + dropout(out + b), then LayerNorm or RMSNorm
     copy_to_model_parallel_region(ln2)
@@ -63,12 +64,12 @@ def attention(ln1, qkv_weight, qkv_bias, dense_weight, attention_mask, heads, kv
     k, v = (t.view(b, s, kv_heads, head_dim).transpose(1, 2) for t in (k, v))
     if rotary_cos is not None:
         q, k = (apply_rotary(t, (rotary_cos, rotary_sin)) for t in (q, k))
-    if heads > kv_heads:
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    gqa = heads > kv_heads      # k, v keep their kv_heads: SDPA reads each for its query group, no repeat
     if attention_mask is None:
-        context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     else:
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p,
+                                                 enable_gqa=gqa)
     context = context.transpose(1, 2).reshape(b, s, -1)                      # [b, s, h/p]
     return F.linear(context, dense_weight)
 

@@ -12,6 +12,11 @@ The rules, enforced whatever the backend:
               and torch's object collectives use the current CUDA device, cuda:0 on every rank until it is set
               (duplicate-GPU errors, or a hang at the first object collective)
 
+  4. p2p      point-to-point operations pair and run as NCCL's do: matched per peer in posting order (not by tag),
+              each waiting for those posted before it; an order that hangs on NCCL (at a context-parallel ring of 2,
+              a send then a receive on both ranks instead of one batch_isend_irecv) or a pair that differs in size,
+              dtype or tag fails by name (megatron/guards/p2p_order.py replays every rank's posts from the store)
+
 Rule 1 can only see a host tensor where the device is not the CPU. tests/zero/test_nccl_rules.py makes it so on a
 CPU machine: mpu's device answers "meta" and the engine runs on torch's fake process group, so anything a
 collective is handed from the host (a bucket allocated beside an offloaded partition, norm sums left where offloaded
@@ -26,6 +31,7 @@ naming the collective, the rule, the tensor and the caller.
 """
 import functools
 import os
+import threading
 
 ENV = "MEGATRON_NCCL_RULES"
 
@@ -89,9 +95,79 @@ def _checking(name, function):
     @functools.wraps(function)
     def call(*args, **kwargs):
         check(name, list(args) + list(kwargs.values()))
-        return function(*args, **kwargs)
+        if getattr(_inside, "call", False):   # torch's own calls inside a checked one (dist.send -> group.send)
+            return function(*args, **kwargs)
+        _check_p2p_order(name, args, kwargs)
+        _inside.call = True
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _inside.call = False
     call._nccl_rules = True
     return call
+
+
+_inside = threading.local()     # .call: this thread is inside a checked call
+_trackers = {}        # id(default store) -> (store, p2p_order.Tracker)
+
+
+def _check_p2p_order(name, args, kwargs):
+    """Rule 4: post this call's point-to-point unit to the model (p2p_order.Tracker), which raises on an order
+    or a pairing NCCL would hang on or mismatch."""
+    from . import p2p_order
+    tracker = _p2p_tracker() if name in P2P_CALLS else None
+    ops = _p2p_ops(name, args, kwargs) if tracker is not None else None
+    if not ops:
+        return
+    try:
+        tracker.post(ops, blocking=name in ("send", "recv") and not isinstance(args[0], _process_group()))
+    except p2p_order.P2POrderError as error:
+        raise NcclRuleError(_message(name, str(error))) from None
+
+
+P2P_CALLS = ("send", "recv", "batch_isend_irecv")
+
+
+def _process_group():
+    import torch.distributed as dist
+    return dist.ProcessGroup
+
+
+def _p2p_tracker():
+    """This process's p2p_order.Tracker, or None where there is nothing to model (no process group, one rank,
+    torch's fake process group)."""
+    import torch.distributed as dist
+    from . import p2p_order
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    if id(store) not in _trackers or _trackers[id(store)][0] is not store:
+        _trackers[id(store)] = (store, p2p_order.Tracker(store, dist.get_rank()))
+    return _trackers[id(store)][1]
+
+
+def _p2p_ops(name, args, kwargs):
+    """[(kind, global peer, numel, dtype, tag)] of a send, recv (module function or ProcessGroup method: a lone
+    isend/irecv reaches the latter) or batch_isend_irecv; [] for a receive from any source (not modelled)."""
+    import torch.distributed as dist
+    if name == "batch_isend_irecv":
+        ops = args[0] if args else kwargs["p2p_op_list"]
+        return [("send" if op.op is dist.isend else "recv", op.peer, op.tensor.numel(), str(op.tensor.dtype),
+                 op.tag) for op in ops]
+    if isinstance(args[0], dist.ProcessGroup):          # group.send(tensors, group rank, tag)
+        group, tensors, peer, tag = args[0], args[1], args[2], args[3] if len(args) > 3 else kwargs.get("tag", 0)
+        peer = dist.get_global_rank(group, peer) if group is not dist.group.WORLD else peer
+        return [(name, peer, sum(t.numel() for t in tensors), str(tensors[0].dtype), tag)]
+    names = ("tensor", "dst" if name == "send" else "src", "group", "tag", "group_dst" if name == "send" else
+             "group_src")
+    bound = dict(zip(names, args), **kwargs)
+    peer, group = bound.get(names[1]), bound.get("group")
+    if peer is None and bound.get(names[4]) is not None:
+        peer = dist.get_global_rank(group or dist.group.WORLD, bound[names[4]])
+    if peer is None:
+        return []
+    tensor = bound["tensor"]
+    return [(name, peer, tensor.numel(), str(tensor.dtype), bound.get("tag", 0))]
 
 
 def tensors_in(values):

@@ -15,9 +15,9 @@ NS5 is five quintic Newton-Schulz iterations X <- aX + (bA + cA^2)X, A = XX^T, (
 (DeepSpeed 0.19.8's default method): mathematically equal, rounding differs.
 
 Sharding: NS needs each whole matrix. Under ZeRO 1-3 the momentum is partitioned like Adam's moments (it is
-elementwise); the Nesterov update U is all-gathered over the data-parallel group (one parameter-sized all-gather of
-the Muon half per step, the volume of ZeRO-1's parameter all-gather), and each rank orthogonalizes only the matrices
-that overlap its own partition. A tensor-parallel matrix is all-gathered over the model-parallel group along its
+elementwise), and each rank orthogonalizes only the matrices that overlap its own partition. Those inside it are
+whole there; only the matrices that cross a partition boundary are exchanged over the data-parallel group (one
+all-reduce of their pieces, in U's dtype: at 1.3B a few matrices, not the whole fp32 U). A tensor-parallel matrix is all-gathered over the model-parallel group along its
 split dimension, joined in the single-process order (fused q/k/v and gate/up shards interleave), orthogonalized
 whole, and this rank's shard cut out: every rank computes the matrix one process would.
 """
@@ -189,22 +189,46 @@ def nesterov_update(grad, buffer, group):
 
 def partition_update(grad, buffer, layout, group, data_parallel_group, model_parallel):
     """ZeRO: the orthogonalized update of this rank's flat partition `grad` (its own range of `layout`, a
-    FlatLayout), momentum `buffer` of the same size stepped in place. The Nesterov updates of every rank are
-    all-gathered, so the matrices overlapping this range are whole here."""
+    FlatLayout), momentum `buffer` of the same size stepped in place. A matrix inside this rank's range is whole
+    here; only the matrices that cross a partition boundary are exchanged (exchange_crossing), in the update's
+    dtype, so every rank holding a piece of one orthogonalizes it whole."""
     update = nesterov_update(grad, buffer, group)
     start, end = layout.own_range
-    if layout.num_partitions > 1:
-        full = torch.empty(layout.padded_numel, dtype=update.dtype, device=update.device)
-        dist.all_gather_into_tensor(full, update.contiguous(), group=data_parallel_group)
-    else:
-        full = update
+    crossing, total = crossing_matrices(layout)
+    shared = exchange_crossing(update, layout, crossing, total, data_parallel_group) if total else None
     out = torch.zeros_like(update)
     for index, lo, hi in layout.segments(start, end):
         param, (first, last) = layout.params[index], layout.offsets[index]
-        local = full[first:last].view(full_shape(param))
-        result = orthogonalized(local, param, group, model_parallel).reshape(-1)
+        whole = shared[crossing[index]:crossing[index] + last - first] if index in crossing else \
+            update[first - start:last - start]
+        result = orthogonalized(whole.view(full_shape(param)), param, group, model_parallel).reshape(-1)
         out[lo - start:hi - start] = result[lo - first:hi - first]
     return out
+
+
+def crossing_matrices(layout):
+    """({param index: its offset in the exchange buffer}, the buffer's numel) of the parameters of `layout` that
+    cross a partition boundary (more than one rank holds a piece), in layout order; none at one partition."""
+    offsets, total = {}, 0
+    if layout.num_partitions > 1:
+        for index, (first, last) in enumerate(layout.offsets):
+            if last > first and first // layout.partition_size != (last - 1) // layout.partition_size:
+                offsets[index], total = total, total + last - first
+    return offsets, total
+
+
+def exchange_crossing(update, layout, crossing, total, data_parallel_group):
+    """The crossing matrices whole on every rank: each rank writes its own pieces of them into a zeroed buffer of
+    `total` elements (the same layout everywhere), and one all-reduce sums the pieces (each element has one owner:
+    exact). The buffer holds the crossing matrices only, not the whole update."""
+    shared = update.new_zeros(total)
+    start, end = layout.own_range
+    for index, lo, hi in layout.segments(start, end):
+        if index in crossing:
+            at = crossing[index] + lo - layout.offsets[index][0]
+            shared[at:at + hi - lo] = update[lo - start:hi - start]
+    dist.all_reduce(shared, group=data_parallel_group)
+    return shared
 
 
 class Muon(torch.optim.Optimizer):

@@ -1,9 +1,11 @@
 """The NCCL rules on the "meta" device (tests/zero/test_nccl_rules.py's fixture: mpu's device answers "meta", rank 0
 of 2 on torch's fake process group) beyond the engine's matrix: sequence parallelism at tensor parallel 2 through
 the ZeRO engine, generation (static cache and growing cache) at tensor parallel 2, a DPO step (the frozen reference
-and the policy through the engine), and the pipeline's first stage at pipeline parallel 2. Each runs a client model
-built on the CPU where a client would, and every collective it reaches must hold device tensors only: a host tensor
-(a mask, a position table, a metric left on the CPU) is refused by name."""
+and the policy through the engine), the pipeline's first stage at pipeline parallel 2, context parallel 2 (ring
+attention's exchanges) and Muon at ZeRO stages 1-3. Each runs a client model built on the CPU where a client would,
+and every collective it reaches must hold device tensors only: a host tensor (a mask, a position table, a metric
+left on the CPU, a receive or gather buffer allocated without the device) is refused by name. Expert parallelism
+runs on gloo instead (MoE's dispatch reads its split sizes, which "meta" does not carry): EP 2 with offload."""
 from unittest import mock
 
 import pytest
@@ -48,7 +50,8 @@ def _gpt(**overrides):
 
 
 def _engine(model):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    from megatron.training import param_groups_for_weight_decay    # experts in groups of their own (MoE)
+    optimizer = torch.optim.AdamW(param_groups_for_weight_decay(model), lr=1e-3)
     return zero.initialize(model=model, optimizer=optimizer, config=dict(CONFIG), mpu=mpu,
                            dist_init_required=False)[0]
 
@@ -108,12 +111,9 @@ def test_the_first_pipeline_stage_reaches_collectives_with_device_tensors_only(m
     """Rank 0 of a 2-stage pipeline (GPT-2's embedding and layers) runs 1F1B over 4 micro-batches: its sends of
     activations and receives of their gradients hold device tensors only (checked by the rules; the fake process
     group has no point-to-point on "meta", so the exchange itself is a no-op here)."""
-    import torch.distributed as dist
     from megatron.model import GPT2Model, GPT2ModelConfig
     from megatron.pipeline import p2p_communication, schedules
-    exchanged = []
-    monkeypatch.setattr(dist, "batch_isend_irecv", nccl_rules._checking(
-        "batch_isend_irecv", lambda ops: exchanged.extend(ops) or [_Done() for _ in ops]))
+    exchanged = _fake_p2p(monkeypatch)
     mpu.initialize_model_parallel(1, 2)
     mpu.model_parallel_cuda_manual_seed(1)
     try:
@@ -135,3 +135,89 @@ def test_the_first_pipeline_stage_reaches_collectives_with_device_tensors_only(m
         assert nccl_rules.checked > before and len(exchanged) == 8     # 4 activations sent, 4 gradients received
     finally:
         mpu.destroy_model_parallel()
+
+
+def _fake_p2p(monkeypatch):
+    """The fake process group has no point-to-point on "meta": batch_isend_irecv, still checked by the rules,
+    records the ops and completes them."""
+    import torch.distributed as dist
+    exchanged = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", nccl_rules._checking(
+        "batch_isend_irecv", lambda ops: exchanged.extend(ops) or [_Done() for _ in ops]))
+    return exchanged
+
+
+def test_context_parallel_training_reaches_collectives_with_device_tensors_only(meta_everywhere, monkeypatch):
+    """Context parallel 2 through the ZeRO engine: ring attention's exchanges (forward and backward), the engine's
+    gradient reduction over the data x context group, the loss."""
+    exchanged = _fake_p2p(monkeypatch)
+    mpu.initialize_model_parallel(1, context_parallel_size=2)
+    mpu.model_parallel_cuda_manual_seed(1)
+    try:
+        engine = _engine(_gpt())
+        before = nccl_rules.checked
+        loss = engine(_tokens(length=8), labels=_tokens(length=8)).mean()
+        engine.backward(loss)
+        engine.step()
+    finally:
+        mpu.destroy_model_parallel()
+    assert {op.tensor.device for op in exchanged} == {META} and len(exchanged) > 0
+    assert nccl_rules.checked > before
+
+
+EP_ROWS = [(2, False), (2, True), (3, True)]      # (ZeRO stage, offload_optimizer)
+
+
+def _expert_parallel_rows():
+    """dp 2 = EP 2 on gloo under the rules (real values: MoE's dispatch reads its split sizes, which "meta" does not
+    carry), 4 experts top-2: 2 steps of each EP_ROWS row; (rules on, collectives checked, {row: losses})."""
+    from megatron.training import param_groups_for_weight_decay
+    mpu.initialize_expert_parallel(2)
+    losses = {}
+    for stage, offload in EP_ROWS:
+        mpu.model_parallel_cuda_manual_seed(1)
+        model = _gpt(moe=mpu.MoEConfig(num_experts=4, topk=2))
+        zero_options = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        engine = zero.initialize(model=model, config=dict(CONFIG, zero_optimization=zero_options), mpu=mpu,
+                                 optimizer=torch.optim.AdamW(param_groups_for_weight_decay(model), lr=1e-2),
+                                 dist_init_required=False)[0]
+        tokens = torch.arange(32).view(2, 16) % GPT["vocab_size"]
+        losses[stage, offload] = []
+        for _ in range(2):
+            loss = engine(tokens, labels=tokens.roll(-1, 1)).mean()
+            engine.backward(loss)
+            engine.step()
+            losses[stage, offload].append(loss.item())
+    return nccl_rules.requested(), nccl_rules.checked, losses
+
+
+def test_expert_parallel_training_runs_under_the_rules_with_offload():
+    """The experts' all-to-alls and their gradients' reduction over the expert-data-parallel group never take
+    host offload memory (rule 2) at stages 2 and 3; the losses are the run without offload's."""
+    from megatron.spawn import run_distributed
+    for rules_on, checked, losses in run_distributed(_expert_parallel_rows, 2, model_parallel_size=1):
+        assert rules_on and checked > 0
+        for row in EP_ROWS[1:]:
+            assert losses[row] == pytest.approx(losses[EP_ROWS[0]], rel=1e-6), row
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_steps_reach_collectives_with_device_tensors_only(meta_everywhere, stage):
+    """Muon (DeepSpeed's {"type": "Muon"}; no offload: refused with it) at dp 2: the exchange of its Nesterov
+    updates and the Adam half's collectives."""
+    mpu.initialize_model_parallel(1)
+    mpu.model_parallel_cuda_manual_seed(1)
+    config = dict(CONFIG, optimizer={"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3}},
+                  zero_optimization={"stage": stage})
+    try:
+        model = _gpt()
+        engine = zero.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)[0]
+        before = nccl_rules.checked
+        for _ in range(2):
+            loss = engine(_tokens(), labels=_tokens()).mean()
+            engine.backward(loss)
+            engine.step()
+    finally:
+        mpu.destroy_model_parallel()
+    assert {p.device for p in engine.module.parameters()} == {META}
+    assert nccl_rules.checked > before
