@@ -36,8 +36,8 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
 
 
 def layout_line(args):
-    """The training entry points' start-up line (pretrain(), the RLHF driver) naming every parallel degree and the optimizer, e.g.
-    `> layout: tensor-parallel 1, pipeline-parallel 1, context-parallel 1, data-parallel 2, expert-parallel 2
+    """The training entry points' start-up line (pretrain(), the RLHF driver) naming every parallel degree and the
+    optimizer, e.g. `> layout: tensor-parallel 1, pipeline-parallel 1, context-parallel 1, data-parallel 2, expert-parallel 2
     (expert-data-parallel 1); optimizer: Muon (muon-lr 0.02, momentum 0.95) for the hidden matrices, AdamW (lr
     0.002, betas 0.9/0.95, eps 1e-08, weight decay 0.01) for the rest; ZeRO stage 2`."""
     ep = args.expert_model_parallel_size if args.num_experts else 1
@@ -46,7 +46,8 @@ def layout_line(args):
             f"weight decay {args.weight_decay:g})")
     optimizer = (f"Muon (muon-lr {args.muon_lr:g}, momentum {args.muon_momentum:g}) for the hidden matrices, "
                  f"{adam} for the rest" if args.optimizer == "muon" else adam)
-    engine = f"ZeRO stage {args.zero_stage}" if args.deepspeed else "Megatron's optimizer (no --deepspeed)"
+    engine = (f"ZeRO stage {args.zero_stage}" if args.zero_config is not None   # --deepspeed's parsed JSON
+              else "Megatron's optimizer (no --deepspeed)")
     return (f"> layout: tensor-parallel {args.model_parallel_size}, pipeline-parallel "
             f"{args.pipeline_model_parallel_size}, context-parallel {args.context_parallel_size}, data-parallel "
             f"{args.data_parallel_size}, expert-parallel {ep}{experts}; optimizer: {optimizer}; {engine}")

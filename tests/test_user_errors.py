@@ -17,6 +17,11 @@ from tests.helpers import REPO
 INTERNAL_ERRORS = {
     # the tests' NCCL-rules mode (MEGATRON_NCCL_RULES=1): a collective our code issued on a host tensor
     "megatron.guards.nccl_rules.NcclRuleError",
+    # the same mode's point-to-point order model: an order our code posts that NCCL would hang on
+    "megatron.guards.p2p_order.P2POrderError",
+    # the strict capture stand-in of the tests (and a capture's own check): a host read inside a captured step is our
+    # code's bug, not the user's input
+    "megatron.text_generation.capture.HostReadInCapture",
     # the training loop's signal for a skipped non-finite step; the loop turns it into NonFiniteError (a UserError)
     "megatron.guards.operations.NonFiniteStep",
     # tools/ds_client_check.py's own finding (DeepSpeed's client differs from ours), reported by its summary

@@ -139,7 +139,7 @@ def test_layout_line_names_every_degree_and_muons_two_halves():
     args = types.SimpleNamespace(
         model_parallel_size=2, pipeline_model_parallel_size=3, context_parallel_size=2, data_parallel_size=4,
         num_experts=8, expert_model_parallel_size=2, optimizer="muon", muon_lr=0.05, muon_momentum=0.9, lr=3e-4,
-        adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, deepspeed=True, zero_stage=1)
+        adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1, zero_config=object(), zero_stage=1)
     assert layout_line(args) == (
         "> layout: tensor-parallel 2, pipeline-parallel 3, context-parallel 2, data-parallel 4, expert-parallel 2 "
         "(expert-data-parallel 2); optimizer: Muon (muon-lr 0.05, momentum 0.9) for the hidden matrices, AdamW (lr "
