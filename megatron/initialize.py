@@ -38,8 +38,8 @@ def initialize_megatron(extra_args_provider=None, args_list=None):
 def layout_line(args):
     """The training entry points' start-up line (pretrain(), the RLHF driver) naming every parallel degree and the
     optimizer, e.g. `> layout: tensor-parallel 1, pipeline-parallel 1, context-parallel 1, data-parallel 2,
-    expert-parallel 2 (expert-data-parallel 1); optimizer: Muon (muon-lr 0.02, momentum 0.95) for the hidden matrices, AdamW (lr
-    0.002, betas 0.9/0.95, eps 1e-08, weight decay 0.01) for the rest; ZeRO stage 2`."""
+    expert-parallel 2 (expert-data-parallel 1); optimizer: Muon (muon-lr 0.02, momentum 0.95) for the hidden
+    matrices, AdamW (lr 0.002, betas 0.9/0.95, eps 1e-08, weight decay 0.01) for the rest; ZeRO stage 2`."""
     ep = args.expert_model_parallel_size if args.num_experts else 1
     experts = f" (expert-data-parallel {args.data_parallel_size // ep})" if args.num_experts else ""
     adam = (f"AdamW (lr {args.lr:g}, betas {args.adam_beta1:g}/{args.adam_beta2:g}, eps {args.adam_eps:g}, "
