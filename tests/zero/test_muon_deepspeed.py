@@ -1,7 +1,7 @@
 """Muon through DeepSpeed 0.19.8 and through our engine: the same model (our GPT2Model at mp 1), the same
 {"optimizer": {"type": "Muon"}} JSON, data parallel 2 on gloo, ZeRO 1 and 2, fp32, 5 steps. DeepSpeed runs on its CPU
-accelerator, where its Gram Newton-Schulz iterates in fp32 (this CPU has no fp16 kernels) and its AdamW half is its
-inline Adam (FusedAdam is not built): ns_method "gram" on both sides. Clipping is off: DeepSpeed orthogonalizes
+accelerator, its Gram Newton-Schulz held to fp32 (its own choice on a CPU without fp16 kernels; one with them would
+iterate in fp16) and its AdamW half its inline Adam (FusedAdam is not built): ns_method "gram" on both sides. Clipping is off: DeepSpeed orthogonalizes
 before it clips (the clip then scales the update), we after (the momentum takes the clipped gradient)."""
 import importlib.util
 
@@ -40,6 +40,11 @@ def _both(stages):
     import torch
     torch._dynamo.config.disable = True   # DeepSpeed torch.compiles its Muon kernels: eager here (minutes less)
     deepspeed = _deepspeed()
+    # DeepSpeed iterates Gram Newton-Schulz in fp16 where the accelerator has fp16 kernels (a CPU with AMX-FP16 /
+    # AVX512-FP16 does: its update then differs from ours by ~1e-2) and in fp32 elsewhere: fp32 here on every CPU,
+    # so the comparison is of the two engines' mechanics, as on a CPU without fp16 kernels
+    from deepspeed.runtime.zero.muon import original_muon
+    original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
     from megatron import zero
     return {stage: (_train(deepspeed, stage), _train(zero, stage)) for stage in stages}
 
