@@ -26,7 +26,8 @@ single-process model's. Dispatch, per layer and micro-batch:
     2. the row counts per expert, [EP, E/EP], all-to-all (fixed size: every rank joins, also with nothing to send)
     3. the rows all-to-all to the experts' ranks (split sizes from 2; empty pieces are normal)
     4. each local expert runs on its rows (zero rows: an empty matmul, its gradient zeros: no rank skips anything)
-    5. the outputs all-to-all back (3's reverse), weighted, summed per token (index_add)
+    5. the outputs all-to-all back (3's reverse), weighted, summed per token in a fixed order (each in a slot of its
+       token, the k slots summed: no two rows added into one place, so deterministic on CUDA too)
 
 The aux and z losses join backward through the output (Megatron-LM's MoEAuxLossAutoScaler): the forward returns the
 MLP's output unchanged, and backward adds their gradient with the weight set_aux_loss_scale() gave (the engine
@@ -152,7 +153,7 @@ def kept_assignments(weights, experts, ranks, config):
     # a stable sort: equal ranks (tokens of identical prefixes have identical hidden states) keep the earlier token,
     # whatever the other values (topk's choice among ties is not fixed)
     order = ranks.detach().masked_fill(~routed, -math.inf).sort(dim=0, descending=True, stable=True).indices
-    best = order[:capacity]                                                                     # [C, E]                   # [C, E]
+    best = order[:capacity]                                                                     # [C, E]
     within = torch.zeros_like(routed).scatter(0, best, True)
     return routing, routed, routed & within
 
@@ -247,9 +248,16 @@ class MoEMLP(nn.Module):
         aux = aux_losses(logits, probs, tokens_per_expert, self.config)
         self.last_statistics = (aux.detach(), tokens_per_expert.detach())
         expert_ids, token_ids = kept.t().nonzero(as_tuple=True)                          # expert-major
-        rows = self._run_experts(tokens[token_ids], kept.sum(dim=0))                     # [n, h]
+        slots = kept.long().cumsum(dim=1)[token_ids, expert_ids] - 1                     # [n] in 0 .. k-1
+        k = self.config.topk
+        # each row read from (and its output written to) slot `slots` of its token: every (token, slot) once, so
+        # neither direction adds two rows into one place (index_add / a plain gather's backward would, by atomics
+        # on CUDA, in the order the threads arrive); the k slots are summed in order
+        rows = self._run_experts(tokens.unsqueeze(1).expand(-1, k, -1)[token_ids, slots], kept.sum(dim=0))  # [n, h]
         gate = routing[token_ids, expert_ids].to(rows.dtype)                             # [n]
-        output = tokens.new_zeros(b * s, h).index_add(0, token_ids, rows * gate[:, None])  # [T, h]
+        per_slot = rows.new_zeros(b * s, k, h)                                           # [T, k, h]
+        per_slot[token_ids, slots] = rows * gate[:, None]
+        output = per_slot.sum(dim=1)                                                     # [T, h]
         if self.training and (self.config.aux_loss_coeff or self.config.z_loss_coeff) and aux.requires_grad:
             output = _AttachAuxLoss.apply(output, aux)
         return self.dropout(output).view(b, s, h)

@@ -153,3 +153,43 @@ def test_moe_layer_frequency_and_names():
     assert kinds == ["MoEMLP", "ParallelMLP", "MoEMLP"]
     assert same_first
     assert len(expert_names) == 2 * 4 * 4 and "transformer.layers.2.mlp.experts.3.dense_4h_to_h.bias" in expert_names
+
+
+def _scatter_adds_of_forward_and_backward(topk, capacity):
+    """Every op of one MoE forward and backward that adds values into places (index_add, scatter_add, an
+    accumulating index_put): (op, whether two of its values land in one place)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import mpu
+
+    class Adds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in ("index_add", "index_add_", "scatter_add", "scatter_add_", "index_reduce"):
+                self.seen.append((name, True))
+            elif name in ("index_put", "index_put_", "_index_put_impl_") and \
+                    (args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+                places = torch.stack([i.reshape(-1) for i in args[1] if i is not None], dim=1)
+                self.seen.append((name, places.unique(dim=0).size(0) < places.size(0)))
+            return func(*args, **kwargs)
+
+    config = mpu.MoEConfig(num_experts=4, topk=topk, capacity_factor=capacity)
+    torch.manual_seed(0)
+    layer = mpu.MoEMLP(HIDDEN, FFN, config, mpu.init_method_normal(0.5), mpu.init_method_normal(0.5))
+    x = torch.randn(3, 4, HIDDEN, requires_grad=True)
+    with Adds() as adds:
+        layer(x).square().sum().backward()
+    return adds.seen
+
+
+@pytest.mark.parametrize("topk, capacity", [(2, None), (3, 1.0)])
+def test_no_two_rows_are_added_into_one_place(topk, capacity):
+    """The combine (each token's k expert outputs) and the dispatch gather's backward (a token's gradient from its
+    k rows) sum in a fixed order: no op adds two values into one place, which CUDA does with atomics in the order
+    its threads arrive (index_add, or a plain gather's backward). Dropless top-2 and dropping top-3."""
+    seen = run_distributed(_scatter_adds_of_forward_and_backward, 1, args=(topk, capacity), model_parallel_size=1)[0]
+    assert not [name for name, collides in seen if collides], seen
