@@ -51,7 +51,7 @@ POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_lengt
                   "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes", "layernorm_epsilon", "adam_eps", "lr_decay_iters")
 NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "lr", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
-                      "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
+                      "max_skipped_steps_at_min_scale", "exit_duration_in_mins", "stream_shuffle_buffer")
 
 
 def _check_sequence_parallel(args, parser):

@@ -1,6 +1,6 @@
 """The train/valid/test data iterators of megatron/training.py's pretrain: datasets on every rank, loaders on
-model-parallel rank 0 starting where the TrainState's consumed samples say, the validation one restarting when it
-runs out."""
+model-parallel rank 0 starting where the TrainState's consumed samples say (a raw-shard stream where its checkpoint record says),
+the validation one restarting when it runs out."""
 import mpu
 from megatron.global_vars import get_args
 
@@ -33,6 +33,12 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
         finished = index == 0 and train_state.iteration >= args.train_iters
         if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
             iterators.append(None)
+            continue
+        if index == 0 and hasattr(dataset, "loader"):   # raw shards (megatron.data.stream): a resumable stream
+            train_state.data_stream = dataset.loader(
+                args.batch_size, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), args.num_workers,
+                train_state.loaded_stream_record, train_state.consumed_train_samples, log=print)
+            iterators.append(train_state.data_stream)
             continue
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
         loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),

@@ -1,0 +1,148 @@
+"""Raw shards streamed as training data (megatron/data/stream): with shuffling off, the samples are the token stream
+tools/preprocess_data.py writes for the same documents, cut into GPTDataset's seq_length + 1 windows; with it on,
+the order is a function of the seed and the global sample index (shard order per epoch, the shuffle buffer), and
+every data-parallel size reads the same global batches.
+
+Shards are tiny and made here: JSON lines, gzipped JSON lines, loose JSON and Parquet in several row groups, with a
+blank line, an empty document and a whitespace-only one (the cases where the EOD placement and the row count can
+go wrong)."""
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.stream import StreamConfig, StreamLoader
+from megatron.data.stream.documents import shard_order
+from megatron.tokenizer import GPT2BPETokenizer
+from tests.helpers import HAND_DOCS, write_jsonl
+
+import preprocess_data  # noqa: E402  (tools/, on sys.path through tests.helpers)
+
+SEQ = 16
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+def documents(count, seed=0):
+    """`count` documents of a few dozen tokens, different lengths (some shorter than a window, some longer)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) + f" doc{seed}-{i}." for i in range(count)]
+
+
+def write_shards(directory, texts_per_shard):
+    """One shard per entry, cycling through the four formats (file names sort in the given order)."""
+    paths = []
+    for i, texts in enumerate(texts_per_shard):
+        kind = ("jsonl", "jsonl.gz", "parquet", "json")[i % 4]
+        path = os.path.join(directory, f"shard_{i:02d}.{kind}")
+        if kind == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path, row_group_size=3)
+        else:
+            lines = "".join(json.dumps({"text": t, "id": j}) + "\n" + ("\n" if j == 1 else "")  # a blank line
+                            for j, t in enumerate(texts)).encode()
+            with (gzip.open if kind.endswith("gz") else open)(path, "wb") as f:
+                f.write(lines)
+        paths.append(path)
+    return paths
+
+
+def loader(paths, vocab, *, append_eod=True, shuffle_shards=False, shuffle_buffer=0, micro=1, rank=0, dp=1,
+           workers=0, seed=5):
+    config = StreamConfig(tuple(paths), "text", vocab["vocab"], vocab["merges"], append_eod, seed, shuffle_shards)
+    return StreamLoader(config, SEQ, shuffle_buffer, micro, rank, dp, num_workers=workers)
+
+
+def windows(tokens, count):
+    """GPTDataset's cut of a token stream: window k = tokens[k*SEQ : k*SEQ + SEQ + 1]."""
+    return [tokens[k * SEQ:k * SEQ + SEQ + 1] for k in range(count)]
+
+
+@pytest.fixture(scope="module")
+def vocab(webtext_data):
+    return {"vocab": os.path.join(webtext_data, "vocab.json"), "merges": os.path.join(webtext_data, "merges.txt")}
+
+
+def preprocessed_tokens(texts, vocab, tmp_path, append_eod):
+    """The token stream tools/preprocess_data.py writes for `texts` (one loose-JSON file, in order)."""
+    corpus = write_jsonl(str(tmp_path / "all.json"), texts)
+    args = preprocess_data.get_args(["--input", corpus, "--output-prefix", str(tmp_path / "pre"), "--vocab-file",
+                                     vocab["vocab"], "--merge-file", vocab["merges"], "--tokenizer-type",
+                                     "GPT2BPETokenizer"] + (["--append-eod"] if append_eod else []))
+    prefix = preprocess_data.preprocess(args)["outputs"]["text"]
+    dataset = MMapIndexedDataset(prefix)
+    return np.concatenate([dataset.get(i) for i in range(len(dataset))]).astype(np.int64)
+
+
+@pytest.mark.parametrize("append_eod,workers", [(True, 0), (True, 2), (False, 0)])
+def test_stream_equals_preprocessed_windows(vocab, tmp_path, append_eod, workers):
+    """Shuffling off: sample k == window k of preprocess_data's tokens for the documents of all shards in sorted
+    order (four formats, Parquet in row groups of 3), with and without --append-eod, tokenized here or in 2 worker
+    processes. Packing carries the last token of a window into the next, and over shard boundaries."""
+    per_shard = [documents(4, 1) + HAND_DOCS[:3], documents(5, 2), documents(7, 3) + [""], documents(3, 4)]
+    paths = write_shards(str(tmp_path), per_shard)
+    expected = preprocessed_tokens([t for texts in per_shard for t in texts], vocab, tmp_path, append_eod)
+    count = (len(expected) - 1) // SEQ
+    stream = loader(paths, vocab, append_eod=append_eod, micro=count, workers=workers)
+    got = next(stream)["text"].numpy()
+    assert count > 20 and got.shape == (count, SEQ + 1)
+    np.testing.assert_array_equal(got, np.stack(windows(expected, count)))
+    # the next epoch begins right after the first's last token: window `count` straddles the wrap
+    tail = expected[count * SEQ:]
+    np.testing.assert_array_equal(next(loader(paths, vocab, append_eod=append_eod, micro=count + 1))["text"][-1],
+                                  np.concatenate([tail, expected[:SEQ + 1 - len(tail)]]))
+
+
+def tokenized(texts, vocab):
+    tokenizer = GPT2BPETokenizer(vocab["vocab"], vocab["merges"])
+    return [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts if tokenizer.tokenize(t)]
+
+
+def test_shard_order_is_seeded_per_epoch(vocab, tmp_path):
+    """With a shuffled shard order, epoch e reads the shards in default_rng([seed, e]).permutation's order: two
+    epochs' samples equal the windows of the documents tokenized here in those two orders."""
+    per_shard = [documents(2, s) for s in range(6)]
+    paths = write_shards(str(tmp_path), per_shard)
+    orders = [shard_order(6, 5, epoch, True) for epoch in (0, 1)]
+    assert orders[0] != orders[1] and orders[0] != list(range(6))
+    stream_tokens = [tok for order in orders for shard in order for doc in tokenized(per_shard[shard], vocab)
+                     for tok in doc]
+    count = (len(stream_tokens) - 1) // SEQ
+    got = next(loader(paths, vocab, shuffle_shards=True, micro=count))["text"].numpy()
+    np.testing.assert_array_equal(got, np.stack(windows(np.array(stream_tokens), count)))
+
+
+def test_shuffle_buffer_is_a_function_of_seed_and_sample_index(vocab, tmp_path):
+    """A buffer of 5: the first 5 windows fill it, then window 5 + g replaces (and emits) the buffered window at
+    default_rng([seed, g]).integers(5) -- checked against that rule applied here to the unshuffled windows. A
+    buffer of 4 or another seed gives another order."""
+    paths = write_shards(str(tmp_path), [documents(12, 7)])
+    plain = next(loader(paths, vocab, micro=40))["text"].numpy()
+    buffer, expected = list(plain[:5]), []
+    for g, window in enumerate(plain[5:]):
+        slot = int(np.random.default_rng([5, g]).integers(5))
+        expected.append(buffer[slot])
+        buffer[slot] = window
+    got = next(loader(paths, vocab, shuffle_buffer=5, micro=35))["text"].numpy()
+    np.testing.assert_array_equal(got, np.stack(expected))
+    assert not np.array_equal(next(loader(paths, vocab, shuffle_buffer=5, micro=35, seed=6))["text"], got)
+    assert not np.array_equal(next(loader(paths, vocab, shuffle_buffer=4, micro=35))["text"], got)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_global_batches_are_the_same_at_every_dp_size(vocab, tmp_path, dp):
+    """Micro batch 2 at dp 2 and 4, with shard shuffling and a buffer: rank r's k-th micro batch holds global
+    samples [k*2*dp + 2r, k*2*dp + 2r + 2) of the dp 1 stream (Megatron's sampler), across an epoch wrap."""
+    paths = write_shards(str(tmp_path), [documents(3, s) for s in range(4)])
+    options = dict(shuffle_shards=True, shuffle_buffer=3)
+    reference = next(loader(paths, vocab, micro=24 * dp, **options))["text"].numpy()
+    ranks = [loader(paths, vocab, micro=2, rank=r, dp=dp, **options) for r in range(dp)]
+    for step in range(12):
+        for r, rank in enumerate(ranks):
+            first = step * 2 * dp + 2 * r
+            np.testing.assert_array_equal(next(rank)["text"].numpy(), reference[first:first + 2],
+                                          err_msg=f"dp {dp} rank {r} micro batch {step}")
+    assert ranks[0].position.epoch >= 1
