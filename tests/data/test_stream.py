@@ -146,3 +146,19 @@ def test_global_batches_are_the_same_at_every_dp_size(vocab, tmp_path, dp):
             np.testing.assert_array_equal(next(rank)["text"].numpy(), reference[first:first + 2],
                                           err_msg=f"dp {dp} rank {r} micro batch {step}")
     assert ranks[0].position.epoch >= 1
+
+
+def test_print_batch_shows_what_each_rank_read(vocab, tmp_path, capsys):
+    """tools/print_batch.py on a stream, iteration 2 of a world of 2 with 2 micro batches of 2: rank r's micro
+    batch m holds global samples 8 + 4m + 2r and the next, read from the dp 1 stream here."""
+    import print_batch
+    paths = write_shards(str(tmp_path), [documents(3, s) for s in range(2)])
+    reference = next(loader(paths, vocab, shuffle_shards=True, shuffle_buffer=2, micro=16))["text"].tolist()
+    records = print_batch.main(["--iteration", "2", "--world-size", "2", "--data-path", str(tmp_path / "*"),
+                                "--vocab-file", vocab["vocab"], "--merge-file", vocab["merges"], "--append-eod",
+                                "--stream-shuffle-buffer", "2", "--seed", "5", "--seq-length", "16", "--batch-size",
+                                "2", "--global-batch-size", "8", "--train-iters", "3", "--num-layers", "1",
+                                "--hidden-size", "8", "--num-attention-heads", "1"])
+    assert [(r["data_parallel_rank"], r["micro_batch"], r["sample_index"]) for r in records] == [
+        (0, 0, 8), (0, 0, 9), (0, 1, 12), (0, 1, 13), (1, 0, 10), (1, 0, 11), (1, 1, 14), (1, 1, 15)]
+    assert [r["ids"] for r in records] == [reference[r["sample_index"]] for r in records]
