@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.stream import StreamConfig, StreamLoader
+from megatron.data.gpt_dataset import build_blending_indices
+from megatron.data.stream import BlendedStreamLoader, StreamConfig, StreamLoader
 from megatron.data.stream.documents import shard_order
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.helpers import HAND_DOCS, write_jsonl
@@ -162,3 +163,28 @@ def test_print_batch_shows_what_each_rank_read(vocab, tmp_path, capsys):
     assert [(r["data_parallel_rank"], r["micro_batch"], r["sample_index"]) for r in records] == [
         (0, 0, 8), (0, 0, 9), (0, 1, 12), (0, 1, 13), (1, 0, 10), (1, 0, 11), (1, 1, 14), (1, 1, 15)]
     assert [r["ids"] for r in records] == [reference[r["sample_index"]] for r in records]
+
+
+def test_blend_is_megatrons_weighted_order_and_resumes(vocab, tmp_path):
+    """Two sources at weights 3 : 7, dp 2, micro batch 2: global sample g is sample dataset_sample_index[g] of
+    source dataset_index[g] (gpt_dataset.build_blending_indices, Megatron's BlendableDataset), so the proportions
+    are Megatron's at every prefix; a dp 1 blend resumed from the record taken after 20 samples continues alike."""
+    paths = []
+    for name, seed in (("a", 11), ("b", 12)):
+        os.makedirs(tmp_path / name)
+        paths.append(write_shards(str(tmp_path / name), [documents(3, seed + s) for s in range(2)]))
+    streams = [next(loader(p, vocab, shuffle_shards=True, micro=45))["text"].numpy() for p in paths]
+    index, sample_index = build_blending_indices([0.3, 0.7], 60)
+    expected = np.stack([streams[i][j] for i, j in zip(index, sample_index)])
+
+    def blend(micro, rank, dp):
+        return BlendedStreamLoader([loader(p, vocab, shuffle_shards=True) for p in paths], [3, 7], micro, rank, dp)
+    ranks = [blend(2, 0, 2), blend(2, 1, 2)]
+    got = np.concatenate([next(rank)["text"].numpy() for _ in range(15) for rank in ranks])
+    np.testing.assert_array_equal(got, expected)
+    first = blend(4, 0, 1)
+    for _ in range(5):
+        next(first)
+    resumed = blend(40, 0, 1)
+    resumed.load_state_dict(first.state_dict(), consumed_samples=20)
+    np.testing.assert_array_equal(next(resumed)["text"].numpy(), expected[20:])

@@ -64,7 +64,25 @@ class ShuffleBuffer:
         return emitted
 
 
-class StreamLoader:
+class RankBatches:
+    """An endless iterator over this data-parallel rank's micro batches of a global sample stream (`next_sample`):
+    of each global micro batch of micro_batch_size * dp samples, rank r takes [r * mb, (r + 1) * mb)."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        global_batch = [self.next_sample() for _ in range(self.micro_batch_size * self.data_parallel_size)]
+        start = self.data_parallel_rank * self.micro_batch_size
+        return {"text": torch.from_numpy(np.stack(global_batch[start:start + self.micro_batch_size]))}
+
+    def skip_samples(self, count):
+        """Read and drop `count` global samples (a checkpoint without the stream's record: same order, re-read)."""
+        for _ in range(count):
+            self.next_sample()
+
+
+class StreamLoader(RankBatches):
     """This data-parallel rank's micro batches of the global stream (an endless iterator), resumable."""
 
     def __init__(self, config, seq_length, shuffle_buffer, micro_batch_size, data_parallel_rank, data_parallel_size,
@@ -81,15 +99,6 @@ class StreamLoader:
         self._documents = None    # the document iterator, started at self.position on first use
         self._epoch_had_tokens = True
 
-    # ------------------------------------------------------------------------------------------ iteration
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        global_batch = [self.next_sample() for _ in range(self.micro_batch_size * self.data_parallel_size)]
-        start = self.data_parallel_rank * self.micro_batch_size
-        return {"text": torch.from_numpy(np.stack(global_batch[start:start + self.micro_batch_size]))}
-
     def next_sample(self):
         """Global sample number self.samples (then counted)."""
         while True:
@@ -101,11 +110,6 @@ class StreamLoader:
             if emitted is not None:
                 self.samples += 1
                 return emitted
-
-    def skip_samples(self, count):
-        """Read and drop `count` global samples (a checkpoint without the stream's record: same order, re-read)."""
-        for _ in range(count):
-            self.next_sample()
 
     def _read_document(self):
         if self._documents is None:
@@ -128,7 +132,6 @@ class StreamLoader:
             self._epoch_had_tokens = True
             self.packer.add(doc.tokens)
 
-    # ------------------------------------------------------------------------------------------ state
     def _settings(self):
         c = self.config
         return {"seq_length": self.seq_length, "shuffle_buffer": self.buffer.size, "seed": c.seed,
