@@ -17,6 +17,25 @@ def _cyclic(loader):
         loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
 
 
+def _stream_iterator(source, index, train_state, args):
+    """Training: the resumable stream (its record saved with every checkpoint through train_state). Validation:
+    the first eval_iters steps' batches of its split, the same at every evaluation. Test: read once."""
+    ranks = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    if index == 0:
+        train_state.data_stream = source.loader(args.batch_size, *ranks, args.num_workers,
+                                                train_state.loaded_stream_record, train_state.consumed_train_samples)
+        return train_state.data_stream
+    loader = source.loader(args.batch_size, *ranks)
+    return _same_at_every_evaluation(loader, args.eval_iters * args.num_micro_batches) if index == 1 else loader
+
+
+def _same_at_every_evaluation(loader, count):
+    """The first `count` micro batches of `loader` (read at the first evaluation), then the same again and again."""
+    batches = [next(loader) for _ in range(count)]
+    while True:
+        yield from batches
+
+
 def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state):
     """Datasets on every rank (index building is cached and coordinated); iterators only on model-parallel
     rank 0, whose batches get_batch broadcasts to the rest of its model-parallel group. The samplers start
@@ -34,11 +53,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
         if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
             iterators.append(None)
             continue
-        if index == 0 and hasattr(dataset, "loader"):   # raw shards (megatron.data.stream): a resumable stream
-            train_state.data_stream = dataset.loader(
-                args.batch_size, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), args.num_workers,
-                train_state.loaded_stream_record, train_state.consumed_train_samples, log=print)
-            iterators.append(train_state.data_stream)
+        if hasattr(dataset, "loader"):   # raw shards (megatron.data.stream)
+            iterators.append(_stream_iterator(dataset, index, train_state, args))
             continue
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
         loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),

@@ -188,3 +188,26 @@ def test_blend_is_megatrons_weighted_order_and_resumes(vocab, tmp_path):
     resumed = blend(40, 0, 1)
     resumed.load_state_dict(first.state_dict(), consumed_samples=20)
     np.testing.assert_array_equal(next(resumed)["text"].numpy(), expected[20:])
+
+
+def test_split_by_document_partitions_the_documents(vocab, tmp_path):
+    """--split 6,3,1 over 45 documents in 3 shards (JSON lines, gzip, Parquet): each document's tokens are in
+    exactly one split's stream, the training split's or validation's or test's, each split non-empty."""
+    from megatron.data.stream import split_ranges
+    from megatron.data.stream.documents import document_loader
+    per_shard = [documents(15, 20 + s) for s in range(3)]
+    paths = write_shards(str(tmp_path), per_shard)
+    expected = {(shard, i): doc for shard, texts in enumerate(per_shard) for i, doc in
+                enumerate(tokenized(texts, vocab))}
+    found = {}
+    for split, bounds in enumerate(split_ranges("6,3,1")):
+        config = StreamConfig(tuple(paths), "text", vocab["vocab"], vocab["merges"], True, 5, False, bounds)
+        for doc in document_loader(config, (0, 0, 0)):
+            if doc.epoch:
+                break
+            if len(doc.tokens):
+                index = doc.row - (doc.row >= 2 and doc.shard != 2)   # the JSON lines' blank line after row 1
+                assert (doc.shard, index) not in found, "a document in two splits"
+                found[(doc.shard, index)] = (split, doc.tokens.tolist())
+    assert {key: tokens for key, (_, tokens) in found.items()} == expected
+    assert {split for split, _ in found.values()} == {0, 1, 2}

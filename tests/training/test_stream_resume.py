@@ -104,3 +104,17 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(setup, tmp_
     two = _resume(flags, str(tmp_path / "dp4"), 4, str(tmp_path / "dp2"))
     assert _global_samples(two) == _global_samples(straight)[4 * 8:]
     _assert_same_record(_record(str(tmp_path / "dp2"), ITERS), _record(straight_dir, ITERS))
+
+
+def test_validation_split_is_the_same_at_every_evaluation(setup, tmp_path):
+    """--split 70,20,10 by document, --eval-interval 2 --eval-iters 2 over 4 iterations: the validation at the end of
+    training (no step since iteration 4's) gives iteration 4's loss bitwise: the same batches at every
+    evaluation; the test split is evaluated too."""
+    flags, _, _ = setup
+    write_shards(str(tmp_path), [documents(10, s) for s in range(3)])   # 30 documents: each split has some
+    (history,) = run_distributed(_train_recording, 1, args=(flags + [
+        "--data-path", str(tmp_path), "--split", "70,20,10", "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2",
+        "--global-batch-size", "2"],))
+    assert len(history["valid"]) == 2 and history["valid"][0] != history["valid"][1]
+    assert history["final_valid"] == history["valid"][1]
+    assert "final_test" in history

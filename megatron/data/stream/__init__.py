@@ -1,8 +1,8 @@
 """Raw corpora as --data-path: JSON lines (.jsonl, .jsonl.gz, loose .json) and Parquet shards, tokenized while
 training, resumed exactly at any data-parallel size (DESIGN.md section 18; docs/data.md "Streaming raw shards").
 
-    source = stream_source(args, num_samples)          # pretraining_datasets' training split for such a path
-    loader = source.loader(micro_batch_size=4, data_parallel_rank=r, data_parallel_size=2, record=saved)
+    train, valid, test = stream_sources(args, [n_train, n_valid, n_test])   # pretraining_datasets' for such a path
+    loader = train.loader(micro_batch_size=4, data_parallel_rank=r, data_parallel_size=2, record=saved)
     batch = next(loader); record = loader.state_dict()  # saved with every checkpoint (TrainState.data_stream)
 
 shards.py lists and reads the files, documents.py orders and tokenizes the documents (in DataLoader workers),
@@ -70,30 +70,47 @@ def _resumed(loader, record, consumed_samples, log):
     return loader
 
 
-def stream_source(args, num_samples):
-    """The StreamSource of --data-path (a directory, glob or shard file; or a blend 'w1 P1 w2 P2 ...' of them),
-    --json-keys, --append-eod, --seed, --stream-shuffle-buffer, --stream-shard-order and --skip-bad-records."""
+def split_ranges(splits_string):
+    """--split '949,50,1' -> the [low, high) of train, valid and test over documents' split points (Megatron's
+    boundaries, at a resolution of 1e-6)."""
+    from megatron.data.gpt_dataset import get_train_valid_test_split_
+    bounds = [b / 1e6 for b in get_train_valid_test_split_(splits_string, 1_000_000)]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def stream_sources(args, train_valid_test_num_samples):
+    """(train, valid, test) StreamSources of --data-path (a directory, glob or shard file; or a blend 'w1 P1 w2 P2
+    ...' of them), split by document with --split (None for an empty split), with --json-keys, --append-eod,
+    --seed, --stream-shard-order and --skip-bad-records; --stream-shuffle-buffer for the training split only."""
     words = [w for p in args.data_path for w in p.split()]
     if len(args.json_keys) != 1:
         raise StreamDataError(f"--json-keys {' '.join(args.json_keys)}: raw shards are read with one text key")
     if len(words) == 1:
-        return _single_source(args, words[0], num_samples)
-    from megatron.data.gpt_dataset import get_datasets_weights_and_num_samples
-    paths, weights, _ = get_datasets_weights_and_num_samples(words, [num_samples, 0, 0])
-    unstreamable = [p for p in paths if not is_stream_path(p)]
-    if unstreamable:
-        raise StreamDataError(f"--data-path: {unstreamable[0]} is not raw shards; a blend is all raw shards or all "
-                              ".bin/.idx prefixes")
-    return BlendedStreamSource([_single_source(args, p, num_samples) for p in paths], weights, num_samples)
+        paths, weights = words, None
+    else:
+        from megatron.data.gpt_dataset import get_datasets_weights_and_num_samples
+        paths, weights, _ = get_datasets_weights_and_num_samples(words, [1, 0, 0])
+        unstreamable = [p for p in paths if not is_stream_path(p)]
+        if unstreamable:
+            raise StreamDataError(f"--data-path: {unstreamable[0]} is not raw shards; a blend is all raw shards or "
+                                  "all .bin/.idx prefixes")
+    shards = [list_shards(p) for p in paths]
+    splits = []
+    for index, (split, num_samples) in enumerate(zip(split_ranges(args.split), train_valid_test_num_samples)):
+        if split[1] <= split[0] or num_samples <= 0:
+            splits.append(None)
+            continue
+        sources = [_source(args, path, files, num_samples, split, index == 0) for path, files in zip(paths, shards)]
+        splits.append(sources[0] if weights is None else BlendedStreamSource(sources, weights, num_samples))
+    return tuple(splits)
 
 
-def _single_source(args, path, num_samples):
-    shards = list_shards(path)
+def _source(args, path, shards, num_samples, split, training):
     config = StreamConfig(tuple(shards), args.json_keys[0], args.vocab_file, args.merge_file, args.append_eod,
-                          args.seed, args.stream_shard_order == "shuffled")
-    return StreamSource(config, args.seq_length, num_samples, args.stream_shuffle_buffer, args.skip_bad_records,
-                        shards_digest(shards, path))
+                          args.seed, args.stream_shard_order == "shuffled", None if split == (0.0, 1.0) else split)
+    return StreamSource(config, args.seq_length, num_samples, args.stream_shuffle_buffer if training else 0,
+                        args.skip_bad_records, shards_digest(shards, path))
 
 
 __all__ = ["BlendedStreamLoader", "BlendedStreamSource", "StreamConfig", "StreamDataError", "StreamLoader", "StreamPosition", "StreamSource", "is_stream_path",
-           "list_shards", "stream_source", "uses_streams"]
+           "list_shards", "split_ranges", "stream_sources", "uses_streams"]

@@ -9,15 +9,18 @@ Order: epoch after epoch, the shards in a per-epoch order (a permutation drawn f
 document slots are numbered j = 0, 1, 2, ...: worker w of W tokenizes slots w, w + W, ... and only counts the
 others; the DataLoader asks its workers in turn (round robin, results kept in request order), so the main process
 receives slot 0, 1, 2, ... in order whatever W. A slot whose text has no tokens comes back with empty tokens (the
-packer passes over it, as tools/preprocess_data.py skips such a document); a bad row comes back with its message.
+packer passes over it, as tools/preprocess_data.py skips such a document), and so does a document of another
+--split split (unread); a bad row comes back with its message.
 """
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from .shards import document_text, read_rows
+from .shards import BadRecord, document_text, read_rows
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,15 @@ class StreamConfig:
     seed: int
     shuffle_shards: bool = True
     """A seeded shard order per epoch; False reads the shards sorted, every epoch."""
+    split: Optional[tuple] = None
+    """(low, high): only the documents whose split_point falls in [low, high) (--split by document); None: all."""
+
+
+def split_point(path, row):
+    """Where a document falls in [0, 1) for --split: a hash of its shard's file name and its row (not of the seed
+    or the shard's directory), so a document stays in its split whatever the seed or the machine."""
+    digest = hashlib.blake2b(f"{os.path.basename(path)}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2 ** 64
 
 
 class StreamPosition(NamedTuple):
@@ -85,6 +97,10 @@ class TokenizedDocuments(torch.utils.data.IterableDataset):
         tokenizer = GPT2BPETokenizer(self.config.vocab_file, self.config.merge_file)
         for slot, (epoch, shard, path, row, raw) in enumerate(rows_from(self.config, self.position)):
             if slot % workers != worker:
+                continue
+            split = self.config.split
+            if split is not None and not isinstance(raw, BadRecord) and not split[0] <= split_point(path, row) < split[1]:
+                yield Document(epoch, shard, row, np.zeros(0, dtype=np.int64), None)   # another split's
                 continue
             text, bad = document_text(path, row, raw, self.config.key)
             tokens = None

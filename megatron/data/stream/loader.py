@@ -117,8 +117,10 @@ class StreamLoader(RankBatches):
         doc = next(self._documents)
         if doc.epoch != self.position.epoch:
             if not self._epoch_had_tokens:
-                raise StreamDataError(f"a whole epoch of the {len(self.config.shards)} shards gave no tokens "
-                                      "(every document empty or bad)")
+                split = self.config.split
+                within = f" in the --split range [{split[0]:.4f}, {split[1]:.4f})" if split else ""
+                raise StreamDataError(f"a whole epoch of the {len(self.config.shards)} shards gave no tokens{within} "
+                                      "(every document empty, bad or in another split): check the data and --split")
             self._epoch_had_tokens = False
         self.position = StreamPosition(doc.epoch, doc.shard, doc.row + 1)
         if doc.bad is not None:
