@@ -1,4 +1,4 @@
-"""Raw corpora as --data-path: JSON lines (.jsonl, .jsonl.gz, loose .json) and Parquet shards, tokenized while
+"""Raw corpora as --data-path: JSON lines (.jsonl, loose .json, gzipped) and Parquet shards, tokenized while
 training, resumed exactly at any data-parallel size (DESIGN.md section 18; docs/data.md "Streaming raw shards").
 
     train, valid, test = stream_sources(args, [n_train, n_valid, n_test])   # pretraining_datasets' for such a path
@@ -6,7 +6,7 @@ training, resumed exactly at any data-parallel size (DESIGN.md section 18; docs/
     batch = next(loader); record = loader.state_dict()  # saved with every checkpoint (TrainState.data_stream)
 
 shards.py lists and reads the files, documents.py orders and tokenizes the documents (in DataLoader workers),
-loader.py packs, shuffles, hands each rank its samples and keeps the position.
+loader.py packs, shuffles, hands each rank its samples and keeps the position, blend.py interleaves sources.
 """
 from .blend import BlendedStreamLoader
 from .documents import StreamConfig, StreamPosition
@@ -21,7 +21,7 @@ def uses_streams(data_path):
 
 
 class StreamSource:
-    """The training split of raw shards, in place of a GPTDataset: the data iterators ask it for a loader."""
+    """One split of raw shards, in place of a GPTDataset: the data iterators ask it for a loader."""
 
     def __init__(self, config, seq_length, num_samples, shuffle_buffer=0, skip_bad_records=False, digest=""):
         self.config, self.seq_length, self.num_samples = config, seq_length, num_samples

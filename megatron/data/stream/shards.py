@@ -5,7 +5,7 @@
         text, bad = document_text(shards[0], row, raw, "text")
 
 A row is one document slot: a non-blank line of JSON lines (`row` = line number - 1; .json is loose JSON, one object
-a line, as tools/preprocess_data.py reads it), or one Parquet row (pyarrow, imported only here). Reading is lazy:
+a line, as tools/preprocess_data.py reads it; .json.gz and .jsonl.gz are gzipped), or one Parquet row (pyarrow, imported only here). Reading is lazy:
 nothing is opened before the stream reaches the shard, so the first batch never waits for a scan of the corpus.
 
 Rows are the same for every reader of a shard: a JSON line is parsed only by the worker that owns its row
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from megatron.cli import UserError
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 
 class StreamDataError(UserError, ValueError):
