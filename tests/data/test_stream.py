@@ -149,10 +149,11 @@ def test_global_batches_are_the_same_at_every_dp_size(vocab, tmp_path, dp):
     assert ranks[0].position.epoch >= 1
 
 
-def test_print_batch_shows_what_each_rank_read(vocab, tmp_path, capsys):
+def test_print_batch_shows_what_each_rank_read(vocab, tmp_path, monkeypatch):
     """tools/print_batch.py on a stream, iteration 2 of a world of 2 with 2 micro batches of 2: rank r's micro
     batch m holds global samples 8 + 4m + 2r and the next, read from the dp 1 stream here."""
     import print_batch
+    monkeypatch.setenv("WORLD_SIZE", "1")   # print_batch sets it to --world-size: restored after the test
     paths = write_shards(str(tmp_path), [documents(3, s) for s in range(2)])
     reference = next(loader(paths, vocab, shuffle_shards=True, shuffle_buffer=2, micro=16))["text"].tolist()
     records = print_batch.main(["--iteration", "2", "--world-size", "2", "--data-path", str(tmp_path / "*"),

@@ -110,7 +110,7 @@ def test_pretrain_gpt_prints_one_line_and_exits_non_zero(webtext_data, tmp_path)
     flags = TINY_SHAPE + ["--data-path", str(tmp_path), "--vocab-file", os.path.join(webtext_data, "vocab.json"),
                           "--merge-file", os.path.join(webtext_data, "merges.txt"), "--train-iters", "2",
                           "--eval-iters", "0", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
-    env = dict(os.environ, MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags], capture_output=True,
                             text=True, cwd=REPO, env=env, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
