@@ -13,7 +13,7 @@ import torch
 
 from megatron.spawn import run_distributed
 from tests.data.test_stream import documents, write_shards
-from tests.helpers import set_tracker, TINY_SHAPE
+from tests.helpers import set_tracker, TINY_SHAPE, write_config
 
 ITERS = 6
 
@@ -118,3 +118,20 @@ def test_validation_split_is_the_same_at_every_evaluation(setup, tmp_path):
     assert len(history["valid"]) == 2 and history["valid"][0] != history["valid"][1]
     assert history["final_valid"] == history["valid"][1]
     assert "final_test" in history
+
+
+def test_zero_path_resume_with_worker_processes_is_exact(setup, tmp_path):
+    """The ZeRO path (--deepspeed, stage 2, dp 2) with one tokenizer worker process per rank: 2 + resume + 2 equals
+    4 straight steps (losses, samples, the record in the engine's client_state)."""
+    flags, _, _ = setup
+    flags = flags + ["--deepspeed", "--deepspeed_config", write_config(str(tmp_path), train_micro_batch_size_per_gpu=2,
+                                                                        gradient_accumulation_steps=2),
+                     "--train-iters", "4", "--num-workers", "1"]
+    straight = run_distributed(_train_recording, 2, args=(flags + ["--save", str(tmp_path / "a"), "--save-interval",
+                                                                   "2"],))
+    resumed = _resume(flags, str(tmp_path / "a"), 2, str(tmp_path / "b"))
+    assert resumed[0]["lm loss"] == straight[0]["lm loss"][2:]
+    assert _global_samples(resumed) == _global_samples(straight)[2 * 8:]
+    records = [torch.load(os.path.join(d, "iter_0000004", "mp_rank_00_model_states.pt"), weights_only=True)
+               ["client_state"]["data_stream"] for d in (tmp_path / "a", tmp_path / "b")]
+    _assert_same_record(*records)
