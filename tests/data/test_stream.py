@@ -15,7 +15,7 @@ import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.gpt_dataset import build_blending_indices
-from megatron.data.stream import BlendedStreamLoader, StreamConfig, StreamLoader
+from megatron.data.stream import BlendedStreamLoader, StreamConfig, StreamDataError, StreamLoader
 from megatron.data.stream.documents import shard_order
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.helpers import HAND_DOCS, write_jsonl
@@ -212,3 +212,22 @@ def test_split_by_document_partitions_the_documents(vocab, tmp_path):
                 found[(doc.shard, index)] = (split, doc.tokens.tolist())
     assert {key: tokens for key, (_, tokens) in found.items()} == expected
     assert {split for split, _ in found.values()} == {0, 1, 2}
+
+
+def test_resume_starts_at_the_record_not_at_the_start(vocab, tmp_path):
+    """A stream resumed from its record opens nothing before the record's shard and row: with the first shard
+    replaced by garbage after the record was taken, the resumed stream still continues exactly, while a resume
+    without the record (re-reading the consumed samples) runs into the garbage."""
+    from megatron.data.stream import StreamSource
+    paths = write_shards(str(tmp_path), [documents(4, 30), documents(6, 31)])
+    config = StreamConfig(tuple(paths), "text", vocab["vocab"], vocab["merges"], True, 5, False)
+    first = StreamSource(config, SEQ, 100).loader(1, 0, 1)
+    while first.position.shard == 0:
+        next(first)
+    record, continuation = first.state_dict(), [next(first)["text"] for _ in range(3)]
+    with open(paths[0], "w") as f:
+        f.write("{garbage\n" * 4)
+    resumed = StreamSource(config, SEQ, 100).loader(1, 0, 1, record=record, consumed_samples=record["samples"])
+    assert all(np.array_equal(next(resumed)["text"], batch) for batch in continuation)
+    with pytest.raises(StreamDataError, match="malformed JSON"):
+        StreamSource(config, SEQ, 100).loader(1, 0, 1, consumed_samples=record["samples"])

@@ -35,8 +35,10 @@ def _train_recording(args_list):
 
 
 def _global_samples(histories):
-    """The global samples the ranks read, in global order: micro step k's batches of rank 0, 1, ... in turn."""
-    return [sample for step in zip(*(h["batches"] for h in histories)) for batch in step for sample in batch]
+    """The global samples the ranks read, in global order: micro step k's batches of data-parallel rank 0, 1, ...
+    in turn (the ranks that read: model-parallel rank 0 of each data-parallel group)."""
+    readers = [h["batches"] for h in histories if h["batches"]]
+    return [sample for step in zip(*readers) for batch in step for sample in batch]
 
 
 def _record(save_dir, iteration):
@@ -104,6 +106,17 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(setup, tmp_
     two = _resume(flags, str(tmp_path / "dp4"), 4, str(tmp_path / "dp2"))
     assert _global_samples(two) == _global_samples(straight)[4 * 8:]
     _assert_same_record(_record(str(tmp_path / "dp2"), ITERS), _record(straight_dir, ITERS))
+
+
+def test_resume_at_another_model_parallel_layout_reads_the_same_samples(setup, tmp_path):
+    """The dp 2 checkpoint of iteration 2 resumed at model-parallel size 2 (dp 1; the checkpoint resharded): the
+    straight run's global samples of iterations 3-4, and the same record at iteration 4."""
+    flags, straight_dir, straight = setup
+    resumed = _resume(flags, straight_dir, 2, str(tmp_path / "mp2"),
+                      extra=["--model-parallel-size", "2", "--exit-interval", "4"])
+    assert not resumed[1]["batches"]       # model-parallel rank 1 gets its batches by broadcast
+    assert _global_samples(resumed) == _global_samples(straight)[2 * 8:4 * 8]
+    _assert_same_record(_record(str(tmp_path / "mp2"), 4), _record(straight_dir, 4))
 
 
 def test_validation_split_is_the_same_at_every_evaluation(setup, tmp_path):
