@@ -69,7 +69,7 @@ POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_lengt
                   "layernorm_epsilon", "adam_eps", "lr_decay_iters", "lr", "muon_lr", "critic_lr")
 NON_NEGATIVE_FLAGS = ("train_iters", "eval_iters", "min_lr", "warmup", "weight_decay",
                       "clip_grad", "init_method_std", "attention_dropout", "hidden_dropout", "num_workers",
-                      "max_skipped_steps_at_min_scale", "exit_duration_in_mins")
+                      "max_skipped_steps_at_min_scale", "exit_duration_in_mins", "stream_shuffle_buffer")
 FRACTION_FLAGS = ("adam_beta1", "adam_beta2", "muon_momentum")      # [0, 1), as torch's AdamW takes its betas
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+DATA_STREAM = "data_stream"   # the checkpoint key of the training stream's record (megatron.data.stream)
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -16,16 +19,31 @@ class TrainState:
     """Validation samples consumed (the validation sampler cycles through its split)."""
     skipped_iterations: int = 0
     """Steps skipped because of an fp16 overflow."""
+    data_stream: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)
+    """The live training stream (megatron.data.stream.StreamLoader) when --data-path names raw shards: its
+    state_dict() is saved under DATA_STREAM with every checkpoint. Only a live stream is saved, never a record
+    loaded earlier (that would restart a twice-resumed run at the first resume's position)."""
+    loaded_stream_record: Optional[dict] = dataclasses.field(default=None, compare=False, repr=False)
+    """The stream record of the checkpoint this state was loaded from (None without one): the data iterators
+    start the stream there."""
+
+    COUNTERS = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_iterations")
 
     def to_state(self):
         """The counters as a checkpoint stores them (model_optim_rng.pt's keys; the ZeRO path's client_state):
-        the field names are the keys (megatron.checkpoint.layout spells them ITERATION, CONSUMED_..., ...)."""
-        return dataclasses.asdict(self)
+        the field names are the keys (megatron.checkpoint.layout spells them ITERATION, CONSUMED_..., ...); with a
+        live data stream, its record under DATA_STREAM."""
+        state = {name: getattr(self, name) for name in self.COUNTERS}
+        if self.data_stream is not None:
+            state[DATA_STREAM] = self.data_stream.state_dict()
+        return state
 
     @classmethod
     def from_state(cls, state):
-        """The counters of a checkpoint's state (a counter it lacks, e.g. in a converted model: 0)."""
-        return cls(**{f.name: int(state.get(f.name, 0)) for f in dataclasses.fields(cls)})
+        """The counters of a checkpoint's state (a counter it lacks, e.g. in a converted model: 0) and its data
+        stream's record, if any."""
+        return cls(**{name: int(state.get(name, 0)) for name in cls.COUNTERS},
+                   loaded_stream_record=state.get(DATA_STREAM))
 
 
 @dataclass(frozen=True)

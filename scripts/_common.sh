@@ -3,7 +3,8 @@
 # Device: with a GPU, GPUS_PER_NODE defaults to the GPU count and the model to GPT-2 124M; without one, CPU
 # processes with gloo and a tiny GPT-2 so the scripts run as-is on a laptop or CI machine.
 # Data: the embedded default corpus under data/webtext/ (built on first use by tools/prepare_default_data.py),
-# or DATA_PATH/VOCAB_FILE/MERGE_FILE for your own preprocessed data, or DATA_ARGS="--mock-data" for none.
+# or DATA_PATH/VOCAB_FILE/MERGE_FILE for your own preprocessed data (or a directory or file of raw .jsonl/.jsonl.gz/
+# .json/.parquet shards, streamed), or DATA_ARGS="--mock-data" for none.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
@@ -62,6 +63,10 @@ if [ -z "${DATA_ARGS:-}" ]; then
     "$PYTHON" tools/prepare_default_data.py
   fi
   DATA_ARGS="--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1"
+  case "$DATA_PATH" in   # raw shards, streamed (docs/data.md): the eod between documents, as the default data has
+    *.jsonl|*.jsonl.gz|*.json|*.parquet) DATA_ARGS="$DATA_ARGS --append-eod" ;;
+    *) if [ -d "$DATA_PATH" ]; then DATA_ARGS="$DATA_ARGS --append-eod"; fi ;;
+  esac
 fi
 
 MODEL_ARGS="--num-layers $NUM_LAYERS --hidden-size $HIDDEN_SIZE --num-attention-heads $NUM_HEADS \

@@ -1,7 +1,7 @@
 """Print the samples each data-parallel rank trained on at one iteration: token ids and text, through
 pretrain_gpt.py's own dataset provider (megatron/data/pretraining.py) and loader
-(megatron.data.samplers.pretraining_loader). One process, no torch.distributed: give the training run's flags and
-its number of processes.
+(megatron.data.samplers.pretraining_loader; raw shards: megatron.data.stream, re-read up to the iteration). One
+process, no torch.distributed: give the training run's flags and its number of processes.
 
     python tools/print_batch.py --iteration 1200 --world-size 8 <the training run's flags: model parallel size,
         --batch-size, --global-batch-size, --train-iters, --seed, --seq-length, --data-path / --train-data,
@@ -54,6 +54,8 @@ def batches_at(args, train_dataset):
     args.iteration, in the order the ranks consumed them."""
     from megatron.data.samplers import pretraining_loader
     consumed = (args.iteration - 1) * args.global_batch_size
+    if hasattr(train_dataset, "loader"):
+        return _stream_batches_at(args, train_dataset, consumed)
     out = []
     for rank in range(args.data_parallel_size):
         loader = pretraining_loader(train_dataset, consumed, args.batch_size, rank, args.data_parallel_size)
@@ -61,6 +63,22 @@ def batches_at(args, train_dataset):
         indices = iter(sampler)
         for micro in range(args.num_micro_batches):
             out.append((rank, micro, next(indices), next(batches)["text"]))
+    return out
+
+
+def _stream_batches_at(args, source, consumed):
+    """batches_at for raw shards (megatron.data.stream): the global stream re-read from its start up to the
+    iteration (its order is a function of the seed alone), each global micro batch cut as the ranks cut it."""
+    micro_batch, ranks = args.batch_size, args.data_parallel_size
+    stream = source.loader(micro_batch * ranks, 0, 1, consumed_samples=consumed,
+                           log=lambda line: print(line, file=sys.stderr))
+    global_batches = [next(stream)["text"] for _ in range(args.num_micro_batches)]
+    out = []
+    for rank in range(ranks):
+        for micro, batch in enumerate(global_batches):
+            first = consumed + micro * micro_batch * ranks + rank * micro_batch
+            out.append((rank, micro, list(range(first, first + micro_batch)),
+                        batch[rank * micro_batch:(rank + 1) * micro_batch]))
     return out
 
 

@@ -9,12 +9,17 @@ from megatron import print_rank_0
 
 
 def pretraining_datasets(args, train_val_test_num_samples):
-    """--mock-data's seeded random tokens, or GPTDataset over --data-path / --train-data (with --split)."""
+    """--mock-data's seeded random tokens, raw shards streamed (megatron.data.stream: a --data-path directory, glob
+    or .jsonl/.jsonl.gz/.json/.parquet file; --split by document), or GPTDataset over --data-path / --train-data
+    (with --split)."""
     print_rank_0("> building train, validation, and test datasets for GPT2 ...")
     if args.mock_data:
         from megatron.data.mock_dataset import MockGPTDataset
         return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed + split)
                      for split, n in enumerate(train_val_test_num_samples))
+    from megatron.data.stream import stream_sources, uses_streams
+    if args.data_path and uses_streams(args.data_path):   # raw shards, tokenized while training
+        return stream_sources(args, train_val_test_num_samples)
     from megatron.data.corpora import resolve_data_path
     from megatron.data.gpt_dataset import build_train_valid_test_datasets
     return build_train_valid_test_datasets(

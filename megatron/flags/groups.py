@@ -204,7 +204,17 @@ def _add_validation_args(parser):
 def _add_data_args(parser):
     group = parser.add_argument_group("data")
     group.add_argument("--data-path", nargs="*", default=None,
-                       help="PREFIX of PREFIX.{bin,idx}, or a weighted blend 'w1 PREFIX1 w2 PREFIX2 ...'")
+                       help="PREFIX of PREFIX.{bin,idx}, or a weighted blend 'w1 PREFIX1 w2 PREFIX2 ...'; or raw "
+                            "shards streamed while training: a directory, glob or .jsonl/.jsonl.gz/.json/.parquet file")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="raw shards: the text field")
+    group.add_argument("--append-eod", action="store_true",
+                       help="raw shards: the eod id after each document (tools/preprocess_data.py --append-eod)")
+    group.add_argument("--stream-shuffle-buffer", type=int, default=0, metavar="N",
+                       help="raw shards: a seeded shuffle buffer of N samples (0 = stream order)")
+    group.add_argument("--stream-shard-order", choices=["shuffled", "sorted"], default="shuffled",
+                       help="raw shards: a seeded shard order per epoch, or sorted")
+    group.add_argument("--skip-bad-records", action="store_true",
+                       help="raw shards: skip (and count) unreadable records instead of stopping at the first")
     group.add_argument("--train-data", type=str, default=None, help="a named corpus, e.g. webtext")
     group.add_argument("--split", type=str, default="949,50,1", help="train,valid,test weights")
     group.add_argument("--data-cache-path", type=str, default=None)

@@ -1,6 +1,6 @@
 """The train/valid/test data iterators of megatron/training.py's pretrain: datasets on every rank, loaders on
-model-parallel rank 0 starting where the TrainState's consumed samples say, the validation one restarting when it
-runs out."""
+model-parallel rank 0 starting where the TrainState's consumed samples say (a raw-shard stream where its checkpoint record says),
+the validation one restarting when it runs out."""
 import mpu
 from megatron.global_vars import get_args
 
@@ -15,6 +15,25 @@ def _cyclic(loader):
         if not yielded:
             raise RuntimeError("the validation dataset is too small for one batch")
         loader.batch_sampler.consumed_samples = 0  # a resumed run's first pass started mid-way
+
+
+def _stream_iterator(source, index, train_state, args):
+    """Training: the resumable stream (its record saved with every checkpoint through train_state). Validation:
+    the first eval_iters steps' batches of its split, the same at every evaluation. Test: read once."""
+    ranks = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    if index == 0:
+        train_state.data_stream = source.loader(args.batch_size, *ranks, args.num_workers,
+                                                train_state.loaded_stream_record, train_state.consumed_train_samples)
+        return train_state.data_stream
+    loader = source.loader(args.batch_size, *ranks)
+    return _same_at_every_evaluation(loader, args.eval_iters * args.num_micro_batches) if index == 1 else loader
+
+
+def _same_at_every_evaluation(loader, count):
+    """The first `count` micro batches of `loader` (read at the first evaluation), then the same again and again."""
+    batches = [next(loader) for _ in range(count)]
+    while True:
+        yield from batches
 
 
 def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state):
@@ -33,6 +52,9 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
         finished = index == 0 and train_state.iteration >= args.train_iters
         if dataset is None or len(dataset) == 0 or mpu.get_model_parallel_rank() != 0 or finished:
             iterators.append(None)
+            continue
+        if hasattr(dataset, "loader"):   # raw shards (megatron.data.stream)
+            iterators.append(_stream_iterator(dataset, index, train_state, args))
             continue
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
         loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
