@@ -71,13 +71,35 @@ def _standalone(megatron_args, tasks_dir):
             "requests_scored": lm.requests_scored}
 
 
+def _counting_gathers_per_evaluation():
+    """([the ZeRO-3 buffers each DownstreamEval.run gathered, ...], a function undoing the count)."""
+    from megatron.trainer.downstream_eval import DownstreamEval
+    from tests.helpers import count_stage3_gathers
+    per_evaluation, original = [], DownstreamEval.run
+
+    def run(self, model, iteration):
+        calls, undo = count_stage3_gathers()
+        try:
+            return original(self, model, iteration)
+        finally:
+            undo()
+            per_evaluation.append(list(calls))
+    DownstreamEval.run = run
+    return per_evaluation, lambda: setattr(DownstreamEval, "run", original)
+
+
 def _launch(runs):
-    """Each (kind, argv) in this process: 'train' -> pretrain_gpt's history, 'standalone' -> _standalone."""
+    """Each (kind, argv) in this process: 'train' -> pretrain_gpt's history (and the ZeRO-3 gathers of each
+    evaluation), 'standalone' -> _standalone."""
     import mpu
     out = []
     for kind, argv in runs:
         if kind == "train":
-            out.append(train(argv))
+            gathers, undo = _counting_gathers_per_evaluation()
+            try:
+                out.append(dict(train(argv), gathers_per_evaluation=gathers))
+            finally:
+                undo()
             mpu.destroy_model_parallel()
         else:
             out.append(_standalone(*argv))
@@ -158,6 +180,9 @@ def test_in_training_scores_equal_the_standalone_harness_at_dp2_zero3(runs):
     assert_same_documents(at_end["scores"], runs["dp2_standalone"][0]["scores"])
     assert at_interval["scores"] != at_end["scores"]              # training moved on in between
     assert _in_training(rank1, EVAL_AT)["scores"] is None
+    for rank in (rank0, rank1):   # ZeRO-3: each buffer gathered once per evaluation (not per unit per forward)
+        assert len(rank["gathers_per_evaluation"]) == 2
+        assert all(names and len(names) == len(set(names)) for names in rank["gathers_per_evaluation"])
     assert _in_training(rank1, EVAL_AT)["metrics"] == at_interval["metrics"]   # every rank has the metrics
     for task in TASKS:
         assert at_interval["metrics"][task] == pytest.approx(runs["dp1_standalone"][1]["metrics"][task], rel=1e-5)

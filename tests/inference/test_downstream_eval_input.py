@@ -2,6 +2,7 @@
 megatron/arguments.py): flags, an unknown task, a task whose data is on the hub (offline here), a task type the
 model cannot score; and the per-task log line's format."""
 import os
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,18 @@ def test_a_task_needing_the_hub_is_one_line(tmp_path):
     with pytest.raises(TaskError, match=r"must be downloaded from the Hugging Face hub, which cannot be reached "
                                         r"\(.*Rowan/hellaswag.*\).*--eval-tasks-path DIR"):
         load_tasks(["hub_mc"], path)
+
+
+@pytest.mark.parametrize("extra,wanted", [
+    ("doc_to_image: q\n", "task 'odd' needs images; the GPT-2 model reads text only"),
+    ("unsafe_code: true\n", "task 'odd' runs generated code, which is not run during training"),
+    ("metric_list:\n  - metric: bypass\n", "task 'odd' has no metric (bypass): nothing to report")])
+def test_a_task_the_model_cannot_score_is_one_line(tmp_path, extra, wanted):
+    from megatron.text_generation.lm_eval_tasks import load_tasks, TaskError
+    path = _task_dir(tmp_path / "tasks", "odd", "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+                                                "doc_to_choice: ['x', 'y']\ndoc_to_target: label\n" + extra)
+    with pytest.raises(TaskError, match=f"^--eval-tasks: {re.escape(wanted)}$"):
+        load_tasks(["odd"], path)
 
 
 def test_an_unscorable_task_type_stops_pretraining_in_one_line_before_the_model(tmp_path, webtext_data):
