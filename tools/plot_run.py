@@ -185,7 +185,7 @@ def _task_metric(task, metric):
 
 
 def downstream_panels(runs):
-    """A panel per (task, metric) some run logged with --eval-tasks, in the order first logged (stderrs left out)."""
+    """A panel per (task, metric) some run logged with --eval-tasks (by iteration, then task name; no stderrs)."""
     names = dict.fromkeys((record.get("task"), metric) for run in runs for record in run.downstream
                           for metric in (record.get("metrics") or {}) if not metric.endswith("_stderr"))
     return tuple(Panel(f"{task} {metric}", f"{metric} (downstream: {task})",
