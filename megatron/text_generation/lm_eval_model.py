@@ -45,7 +45,7 @@ except ImportError as error:   # the optional dependency: say how to get it
 
 import mpu
 
-from .generation import _unwrap, generate, load_inference_model
+from .generation import _unwrap, generate, load_inference_model, whole_vocab_logits
 
 MODEL_NAME = "megatron_gpt2"
 
@@ -171,7 +171,8 @@ class MegatronGPT2LM(TemplateLM):
         tokens = torch.full((len(rows), width), self.eot_token_id, dtype=torch.long)
         for row, (inputs, _) in enumerate(rows):
             tokens[row, :len(inputs)] = torch.tensor(inputs)
-        logits = self.model(tokens.to(self._device))[..., :self.vocab_size]       # [b, s, V]
+        logits = whole_vocab_logits(_unwrap(self.model), self.model(tokens.to(self._device)))   # [b, s, V (padded)]
+        logits = logits[..., :self.vocab_size]                                                 # [b, s, V]
         log_probs = F.log_softmax(logits.float(), dim=-1)
         out = []
         for row, (inputs, continuation) in enumerate(rows):

@@ -139,6 +139,30 @@ def runs(tmp_path_factory, webtext_data):
             "log": [json.loads(line) for line in open(root / "dp2" / "log.jsonl")]}
 
 
+def test_tensor_parallel_2_by_data_parallel_2_equals_the_harness_at_data_parallel_4(tmp_path, webtext_data):
+    """4 ranks: training at tensor-parallel 2 x data-parallel 2 (ZeRO-2; the data-parallel groups [0 2] and [1 3],
+    results gathered to global ranks 0 and 1) evaluates at its end; the standalone harness reads its checkpoint at
+    tensor-parallel 1 x data-parallel 4 (documents 4 ways: 2, 2, 2, 1)."""
+    tasks_dir = write_tasks(str(tmp_path))
+    flags = MODEL + ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
+                     "--merge-file", os.path.join(webtext_data, "merges.txt")]
+    save = str(tmp_path / "tp2")
+    os.makedirs(save)
+    argv = flags + ["--data-path", os.path.join(webtext_data, "webtext_text_document"), "--data-cache-path",
+                    str(tmp_path / "cache"), "--batch-size", "2", "--train-iters", "1", "--lr", "3e-3", "--warmup",
+                    "0", "--log-interval", "10", "--eval-iters", "0", "--save", save, "--model-parallel-size", "2",
+                    "--deepspeed", "--deepspeed_config", write_config(save), "--seed", "11", "--eval-tasks",
+                    ",".join(TASKS), "--eval-tasks-path", tasks_dir, "--eval-tasks-limit", str(LIMIT)]
+    out = run_distributed(_launch, 4, args=([("train", argv), ("standalone", (" ".join(flags + ["--load", save]),
+                                                                               tasks_dir))],))
+    (evaluation,) = out[0][0]["downstream"]
+    assert_same_documents(evaluation["scores"], out[0][1]["scores"])
+    assert [r[1]["scores"] is None for r in out] == [False, True, True, True]
+    assert all(r[0]["downstream"][0]["metrics"] == evaluation["metrics"] for r in out)
+    scored = [r[1]["requests_scored"] for r in out]
+    assert min(scored) > 0 and 2 * max(scored) < sum(scored)   # four shares (the largest 2 of 7 documents)
+
+
 def assert_same_documents(mine, theirs):
     """Per document: the same ids, log-likelihoods within 1e-5, the same greedy flags and accuracies."""
     assert sorted(mine) == sorted(theirs) == sorted(TASKS)
