@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from megatron.spawn import run_distributed
 from tests.helpers import FIXTURES, TINY_SHAPE, set_tracker, train, write_config
@@ -132,11 +133,17 @@ def runs(tmp_path_factory, webtext_data):
         os.makedirs(root / name)
     dp2 = run_distributed(_launch, 2, args=([training("dp2", 3), training("dp2_plain", 3, evaluate=False),
                                              standalone("dp2")],))
+    final_weights = [_fp32_weights(str(root / name)) for name in ("dp2", "dp2_plain")]   # at ITERS
     set_tracker(str(root / "dp2"), EVAL_AT)
     (dp1,) = run_distributed(_launch, 1, args=([training("dp1", 2), standalone("dp1"), standalone("dp2")],))
     return {"dp2": [out[0] for out in dp2], "dp2_plain": [out[1] for out in dp2],
             "dp2_standalone": [out[2] for out in dp2], "dp1": dp1[0], "dp1_standalone": dp1[1:],
-            "log": [json.loads(line) for line in open(root / "dp2" / "log.jsonl")]}
+            "log": [json.loads(line) for line in open(root / "dp2" / "log.jsonl")], "final_weights": final_weights}
+
+
+def _fp32_weights(save_dir):
+    from megatron.checkpoint.full_checkpoint import read_full_checkpoint
+    return read_full_checkpoint(save_dir).fp32_weights()
 
 
 def test_tensor_parallel_2_by_data_parallel_2_equals_the_harness_at_data_parallel_4(tmp_path, webtext_data):
@@ -226,6 +233,8 @@ def test_training_with_evaluation_equals_training_without_bitwise(runs):
     for with_eval, plain in zip(runs["dp2"], runs["dp2_plain"]):
         assert with_eval["lm loss"] == plain["lm loss"]
         assert with_eval["grad norm"] == plain["grad norm"]
+    with_eval, plain = runs["final_weights"]
+    assert list(with_eval) == list(plain) and all(torch.equal(with_eval[k], plain[k]) for k in plain)
 
 
 def test_metrics_are_printed_logged_and_plausible(runs):
