@@ -10,7 +10,7 @@ seconds per evaluation (each --log-jsonl downstream record's), their share of th
 whole run, start-up included), requests scored per second per rank in training, and the standalone harness's
 (MegatronGPT2LM loaded from the final checkpoint, the same batch size: the micro-batch): lm_eval's evaluate() on
 the task loaded before the clock starts, as training has it, and simple_evaluate, the harness CLI's call (task
-loading and its environment report included). One process (data-parallel 1), as the recipe.
+loading and its environment report included). One process (data-parallel 1), as the recipe, torch's default threads.
 """
 import argparse
 import json
@@ -74,9 +74,11 @@ def train(directory, interval, train_iters):
 def _standalone_worker(megatron_args, directory, batch_size):
     """{way: (seconds, requests scored, acc)}: the harness's evaluate() on tasks loaded before the clock starts (as
     training has them), and simple_evaluate (the CLI's call: task loading and its environment report included)."""
+    import torch
     from lm_eval.evaluator import evaluate, simple_evaluate
     from lm_eval.tasks import TaskManager
     from megatron.text_generation.lm_eval_model import MegatronGPT2LM
+    torch.set_num_threads(os.cpu_count())   # torch's default, as the recipe's process has it (spawn sets 1)
     lm = MegatronGPT2LM(megatron_args=megatron_args, batch_size=batch_size)
     manager = TaskManager(include_path=directory, include_defaults=False)
     out, loaded = {}, manager.load([TASK])
