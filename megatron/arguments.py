@@ -63,7 +63,7 @@ def _check_lora_args(args, parser):
 # backwards, a beta of 1 never forgets), refused by name before anything is built.
 POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "batch_size", "global_batch_size", "log_interval", "eval_interval",
-                  "save_interval", "save_keep_last", "exit_interval", "vocab_size", "model_parallel_size",
+                  "save_interval", "save_keep_last", "eval_tasks_interval", "eval_tasks_limit", "exit_interval", "vocab_size", "model_parallel_size",
                   "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "checkpoint_num_layers",
                   "recompute_num_layers", "loss_scale_window", "hysteresis", "distributed_timeout_minutes",
                   "layernorm_epsilon", "adam_eps", "lr_decay_iters", "lr", "muon_lr", "critic_lr")
@@ -103,6 +103,23 @@ def _check_context_parallel(args, parser):
         parser.error("--context-parallel-size runs plain causal attention: drop --reset-attention-mask")
     if getattr(args, "num_experts", None):     # its router and capacity see one rank's tokens, its groups ignore C
         parser.error(f"--context-parallel-size {cp} cannot be combined with --num-experts yet: drop one of them")
+
+
+def _check_eval_tasks(args, parser):
+    """--eval-tasks and its companions: one line for a flag without it, a missing directory, no tokenizer."""
+    if not args.eval_tasks:
+        for dest in ("eval_tasks_path", "eval_tasks_interval", "eval_tasks_limit"):
+            if getattr(args, dest) is not None:
+                parser.error(f"{cli.flag(dest)} applies to --eval-tasks: give the task names (--eval-tasks T1,T2)")
+        return
+    if args.eval_tasks_path is not None and not os.path.isdir(args.eval_tasks_path):
+        parser.error(f"--eval-tasks-path {args.eval_tasks_path}: no such directory (give the folder of task YAMLs)")
+    if args.mock_data:
+        parser.error("--eval-tasks reads text through the BPE tokenizer: drop --mock-data (give --vocab-file and "
+                     "--merge-file)")
+    if args.pipeline_model_parallel_size > 1:
+        parser.error("--eval-tasks scores with the whole model on each rank: it needs "
+                     "--pipeline-model-parallel-size 1")
 
 
 def _check_backend(args, parser):
@@ -164,6 +181,7 @@ def validate_args(args, parser, pretraining=True):
     _check_sequence_parallel(args, parser)
     _check_context_parallel(args, parser)
     _check_backend(args, parser)
+    _check_eval_tasks(args, parser)
     _resolve_recompute_args(args, parser)
     resolve_torch_compile(args, parser, pretraining)
     if args.deepspeed_activation_checkpointing and not (args.deepspeed and args.recompute_granularity == "full"):

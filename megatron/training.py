@@ -14,7 +14,7 @@ import mpu
 from megatron import zero
 from megatron.checkpoint import finalize_async_save, load_checkpoint, save_checkpoint
 from megatron.fp16 import FP16_Optimizer, LossScaler, LossScalerConfig
-from megatron.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.global_vars import get_args, get_tensorboard_writer, get_timers, get_tokenizer
 from megatron.guards import breadcrumbs, memory, operations
 from megatron.guards.exit_controller import ExitController
 from megatron.initialize import initialize_megatron, layout_line
@@ -25,6 +25,7 @@ from megatron.train_state import CheckpointOptions, TrainState
 from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_scheduler,  # noqa: F401
                                        param_groups_for_weight_decay, resumed_lr_line)
 from megatron.trainer.data_iterators import build_train_valid_test_data_iterators
+from megatron.trainer.downstream_eval import DownstreamEval
 from megatron.trainer.log_line import flops_per_token, IntervalLog, log_due, training_log  # noqa: F401
 from megatron.utils import print_rank_0, unwrap_model
 
@@ -37,6 +38,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     (finetune_gpt.py's samples after the last iteration)."""
     args = initialize_megatron(extra_args_provider, args_list)
     print_rank_0(layout_line(args))
+    downstream = DownstreamEval.from_args(args, get_tokenizer(), get_tensorboard_writer())   # --eval-tasks
     model, optimizer, lr_scheduler, train_state = setup_model_and_optimizer(model_provider)
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, train_state)
@@ -45,13 +47,16 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
                      f"is {args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
     if args.log_jsonl and args.rank == 0:
         operations.write_jsonl_record(args.log_jsonl, operations.header_record(args, train_state.iteration))
-    history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state)
+    history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state,
+                    downstream)
     if after_training is not None:
         after_training(model)
     if args.save and history["last_saved_iteration"] != train_state.iteration:
         save_checkpoint(train_state, model, optimizer, lr_scheduler, CheckpointOptions.from_args(args))
         history["last_saved_iteration"] = train_state.iteration
     finalize_async_save()   # --async-save: wait for the last save's files, publish it
+    if "exit_reason" not in history:
+        downstream.at_end(model, train_state.iteration, history)
     if args.do_valid and "exit_reason" not in history:  # an early exit (preemption) leaves at once
         history["final_valid"] = evaluate_and_print_results("the end of training", forward_step_func,
                                                             valid_iterator, model, train_state)
@@ -321,8 +326,10 @@ def _print_model_state_estimate(model, args):
     return estimate, setting
 
 
-def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator, train_state):
-    """Train from `train_state` (advanced in place) to --train-iters; returns the per-iteration history."""
+def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator, train_state,
+          downstream=None):
+    """Train from `train_state` (advanced in place) to --train-iters; returns the per-iteration history.
+    `downstream`: the --eval-tasks DownstreamEval run every --eval-tasks-interval iterations."""
     args, timers = get_args(), get_timers()
     writer = get_tensorboard_writer()
     model.train()
@@ -379,6 +386,8 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
             history["valid"].append(evaluate_and_print_results(f"iteration {iteration}", forward_step_func,
                                                                valid_data_iterator, model, train_state))
+        if downstream is not None:
+            downstream.maybe_run(model, iteration, history)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(train_state, model, optimizer, lr_scheduler, options)
             history["last_saved_iteration"] = iteration

@@ -6,7 +6,8 @@
 Panels (x: iteration): training loss (the validation loss as points), validation perplexity, learning rate, loss
 scale, skipped steps, gradient norm, tokens/s, TFLOP/s per rank, memory; train_rlhf.py's runs also reward (the
 validation rewards as points), policy loss, value loss, KL to the reference, clipped fraction, completion length,
-PTX loss (left out without a word when no run logs them). A run without a panel's field leaves the
+PTX loss (left out without a word when no run logs them); and a panel per downstream task and metric (--eval-tasks:
+'TASK acc', 'TASK word_perplexity', ...; stderrs not drawn). A run without a panel's field leaves the
 panel to the other runs; a panel no run has is omitted (one line names it). The legend shows the file names (the
 shortest distinct path ends) or --labels. --html writes one self-contained page: the same charts as inline SVG and
 a table of each run's settings (its header record; a log without one: its first record). A resumed run appends to
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron import cli  # noqa: E402
 
 INSTALL_HINT = "pip install -r requirements.txt (or: pip install matplotlib)"
-RECORD_TYPES = ("header", "train", "validation")
+RECORD_TYPES = ("header", "train", "validation", "downstream")
 
 
 class PlotError(cli.UserError):
@@ -45,9 +46,11 @@ class Run:
     train: list               # training records by iteration (the last written for each)
     validation: list          # validation records of the 'valid' split by iteration (the last written for each
                               # iteration and place: the periodic one and the one at the end of training)
+    downstream: list = dataclasses.field(default_factory=list)   # --eval-tasks records (the last written for each
+                              # iteration and task)
 
     def records(self, kind):
-        return self.train if kind == "train" else self.validation
+        return {"train": self.train, "validation": self.validation, "downstream": self.downstream}[kind]
 
 
 def read_run(path, label):
@@ -82,13 +85,16 @@ def read_run(path, label):
             by_kind[kind][(record["iteration"], str(record.get("at")))] = record
         elif kind == "train":
             by_kind[kind][record["iteration"]] = record
+        elif kind == "downstream":
+            by_kind[kind][(record["iteration"], str(record.get("task")))] = record
     if not by_kind["train"]:
         raise PlotError(f"{path} has no training records (only {', '.join(sorted({k for k, _ in records}))}): "
                         "the run stopped before its first --log-interval")
     headers = [record for kind, record in records if kind == "header"]
     return Run(path, label, headers[0] if headers else None, [h.get("iteration") for h in headers[1:]],
                records[0][1], [r for _, r in sorted(by_kind["train"].items())],
-               [r for _, r in sorted(by_kind["validation"].items())])
+               [r for _, r in sorted(by_kind["validation"].items())],
+               [r for _, r in sorted(by_kind["downstream"].items())])
 
 
 def default_labels(paths):
@@ -172,9 +178,23 @@ def series_points(run, series):
     return [x for x, _ in points], [y for _, y in points]
 
 
+def _task_metric(task, metric):
+    """downstream record -> its task's `metric`, None for another task's record."""
+    read = _field("metrics", metric)
+    return lambda record: read(record) if record.get("task") == task else None
+
+
+def downstream_panels(runs):
+    """A panel per (task, metric) some run logged with --eval-tasks (by iteration, then task name; no stderrs)."""
+    names = dict.fromkeys((record.get("task"), metric) for run in runs for record in run.downstream
+                          for metric in (record.get("metrics") or {}) if not metric.endswith("_stderr"))
+    return tuple(Panel(f"{task} {metric}", f"{metric} (downstream: {task})",
+                       (Series("downstream", _task_metric(task, metric), "", True),)) for task, metric in names)
+
+
 def present_panels(runs):
     """(the panels some run has a value for, the titles of the others)."""
-    present = [panel for panel in PANELS
+    present = [panel for panel in PANELS + downstream_panels(runs)
                if any(series_points(run, series)[0] for run in runs for series in panel.series)]
     return present, [panel.title for panel in PANELS if panel not in present and not panel.rlhf]
 

@@ -198,6 +198,15 @@ def _add_validation_args(parser):
     group = parser.add_argument_group("validation")
     group.add_argument("--eval-interval", type=int, default=1000)
     group.add_argument("--eval-iters", type=int, default=10)
+    group.add_argument("--eval-tasks", type=lambda text: [name for name in text.split(",") if name], default=None,
+                       help="lm-eval tasks T1,T2 scored by the model being trained (lm-eval installed; "
+                            "docs/training.md)")
+    group.add_argument("--eval-tasks-path", type=str, default=None,
+                       help="a directory of lm-eval task YAMLs (e.g. local JSON-lines tasks), searched first")
+    group.add_argument("--eval-tasks-interval", type=int, default=None,
+                       help="run --eval-tasks every N iterations (and always at the end of training)")
+    group.add_argument("--eval-tasks-limit", type=int, default=None,
+                       help="the first K documents of each task (default: all)")
     return parser
 
 

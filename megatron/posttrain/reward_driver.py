@@ -51,6 +51,8 @@ def starting_point(args_list):
         parser.error("a reward model scores whole conversations on one pipeline stage: drop "
                      "--pipeline-model-parallel-size (a pipelined checkpoint loads at 1)")
     require_tokenizer(parser, args, "reward training")
+    if args.eval_tasks:
+        parser.error("--eval-tasks scores a language model's next tokens; a reward model outputs a score: drop it")
     return resume_or_start(parser, args, args_list, "reward-model", "a reward model",
                            "finetune_gpt.py's or pretrain_gpt.py's --save, or tools/convert_from_hf.py's")
 

@@ -49,6 +49,14 @@ def _unwrap(model):
     return model
 
 
+def whole_vocab_logits(module, logits):
+    """`module`'s logits [..., V/p] gathered over the vocab-parallel group into [..., V] when it keeps them parallel
+    (a training model: parallel_output=True); else as they are."""
+    if getattr(module, "parallel_output", False) and mpu.get_model_parallel_world_size() > 1:
+        return mpu.gather_from_model_parallel_region(logits)
+    return logits
+
+
 def sample_logits(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.0, generator=None):
     """One token id per row of logits [b, V] (fp32): argmax, or a sample after temperature, top-k and top-p."""
     if greedy:
@@ -133,7 +141,6 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
     generator = None
     if mpu.get_model_parallel_rank() == 0 and not greedy:
         generator = torch.Generator(device=device).manual_seed(seed)
-    gather = getattr(module, "parallel_output", False) and mpu.get_model_parallel_world_size() > 1
     was_training = model.training
     model.eval()
     try:
@@ -158,9 +165,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
                         DecodeStep(model, cache, batch, step_mask.size(0), total, device, capture))
             fed = column
             logits = logits[:, -1, :]                                         # [b, V/p] or [b, V]
-            if gather:
-                logits = mpu.gather_from_model_parallel_region(logits)
-            logits = logits[:, :real_vocab].float()                           # padded ids never sampled
+            logits = whole_vocab_logits(module, logits)[:, :real_vocab].float()                           # padded ids never sampled
             if mpu.get_model_parallel_rank() == 0:
                 new = sample_logits(logits, greedy, temperature, top_k, top_p, generator)
             else:

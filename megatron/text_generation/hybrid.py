@@ -48,13 +48,22 @@ def generation_mode(module):
             m.training = training
 
 
-def generate_from_training_model(model, prompts_token_ids, max_new_tokens, **sampling):
-    """`generate` on the training model: the ZeRO engine (inside its gathered_for_inference()) or any wrapper of
-    the Megatron path's (the module inside runs, so a wrapper's forward, e.g. torch DDP's buffer broadcast, is
-    never called); its modes and the RNG states are left as they were."""
+@contextlib.contextmanager
+def inference_view(model):
+    """The module inside the training model, whole and in eval mode for the body: the ZeRO engine's (inside its
+    gathered_for_inference()) or any wrapper's of the Megatron path (the module inside runs, so a wrapper's
+    forward, e.g. torch DDP's buffer broadcast, is never called); its modes and the RNG states as they were after.
+    Generation and the in-training lm-eval tasks (megatron/trainer/downstream_eval.py) read the model through it."""
     gathered = getattr(model, "gathered_for_inference", contextlib.nullcontext)
     module = _unwrap(model)
     with gathered(), generation_mode(module):
+        yield module
+
+
+def generate_from_training_model(model, prompts_token_ids, max_new_tokens, **sampling):
+    """`generate` on the training model (the ZeRO engine or a wrapper of the Megatron path's), through
+    inference_view."""
+    with inference_view(model) as module:
         return generate(module, prompts_token_ids, max_new_tokens, **sampling)
 
 

@@ -21,12 +21,17 @@ Semantics are the harness's (those of its Hugging Face model, lm_eval.models.hug
 - generate_until(context, gen_kwargs): megatron.text_generation.generate (KV cache; greedy unless do_sample), the
   context left-truncated to max_length - max_gen_toks ids, the text cut at the first stop sequence (`until`, plus
   <|endoftext|>).
-Every model-parallel rank must receive the same requests (the harness gives each process all of them when the
-model reports world_size 1, which it does); there is no data-parallel split of requests.
+Data parallelism is the harness's own: the model reports the data-parallel rank and size (rank, world_size), so
+lm_eval.evaluator.evaluate builds on each data-parallel rank the requests of its documents only (document i on rank
+i mod dp: lm_eval.utils.create_iterator) and gathers the per-document results to data-parallel rank 0 through
+all_gather / gather_object over the data-parallel group, where it computes the metrics; every rank of a
+model-parallel group holds the same data-parallel rank, so it gets the same requests (tensor parallelism needs it).
+`requests_scored` counts the (context, continuation) rows this rank has run through the model.
 """
 import shlex
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -38,7 +43,9 @@ except ImportError as error:   # the optional dependency: say how to get it
     raise ImportError(f"megatron.text_generation.lm_eval_model needs lm-evaluation-harness ({error}): "
                       "pip install lm-eval==0.4.13 (or: pip install -r requirements-test.txt)") from None
 
-from .generation import _unwrap, generate, load_inference_model
+import mpu
+
+from .generation import _unwrap, generate, load_inference_model, whole_vocab_logits
 
 MODEL_NAME = "megatron_gpt2"
 PROG = "python -m megatron.text_generation.lm_eval_model"
@@ -93,6 +100,31 @@ class MegatronGPT2LM(TemplateLM):
                              f"(max_sequence_length {config.max_sequence_length})")
         self.max_gen_toks = int(max_gen_toks)
         self._device = _unwrap(model).word_embeddings.weight.device
+        self._group = mpu.get_data_parallel_group() if mpu.model_parallel_is_initialized() else None
+        if self._group is not None:
+            self._rank, self._world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
+        self.requests_scored = 0
+
+    # ---- the harness's data-parallel protocol (lm_eval.api.model.LM), over the data-parallel group -------------
+    def all_gather(self, tensor):
+        """Every data-parallel rank's `tensor`, concatenated in rank order (0-d tensors stacked)."""
+        if self._group is None:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self._group)
+        return torch.stack(pieces) if tensor.dim() == 0 else torch.cat(pieces)
+
+    def gather_object(self, obj, dst=0):
+        """[data-parallel rank 0's obj, rank 1's, ...] on data-parallel rank `dst`, None on the others."""
+        if self._group is None:
+            return [obj]
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dist.get_global_rank(self._group, dst), group=self._group)
+        return gathered
+
+    def barrier(self):
+        if self._group is not None:
+            dist.barrier(group=self._group)
 
     # ---- what TemplateLM needs ---------------------------------------------------------------------------------
     @property
@@ -126,6 +158,7 @@ class MegatronGPT2LM(TemplateLM):
                 raise ValueError(f"a continuation of {len(continuation)} tokens is longer than max_length "
                                  f"{self.max_length}")
             rows.append(((context + continuation)[-(self.max_length + 1):][:-1], continuation))
+        self.requests_scored += len(rows)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results = [None] * len(rows)
         for start in range(0, len(order), self._batch_size):
@@ -139,7 +172,8 @@ class MegatronGPT2LM(TemplateLM):
         tokens = torch.full((len(rows), width), self.eot_token_id, dtype=torch.long)
         for row, (inputs, _) in enumerate(rows):
             tokens[row, :len(inputs)] = torch.tensor(inputs)
-        logits = self.model(tokens.to(self._device))[..., :self.vocab_size]       # [b, s, V]
+        logits = whole_vocab_logits(_unwrap(self.model), self.model(tokens.to(self._device)))   # [b, s, V (padded)]
+        logits = logits[..., :self.vocab_size]                                                 # [b, s, V]
         log_probs = F.log_softmax(logits.float(), dim=-1)
         out = []
         for row, (inputs, continuation) in enumerate(rows):

@@ -280,7 +280,8 @@ def test_bad_flags_are_one_line(setup, tmp_path, capsys):
              (["--load", str(tmp_path)], f"{tmp_path} holds no latest_checkpointed_iteration.txt"),
              (["--load", setup["start"], "--pipeline-model-parallel-size", "2"], "drop --pipeline-model-parallel-size"),
              (["--load", setup["start"], "--train-data", "webtext"], "--train-data is a pretraining flag"),
-             (["--load", setup["start"], "--reward-loss", "hinge"], "invalid choice: 'hinge'")]
+             (["--load", setup["start"], "--reward-loss", "hinge"], "invalid choice: 'hinge'"),
+             (["--load", setup["start"], "--eval-tasks", "hellaswag"], "a reward model outputs a score: drop it")]
     for flags, message in cases:
         with pytest.raises(SystemExit) as stop:
             train_reward_model.starting_point(base + flags)

@@ -251,6 +251,22 @@ def test_a_panel_no_run_has_is_omitted_in_one_line(logged_run, tmp_path, capsys)
     assert [ax.get_title() for ax in figure.axes] == ["training loss", "learning rate"]
 
 
+def test_downstream_records_get_a_panel_per_task_and_metric(logged_run, tmp_path):
+    """--eval-tasks records (megatron/trainer/downstream_eval.py's): one panel per task and metric after the
+    others, the stderrs not drawn, each task's values at its iterations; a replayed (iteration, task): the last."""
+    def downstream(iteration, task, **metrics):
+        return {"type": "downstream", "iteration": iteration, "task": task, "metrics": metrics, "seconds": 1.0}
+    extra = [downstream(3, "mc", acc=0.25, acc_stderr=0.1, acc_norm=0.5), downstream(3, "ppl", word_perplexity=90.0),
+             downstream(6, "mc", acc=0.75, acc_stderr=0.1, acc_norm=0.5), downstream(6, "ppl", word_perplexity=70.0),
+             downstream(6, "mc", acc=0.5, acc_stderr=0.1, acc_norm=0.25), downstream(6, "arc", acc=0.125)]
+    path = _rewrite(logged_run["records"] + extra, tmp_path / "tasks.jsonl", lambda r: r)
+    axes = plot_run.build_figure([plot_run.read_run(path, "tasks")]).axes
+    assert [ax.get_title() for ax in axes] == list(_expected_points(logged_run["records"])) + [
+        "mc acc", "mc acc_norm", "ppl word_perplexity", "arc acc"]
+    assert [[_line_points(line) for line in ax.get_lines()] for ax in axes[-4:]] == [
+        [[(3, 0.25), (6, 0.5)]], [[(3, 0.5), (6, 0.25)]], [[(3, 90.0), (6, 70.0)]], [[(6, 0.125)]]]
+
+
 def test_a_resumed_log_plots_the_last_record_of_a_replayed_iteration(logged_run, tmp_path):
     """A run resumed from its iteration-4 checkpoint after logging iteration 6 appends a header and logs 6 again."""
     records = logged_run["records"] + [dict(logged_run["records"][0], iteration=4)]
