@@ -125,7 +125,7 @@ def test_training_warns_when_an_expert_starves():
     log interval (iteration 3) warns once; the layout line names the expert-parallel degree and the optimizer."""
     flags = ["--num-experts", "64", "--moe-router-topk", "1", "--train-iters", "4", "--log-interval", "1",
              "--batch-size", "2"]
-    _, stdout = _train_capturing(TINY + NO_DROPOUT + flags)
+    ((_, stdout),) = run_distributed(_train_capturing, 1, args=(TINY + NO_DROPOUT + flags,))   # own process
     warnings = [line for line in stdout.splitlines() if "routed no tokens" in line]
     assert warnings == ["WARNING: an expert was routed no tokens at each of the last 3 log intervals (iteration 3): "
                         "--moe-aux-loss-coeff is 0; set it (Megatron-LM's usual 1e-2) to balance the experts' load"]
