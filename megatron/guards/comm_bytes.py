@@ -4,6 +4,7 @@
         loss = engine(x, y); engine.backward(loss); engine.step()
     counter.total_bytes()              # bytes this rank sent in the block (cost model below)
     counter.bytes_by_op                # {"reduce": ..., "all_gather_into_tensor": ...}
+    counter.received_by_op             # {"batch_isend_irecv": ...}: the receives of point-to-point batches
 
 Cost model: bytes one rank sends for a collective over a group of n ranks on a payload of B bytes, the volume of
 the bandwidth-optimal ring (or pipelined chain) algorithms. The factors are NCCL's "bus bandwidth" factors
@@ -46,12 +47,13 @@ _COST = {
 }
 
 
-def payload_bytes(value):
-    """Bytes of a tensor, a list of tensors, or the sends of a list of P2POps (receives carry nothing out)."""
+def payload_bytes(value, direction=None):
+    """Bytes of a tensor, a list of tensors, or the sends of a list of P2POps (receives carry nothing out; with
+    direction=dist.irecv, the receives' bytes instead)."""
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
     if value and isinstance(value[0], dist.P2POp):
-        return sum(payload_bytes(op.tensor) for op in value if op.op is dist.isend)
+        return sum(payload_bytes(op.tensor) for op in value if op.op is (direction or dist.isend))
     return sum(t.numel() * t.element_size() for t in value)
 
 
@@ -66,6 +68,7 @@ class CommCounter:
 
     def __init__(self):
         self.bytes_by_op = defaultdict(float)
+        self.received_by_op = defaultdict(float)     # point-to-point batches only (collectives are symmetric)
         self.calls_by_op = defaultdict(int)
         self._originals = {}
 
@@ -95,6 +98,8 @@ class CommCounter:
             group = bound.arguments.get("group")
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
             self.bytes_by_op[op] += collective_bytes(op, payload_bytes(bound.arguments[payload_argument]), size)
+            if op == "batch_isend_irecv":
+                self.received_by_op[op] += payload_bytes(bound.arguments[payload_argument], dist.irecv)
             self.calls_by_op[op] += 1
             return original(*args, **kwargs)
         return counted

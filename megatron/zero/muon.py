@@ -16,8 +16,10 @@ NS5 is five quintic Newton-Schulz iterations X <- aX + (bA + cA^2)X, A = XX^T, (
 
 Sharding: NS needs each whole matrix. Under ZeRO 1-3 the momentum is partitioned like Adam's moments (it is
 elementwise), and each rank orthogonalizes only the matrices that overlap its own partition. Those inside it are
-whole there; only the matrices that cross a partition boundary are exchanged over the data-parallel group (one
-all-reduce of their pieces, in U's dtype: at 1.3B a few matrices, not the whole fp32 U). A tensor-parallel matrix is all-gathered over the model-parallel group along its
+whole there; a matrix that crosses a partition boundary is orthogonalized once, by the holder of its largest
+piece, which receives the other holders' pieces and sends each its piece of the result (point-to-point over the
+data-parallel group, in U's dtype: each rank sends and receives at most the crossing matrices' bytes, at 1.3B a few
+matrices, not the whole fp32 U). A tensor-parallel matrix is all-gathered over the model-parallel group along its
 split dimension, joined in the single-process order (fused q/k/v and gate/up shards interleave), orthogonalized
 whole, and this rank's shard cut out: every rank computes the matrix one process would.
 """
@@ -190,46 +192,113 @@ def nesterov_update(grad, buffer, group):
 def partition_update(grad, buffer, layout, group, data_parallel_group, model_parallel):
     """ZeRO: the orthogonalized update of this rank's flat partition `grad` (its own range of `layout`, a
     FlatLayout), momentum `buffer` of the same size stepped in place. A matrix inside this rank's range is whole
-    here; only the matrices that cross a partition boundary are exchanged (exchange_crossing), in the update's
-    dtype, so every rank holding a piece of one orthogonalizes it whole."""
+    here and orthogonalized in place; a matrix that crosses a partition boundary is orthogonalized by one owner
+    (CrossingExchange): its other holders send it their pieces and receive their pieces of the result, in the
+    update's dtype. The pieces travel while this rank orthogonalizes the matrices inside its range."""
     update = nesterov_update(grad, buffer, group)
     start, end = layout.own_range
-    crossing, total = crossing_matrices(layout)
-    shared = exchange_crossing(update, layout, crossing, total, data_parallel_group) if total else None
     out = torch.zeros_like(update)
-    for index, lo, hi in layout.segments(start, end):
-        param, (first, last) = layout.params[index], layout.offsets[index]
-        whole = shared[crossing[index]:crossing[index] + last - first] if index in crossing else \
-            update[first - start:last - start]
-        result = orthogonalized(whole.view(full_shape(param)), param, group, model_parallel).reshape(-1)
-        out[lo - start:hi - start] = result[lo - first:hi - first]
+    exchange = CrossingExchange(layout, data_parallel_group)
+    wholes = exchange.send_pieces(update)
+    for index, _, _ in layout.segments(start, end):
+        if index not in exchange.crossing:
+            first, last = layout.offsets[index]
+            _orthogonalize_into(out, update[first - start:last - start], index, layout, group, model_parallel)
+    exchange.wait()
+    results = {index: _orthogonalize_into(out, whole, index, layout, group, model_parallel)
+               for index, whole in wholes.items()}
+    exchange.return_pieces(results, out)
     return out
 
 
+def _orthogonalize_into(out, whole, index, layout, group, model_parallel):
+    """O of parameter `index` from its whole flat update `whole`, this rank's part of it written into `out`;
+    returns the whole flat O."""
+    param, (first, _) = layout.params[index], layout.offsets[index]
+    result = orthogonalized(whole.view(full_shape(param)), param, group, model_parallel).reshape(-1)
+    start, end = layout.own_range
+    lo, hi = max(start, first), min(end, first + whole.numel())
+    out[lo - start:hi - start] = result[lo - first:hi - first]
+    return result
+
+
 def crossing_matrices(layout):
-    """({param index: its offset in the exchange buffer}, the buffer's numel) of the parameters of `layout` that
-    cross a partition boundary (more than one rank holds a piece), in layout order; none at one partition."""
-    offsets, total = {}, 0
+    """{param index: (owner rank, [(rank, lo, hi) of every holder's piece])} of the parameters of `layout` that
+    cross a partition boundary (more than one rank holds a piece), in layout order; none at one partition. The
+    owner holds the largest piece (the lowest such rank on a tie), so it receives the fewest elements: at 4
+    partitions of 64, a 108-element matrix at [40, 148) has pieces 24, 64, 20 on ranks 0, 1, 2 and owner 1."""
+    crossing = {}
     if layout.num_partitions > 1:
         for index, (first, last) in enumerate(layout.offsets):
             if last > first and first // layout.partition_size != (last - 1) // layout.partition_size:
-                offsets[index], total = total, total + last - first
-    return offsets, total
+                pieces = layout.owners(first, last)
+                owner = max(pieces, key=lambda piece: (piece[2] - piece[1], -piece[0]))[0]
+                crossing[index] = (owner, pieces)
+    return crossing
 
 
-def exchange_crossing(update, layout, crossing, total, data_parallel_group):
-    """The crossing matrices whole on every rank: each rank writes its own pieces of them into a zeroed buffer of
-    `total` elements (the same layout everywhere), and one all-reduce sums the pieces (each element has one owner:
-    exact). The buffer holds the crossing matrices only, not the whole update."""
-    shared = update.new_zeros(total)
-    start, end = layout.own_range
-    for index, lo, hi in layout.segments(start, end):
-        if index in crossing:
-            at = crossing[index] + lo - layout.offsets[index][0]
-            shared[at:at + hi - lo] = update[lo - start:hi - start]
-    dist.all_reduce(shared, group=data_parallel_group)
-    return shared
+class CrossingExchange:
+    """The two point-to-point rounds that orthogonalize each crossing matrix once, on its owner:
 
+        send_pieces    every other holder sends the owner its piece of the update (one batch_isend_irecv)
+        return_pieces  the owner sends every other holder its piece of the result; they receive it in place
+
+    A holder sends and receives its own piece's bytes; an owner receives and sends the rest of its matrix. So each
+    rank sends (and receives) at most the crossing matrices' bytes, and nothing travels for a matrix inside a
+    partition (the old all-reduce of every crossing matrix sent 2 (n-1)/n of them per rank). Operations on one
+    peer are posted in layout order on both sides, so NCCL matches them (it pairs per peer in posting order)."""
+
+    def __init__(self, layout, data_parallel_group):
+        self.layout, self.group = layout, data_parallel_group
+        self.crossing = crossing_matrices(layout)
+        self.handles = []
+
+    def _peer(self, rank):
+        return dist.get_global_rank(dist.group.WORLD if self.group is None else self.group, rank)
+
+    def _post(self, ops):
+        self.handles = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self):
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+
+    def send_pieces(self, update):
+        """Post round one; returns {index: the whole flat update} of the matrices this rank owns (filled once
+        wait() returns)."""
+        rank, start = self.layout.rank, self.layout.own_range[0]
+        wholes, ops = {}, []
+        for index, (owner, pieces) in self.crossing.items():
+            first, last = self.layout.offsets[index]
+            if owner == rank:
+                wholes[index] = update.new_empty(last - first)
+            for holder, lo, hi in pieces:
+                if holder == rank == owner:
+                    wholes[index][lo - first:hi - first] = update[lo - start:hi - start]
+                elif owner == rank:
+                    ops.append(dist.P2POp(dist.irecv, wholes[index][lo - first:hi - first], self._peer(holder),
+                                          self.group))
+                elif holder == rank:
+                    ops.append(dist.P2POp(dist.isend, update[lo - start:hi - start], self._peer(owner), self.group))
+        self._post(ops)
+        return wholes
+
+    def return_pieces(self, results, out):
+        """Round two, waited for: the owner sends each other holder its piece of `results` ({index: the whole
+        flat O} of the matrices this rank owns); a holder receives its piece into its slice of `out`."""
+        rank, start = self.layout.rank, self.layout.own_range[0]
+        ops = []
+        for index, (owner, pieces) in self.crossing.items():
+            for holder, lo, hi in pieces:
+                if owner == rank != holder:
+                    first = self.layout.offsets[index][0]
+                    piece = results[index][lo - first:hi - first].contiguous()
+                    ops.append(dist.P2POp(dist.isend, piece, self._peer(holder), self.group))
+                elif holder == rank != owner:
+                    ops.append(dist.P2POp(dist.irecv, out[lo - start:hi - start], self._peer(owner), self.group))
+        self._post(ops)
+        self.wait()
 
 class Muon(torch.optim.Optimizer):
     """Muon for the param groups tagged `use_muon`, torch's AdamW for the others (one optimizer, one state, one
