@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .expert_parallel import all_to_all, exchange_counts
+from .grouped_experts import grouped_forward, grouped_supported
 from .initialize import (get_expert_model_parallel_group, get_expert_model_parallel_rank,
                          get_expert_model_parallel_world_size)
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -247,38 +248,67 @@ class MoEMLP(nn.Module):
         tokens_per_expert = routed.sum(dim=0)                                              # [E] before drops
         aux = aux_losses(logits, probs, tokens_per_expert, self.config)
         self.last_statistics = (aux.detach(), tokens_per_expert.detach())
-        expert_ids, token_ids = kept.t().nonzero(as_tuple=True)                          # expert-major
-        slots = kept.long().cumsum(dim=1)[token_ids, expert_ids] - 1                     # [n] in 0 .. k-1
+        token_ids, slots, expert_ids, kept_rows = dispatch_order(experts, kept, self.config.num_experts)
         k = self.config.topk
-        # each row read from (and its output written to) slot `slots` of its token: every (token, slot) once, so
-        # neither direction adds two rows into one place (index_add / a plain gather's backward would, by atomics
-        # on CUDA, in the order the threads arrive); the k slots are summed in order
-        rows = self._run_experts(tokens.unsqueeze(1).expand(-1, k, -1)[token_ids, slots], kept.sum(dim=0))  # [n, h]
-        gate = routing[token_ids, expert_ids].to(rows.dtype)                             # [n]
+        # each row read from (and its output written to) slot `slots` of its token (its expert's place among the
+        # token's k, in expert order): every (token, slot) once, so neither direction adds two rows into one place
+        # (index_add / a plain gather's backward would, by atomics on CUDA, in the order the threads arrive); the
+        # k slots are summed in order (a dropped assignment's slot holds 0)
+        rows = self._run_experts(tokens.unsqueeze(1).expand(-1, k, -1)[token_ids, slots], kept.sum(dim=0),
+                                 expert_ids)                                                 # [T k, h]
+        gate = routing[token_ids, expert_ids].to(rows.dtype)                             # [T k]
         per_slot = rows.new_zeros(b * s, k, h)                                           # [T, k, h]
+        rows = torch.where(kept_rows[:, None], rows, 0)          # a dropped row's output: 0, its gradient 0
         per_slot[token_ids, slots] = rows * gate[:, None]
         output = per_slot.sum(dim=1)                                                     # [T, h]
         if self.training and (self.config.aux_loss_coeff or self.config.z_loss_coeff) and aux.requires_grad:
             output = _AttachAuxLoss.apply(output, aux)
         return self.dropout(output).view(b, s, h)
 
-    def _run_experts(self, rows, counts):
-        """rows [n, h] sorted by expert, counts [E] -> each row through its expert, in the same order."""
+    def _run_experts(self, rows, counts, expert_ids):
+        """rows [T k, h] sorted by expert (the dropped after the kept), counts [E] kept rows per expert,
+        expert_ids [T k] -> each kept row through its expert, in the same order (rows past the kept: finite, masked
+        by the caller). At EP 1 on the grouped kernel nothing is read on the host (the last expert's group runs on
+        to the end, over the dropped rows); otherwise the split sizes are, in one read."""
+        grouped = grouped_supported(list(self.experts), rows.dtype, rows.device)
+        if self.ep == 1 and grouped:
+            ends = torch.cat([counts[:-1].cumsum(0), counts.new_full((1,), rows.size(0))])
+            return grouped_forward(list(self.experts), rows, ends.to(torch.int32), expert_ids)
         by_rank = counts.view(self.ep, self.local)                       # [EP, E/EP] rows for each rank's experts
         received = exchange_counts(by_rank, self.group)                  # [EP, E/EP] rows from each rank
-        send, got = (by_rank.sum(dim=1).tolist(), received.tolist()) if self.ep > 1 else (None, received.tolist())
+        host = torch.cat([by_rank.sum(dim=1), received.reshape(-1)]).tolist()          # the layer's one host read
+        send, got = host[:self.ep], [host[self.ep + r * self.local:][:self.local] for r in range(self.ep)]
+        kept = rows[:sum(send)]
         if self.ep > 1:
-            rows = all_to_all(rows, [sum(c) for c in got], send, self.group)   # source-major, expert-minor
+            kept = all_to_all(kept, [sum(c) for c in got], send, self.group)   # source-major, expert-minor
         order = _expert_major_order(got, rows.device)                    # None when already expert-major
         if order is not None:
-            rows = rows[order]
+            kept = kept[order]
         sizes = [sum(source[j] for source in got) for j in range(self.local)]
-        outputs = torch.cat([expert(piece) for expert, piece in zip(self.experts, rows.split(sizes))])
+        if grouped:                                                      # the sizes from the device's counts
+            ends = received.sum(dim=0).cumsum(0)                         # [E/EP]
+            local = torch.searchsorted(ends, torch.arange(kept.size(0), device=rows.device), right=True)
+            outputs = grouped_forward(list(self.experts), kept, ends.to(torch.int32), local)
+        else:
+            outputs = torch.cat([expert(piece) for expert, piece in zip(self.experts, kept.split(sizes))])
         if order is not None:
             outputs = outputs[torch.argsort(order)]                      # back to the received order
         if self.ep > 1:
             outputs = all_to_all(outputs, send, [sum(c) for c in got], self.group)
-        return outputs
+        return torch.cat([outputs, outputs.new_zeros(rows.size(0) - outputs.size(0), rows.size(1))])
+
+
+def dispatch_order(experts, kept, num_experts):
+    """experts [T, k] (each token's chosen experts), kept [T, E] -> (token_ids, slots, expert_ids, kept_rows), each
+    [T k]: every assignment once, the kept ones expert-major (token order within an expert), then the dropped ones.
+    A fixed size whatever the routing, computed on the device: no host read. slot = the expert's place among its
+    token's k experts in expert order."""
+    k = experts.size(1)
+    chosen = experts.sort(dim=1).values                                             # [T, k] ascending
+    expert_of = chosen.reshape(-1)                                                  # [T k] token-major
+    keep = kept.gather(1, chosen).reshape(-1)                                       # [T k]
+    order = torch.where(keep, expert_of, num_experts).argsort(stable=True)          # kept expert-major, dropped last
+    return order // k, order % k, expert_of[order], keep[order]
 
 
 def _expert_major_order(counts, device):
