@@ -22,12 +22,15 @@ expert-model-parallel group, registered under their global numbers (`experts.5..
 rank builds the router and draws every expert's initial weights in order (keeping its own), so the weights equal the
 single-process model's. Dispatch, per layer and micro-batch:
 
-    1. assignments sorted by expert (expert-major, token order within an expert): rows [n, h]
-    2. the row counts per expert, [EP, E/EP], all-to-all (fixed size: every rank joins, also with nothing to send)
-    3. the rows all-to-all to the experts' ranks (split sizes from 2; empty pieces are normal)
-    4. each local expert runs on its rows (zero rows: an empty matmul, its gradient zeros: no rank skips anything)
+    1. all T k assignments sorted by expert on the device (kept ones expert-major, token order within an expert,
+       then the ones a capacity drops): rows [T k, h], a fixed size (dispatch_order: no host read)
+    2. the row counts per expert, [EP, E/EP], all-to-all (fixed size: every rank joins, also with nothing to send),
+       and the split sizes read on the host: the layer's one host read (none at EP 1 on the grouped kernel)
+    3. the kept rows all-to-all to the experts' ranks (split sizes from 2; empty pieces are normal)
+    4. the local experts run on their rows: one grouped matmul per linear (mpu/grouped_experts.py) where the
+       kernel exists, else one expert after another (zero rows: an empty matmul, its gradient zeros)
     5. the outputs all-to-all back (3's reverse), weighted, summed per token in a fixed order (each in a slot of its
-       token, the k slots summed: no two rows added into one place, so deterministic on CUDA too)
+       token, the k slots summed, a dropped one 0: no two rows added into one place, so deterministic on CUDA too)
 
 The aux and z losses join backward through the output (Megatron-LM's MoEAuxLossAutoScaler): the forward returns the
 MLP's output unchanged, and backward adds their gradient with the weight set_aux_loss_scale() gave (the engine
@@ -217,8 +220,9 @@ class MoEMLP(nn.Module):
     """The MoE layer (module docstring): forward(hidden_states [b, s, h]) -> [b, s, h]."""
 
     graph_capturable = False
-    """Its dispatch reads token counts on the host (nonzero, the split sizes): generation decodes it without a CUDA
-    graph (megatron/text_generation/capture.py)."""
+    """Its dispatch reads token counts on the host (the split sizes; not at EP 1 on the grouped kernel, but the
+    grouped kernel is unchecked inside a graph): generation decodes it without a CUDA graph
+    (megatron/text_generation/capture.py)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, config, init_method, output_layer_init_method, swiglu=False,
                  bias=True, output_dropout_prob=0.0):
