@@ -6,10 +6,10 @@ weight in one call. The last offset must be the number of rows: the kernel leave
 output and in the input's gradient. A bias is added as one_hot(expert of the row) @ the stacked biases: exact, and
 its gradient a matmul (a gather's backward would add rows into one place with atomics on CUDA).
 
-    dense_h_to_4h:  [n, h] x [E/EP, h, f/p] -> [n, f/p]  (+ the row's expert's bias)   after copy_to_model_parallel_region
-    dense_4h_to_h:  [n, f/p] x [E/EP, f/p, h] -> [n, h]   reduce_from_model_parallel_region, then the bias
+    dense_h_to_4h:  copy_to_model_parallel_region, [n, h] x [E/EP, h, f/p] -> [n, f/p], + the row's expert's bias
+    dense_4h_to_h:  [n, f/p] x [E/EP, f/p, h] -> [n, h], reduce_from_model_parallel_region, + the bias
 
-the same arithmetic as Expert.forward (mpu/moe.py) row by row. Where the kernel exists (the CPU; CUDA in 16-bit on
+the same arithmetic as Expert.forward (mpu/moe.py) row by row. Where the kernel exists (the CPU; CUDA in bf16 on
 sm90+), for strides of whole 16 bytes, and for experts without a LoRA adapter; otherwise grouped_supported() says
 no and the layer runs its experts one after another.
 """

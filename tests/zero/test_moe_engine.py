@@ -117,8 +117,11 @@ def _check(results, reference, dp, ep, tolerance=1e-6):
 
 @pytest.mark.parametrize("world,ep,stages", [(2, 2, (0, 1, 2, 3)), (4, 4, (1, 2, 3))])
 def test_expert_parallel_engine_matches_one_process(reference, world, ep, stages):
+    """At 4 ranks 2e-6, as test_expert_data_parallel_partitions: each expert's grouped matmul (mpu/grouped_experts.py)
+    takes four ranks' rows in one product where the reference takes four micro-batches in turn, and rounds another
+    way than the per-expert loop (its worst here 1.3e-6 at stages 2 and 3 dropless; the loop's 6.2e-7-9.0e-7)."""
     results = run_distributed(_engine_runs, world, args=(ep, stages), model_parallel_size=1, timeout=240)
-    _check(results, reference, dp=world, ep=ep)
+    _check(results, reference, dp=world, ep=ep, tolerance=1e-6 if world == 2 else 2e-6)
 
 
 def test_expert_data_parallel_partitions(reference):
