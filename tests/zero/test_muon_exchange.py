@@ -22,20 +22,24 @@ def _flat_gradient():
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
 
 
-def _rank_update():
-    """(this rank's orthogonalized partition, the bytes it sent and received by op)."""
+def _rank_update(strided):
+    """(this rank's orthogonalized partition, the bytes it sent and received by op). strided: world 4 as two
+    data-parallel groups [0, 2] and [1, 3] (an expert-data-parallel layout: group rank 1 is global rank 2 or 3)."""
     import torch.distributed as dist
     from megatron.guards.comm_bytes import CommCounter
     from megatron.zero.muon import MUON_DEFAULTS, partition_update
     from megatron.zero.partition import FlatLayout
+    group = dist.group.WORLD
+    if strided:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group = groups[dist.get_rank() % 2]
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
-    layout = FlatLayout(params, dist.get_world_size(), dist.get_rank())
+    layout = FlatLayout(params, dist.get_world_size(group), dist.get_rank(group))
     assert layout.padded_numel == NUMEL and layout.offsets[1] == (40, 148)
     start, end = layout.own_range
     grad = _flat_gradient()[start:end].clone()
     with CommCounter() as counter:
-        out = partition_update(grad, torch.zeros_like(grad), layout, dict(MUON_DEFAULTS), dist.group.WORLD,
-                               (None, 0, 1))
+        out = partition_update(grad, torch.zeros_like(grad), layout, dict(MUON_DEFAULTS), group, (None, 0, 1))
     return out, dict(counter.bytes_by_op), dict(counter.received_by_op)
 
 
@@ -54,12 +58,13 @@ def _published(momentum=0.95):
     return out
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_muon_exchanges_only_the_pieces_of_matrices_crossing_a_partition(dp):
-    results = run_distributed(_rank_update, dp)
+@pytest.mark.parametrize("dp, world", [(2, 2), (4, 4), (2, 4)])
+def test_muon_exchanges_only_the_pieces_of_matrices_crossing_a_partition(dp, world):
+    results = run_distributed(_rank_update, world, args=(world != dp,), timeout=120)
     reference = _published()
     size = NUMEL // dp
-    for rank, (out, sent, received) in enumerate(results):
+    for global_rank, (out, sent, received) in enumerate(results):
+        rank = global_rank // (world // dp)          # its data-parallel rank ([0, 2] and [1, 3] when strided)
         # fp32: 4 bytes an element; the old all-reduce of the crossing matrices sent 2 (n-1)/n of them per rank
         # (1,176 bytes at dp 4), the whole update's all-gather (n-1)/n of 1,024
         assert sent == {"batch_isend_irecv": 4 * EXCHANGED[dp][rank]}, (rank, sent)
