@@ -60,7 +60,7 @@ def _host_reads(ep, hidden, capacity_factor):
     device, dtype = _device_and_dtype()
     config = mpu.MoEConfig(num_experts=4, topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.1)
     torch.manual_seed(0)
-    layer = mpu.MoEMLP(hidden, 12, config, mpu.init_method_normal(0.5), mpu.init_method_normal(0.5), swiglu=True)
+    layer = mpu.MoEMLP(hidden, 16, config, mpu.init_method_normal(0.5), mpu.init_method_normal(0.5), swiglu=True)
     layer.to(dtype)
     x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     x = x.to(device, dtype).requires_grad_(True)
@@ -83,7 +83,7 @@ def _host_reads(ep, hidden, capacity_factor):
 @pytest.mark.parametrize("ep, hidden, capacity_factor, expected", [
     (1, 8, None, 0),      # the grouped kernel: offsets on the device
     (1, 8, 0.75, 0),      # a capacity that drops: the dropped rows run in the last group, masked
-    (1, 6, 0.75, 1),      # 6 fp32 = 24 bytes a row, not whole 16 bytes: the loop needs the split sizes
+    (1, 6, 0.75, 1),      # 6 fp32 (bf16 on CUDA) = 24 (12) bytes a row, not whole 16 bytes: the loop reads the sizes
     (2, 8, 0.75, 1),      # the all-to-all's split sizes (this rank's and the received, one read)
 ])
 def test_one_moe_layer_reads_the_host_at_most_once(ep, hidden, capacity_factor, expected):
