@@ -90,8 +90,8 @@ def _check_cases():
             for name, param in layer.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0, 0.3)
-        x = torch.randn(3, 4, HIDDEN, requires_grad=True)
-        probe = torch.randn(3, 4, HIDDEN)
+        x = torch.randn(3, 4, HIDDEN).to(mpu.get_device()).requires_grad_(True)   # the layer's device (gpu_check)
+        probe = torch.randn(3, 4, HIDDEN).to(mpu.get_device())
         mpu.set_aux_loss_scale(1.0)
         out = layer(x)
         (out * probe).sum().backward()
@@ -180,7 +180,7 @@ def _scatter_adds_of_forward_and_backward(topk, capacity):
     config = mpu.MoEConfig(num_experts=4, topk=topk, capacity_factor=capacity)
     torch.manual_seed(0)
     layer = mpu.MoEMLP(HIDDEN, FFN, config, mpu.init_method_normal(0.5), mpu.init_method_normal(0.5))
-    x = torch.randn(3, 4, HIDDEN, requires_grad=True)
+    x = torch.randn(3, 4, HIDDEN).to(mpu.get_device()).requires_grad_(True)
     with Adds() as adds:
         layer(x).square().sum().backward()
     return adds.seen
