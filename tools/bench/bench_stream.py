@@ -139,6 +139,8 @@ def recipe_table(work, args, texts):
     for label, path, workers in ((".bin/.idx", os.path.join(WEBTEXT, "webtext_text_document"), 0),
                                  ("JSONL shards (streamed)", shards, 0), ("JSONL shards (streamed)", shards, 1)):
         first, *steady = recipe_run(path, workers, work, args.recipe_iters)
+        if not steady:
+            raise SystemExit("--recipe-iters: give at least two log intervals (20 iterations)")
         step = sum(r["ms_per_iteration"] for r in steady) / len(steady)
         wait = sum(r["timers_ms"]["batch-generator"] for r in steady) / len(steady)
         rows.append(f"| {label} | {workers} | {step:,.1f} | {wait:.2f} | {100 * wait / step:.2f}% | "
