@@ -45,9 +45,9 @@ def forward_step(data_iterator, model):
     """Loss = mean of per-token losses under the loss mask; also the data-parallel average for logging. Before the
     last pipeline stage: the stage's output and no losses."""
     timers = get_timers()
-    timers("batch generator").start()
+    timers("batch-generator").start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    timers("batch generator").stop()
+    timers("batch-generator").stop()
     losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
     if not mpu.is_pipeline_last_stage():
         return losses, {}   # this stage's hidden states [b, s, h], for the next pipeline stage

@@ -107,13 +107,14 @@ class LogFileError(UserError, OSError):
     """--log-jsonl names a file that cannot be written (a file where its folder should be, no permission)."""
 
 
-PHASES = ("forward", "backward", "allreduce", "optimizer")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "batch-generator")
 
 
 def phase_ms(timers, normalizer):
     """Mean ms per iteration of each phase since the last log; None for a phase that did not run on this path
     (under --deepspeed the gradient reduction happens inside the engine's backward: 'allreduce' is None there
-    and its time is part of 'backward')."""
+    and its time is part of 'backward'). 'batch-generator' is the data wait: reading the micro batches (and
+    building their masks), part of 'forward'."""
     result = {}
     for name in PHASES:
         timer = timers.timers.get(name)

@@ -84,9 +84,9 @@ def forward_step(step_batches, data_iterator, model):
     loop's averaging then gives the global batch's token mean); 'lm loss' is reported as a (sum, count) pair summed
     over the data-parallel group."""
     args, timers = get_args(), get_timers()
-    timers("batch generator").start()
+    timers("batch-generator").start()
     tokens, labels, loss_mask, attention_mask, position_ids, step_tokens = get_batch(step_batches, data_iterator)
-    timers("batch generator").stop()
+    timers("batch-generator").stop()
     losses = model(tokens, position_ids, attention_mask, labels=labels)   # [b, s]
     if not mpu.is_pipeline_last_stage():
         return losses, {}

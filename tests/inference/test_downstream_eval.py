@@ -4,9 +4,10 @@ standalone harness (lm_eval's simple_evaluate on our harness model loaded from t
 that iteration: the path of `python -m megatron.text_generation.lm_eval_model`), per document.
 
 One launch per world size: dp 2 under ZeRO-3 trains with evaluation, trains again without it, and runs the
-standalone harness at dp 2 on the first run's last checkpoint; dp 1 (ZeRO-2) trains with evaluation and runs the
-standalone harness at dp 1 on its own last checkpoint and on the dp-2 run's checkpoint at the evaluation
-interval."""
+standalone harness at dp 2 on the first run's last checkpoint; 4 ranks train at dp 4 (ZeRO-3) and at tp 2 x dp 2
+with evaluation and run the harness at dp 4 on the tp-2 checkpoint; dp 1 (ZeRO-2) trains with evaluation and runs
+the standalone harness at dp 1 on its own last checkpoint and on the dp-2 and dp-4 runs' checkpoints at the
+evaluation interval."""
 import json
 import os
 
@@ -114,7 +115,7 @@ def runs(tmp_path_factory, webtext_data):
     tokenizer = ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
                  "--merge-file", os.path.join(webtext_data, "merges.txt")]
 
-    def training(name, stage, evaluate=True):
+    def training(name, stage, evaluate=True, extra=()):
         config = write_config(str(root / name), zero_optimization={"stage": stage})
         argv = MODEL + tokenizer + [
             "--data-path", os.path.join(webtext_data, "webtext_text_document"), "--data-cache-path",
@@ -124,20 +125,29 @@ def runs(tmp_path_factory, webtext_data):
         if evaluate:
             argv += ["--eval-tasks", ",".join(TASKS), "--eval-tasks-path", tasks_dir, "--eval-tasks-interval",
                      str(EVAL_AT), "--eval-tasks-limit", str(LIMIT), "--log-jsonl", str(root / name / "log.jsonl")]
-        return ("train", argv)
+        return ("train", argv + list(extra))
 
     def standalone(name):
         return ("standalone", (" ".join(MODEL + tokenizer + ["--load", str(root / name)]), tasks_dir))
 
-    for name in ("dp2", "dp2_plain", "dp1"):
+    for name in ("dp2", "dp2_plain", "dp1", "dp4", "tp2"):
         os.makedirs(root / name)
     dp2 = run_distributed(_launch, 2, args=([training("dp2", 3), training("dp2_plain", 3, evaluate=False),
                                              standalone("dp2")],))
     final_weights = [_fp32_weights(str(root / name)) for name in ("dp2", "dp2_plain")]   # at ITERS
+    # 4 ranks: dp 4 (ZeRO-3) evaluates once, at its end (iteration EVAL_AT); tp 2 x dp 2 (ZeRO-2; the data-parallel
+    # groups [0 2] and [1 3], results gathered to global ranks 0 and 1) evaluates at its end (iteration 1), and the
+    # standalone harness reads that checkpoint at tensor-parallel 1 x data-parallel 4
+    four = run_distributed(_launch, 4, args=([
+        training("dp4", 3, extra=["--train-iters", str(EVAL_AT)]),
+        training("tp2", 2, extra=["--train-iters", "1", "--model-parallel-size", "2"]), standalone("tp2")],))
     set_tracker(str(root / "dp2"), EVAL_AT)
-    (dp1,) = run_distributed(_launch, 1, args=([training("dp1", 2), standalone("dp1"), standalone("dp2")],))
+    (dp1,) = run_distributed(_launch, 1, args=([training("dp1", 2), standalone("dp1"), standalone("dp2"),
+                                                standalone("dp4")],))
     return {"dp2": [out[0] for out in dp2], "dp2_plain": [out[1] for out in dp2],
             "dp2_standalone": [out[2] for out in dp2], "dp1": dp1[0], "dp1_standalone": dp1[1:],
+            "dp4": [out[0] for out in four], "tp2": [out[1] for out in four],
+            "tp2_standalone": [out[2] for out in four],
             "log": [json.loads(line) for line in open(root / "dp2" / "log.jsonl")], "final_weights": final_weights}
 
 
@@ -146,28 +156,28 @@ def _fp32_weights(save_dir):
     return read_full_checkpoint(save_dir).fp32_weights()
 
 
-def test_tensor_parallel_2_by_data_parallel_2_equals_the_harness_at_data_parallel_4(tmp_path, webtext_data):
-    """4 ranks: training at tensor-parallel 2 x data-parallel 2 (ZeRO-2; the data-parallel groups [0 2] and [1 3],
-    results gathered to global ranks 0 and 1) evaluates at its end; the standalone harness reads its checkpoint at
-    tensor-parallel 1 x data-parallel 4 (documents 4 ways: 2, 2, 2, 1)."""
-    tasks_dir = write_tasks(str(tmp_path))
-    flags = MODEL + ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
-                     "--merge-file", os.path.join(webtext_data, "merges.txt")]
-    save = str(tmp_path / "tp2")
-    os.makedirs(save)
-    argv = flags + ["--data-path", os.path.join(webtext_data, "webtext_text_document"), "--data-cache-path",
-                    str(tmp_path / "cache"), "--batch-size", "2", "--train-iters", "1", "--lr", "3e-3", "--warmup",
-                    "0", "--log-interval", "10", "--eval-iters", "0", "--save", save, "--model-parallel-size", "2",
-                    "--deepspeed", "--deepspeed_config", write_config(save), "--seed", "11", "--eval-tasks",
-                    ",".join(TASKS), "--eval-tasks-path", tasks_dir, "--eval-tasks-limit", str(LIMIT)]
-    out = run_distributed(_launch, 4, args=([("train", argv), ("standalone", (" ".join(flags + ["--load", save]),
-                                                                               tasks_dir))],))
-    (evaluation,) = out[0][0]["downstream"]
-    assert_same_documents(evaluation["scores"], out[0][1]["scores"])
-    assert [r[1]["scores"] is None for r in out] == [False, True, True, True]
-    assert all(r[0]["downstream"][0]["metrics"] == evaluation["metrics"] for r in out)
-    scored = [r[1]["requests_scored"] for r in out]
+def test_tensor_parallel_2_by_data_parallel_2_equals_the_harness_at_data_parallel_4(runs):
+    """tp 2 x dp 2 in training against the standalone harness on its checkpoint at tp 1 x dp 4 (documents 4 ways:
+    2, 2, 2, 1)."""
+    (evaluation,) = runs["tp2"][0]["downstream"]
+    assert_same_documents(evaluation["scores"], runs["tp2_standalone"][0]["scores"])
+    assert [r["scores"] is None for r in runs["tp2_standalone"]] == [False, True, True, True]
+    assert all(r["downstream"][0]["metrics"] == evaluation["metrics"] for r in runs["tp2"])
+    scored = [r["requests_scored"] for r in runs["tp2_standalone"]]
     assert min(scored) > 0 and 2 * max(scored) < sum(scored)   # four shares (the largest 2 of 7 documents)
+
+
+def test_in_training_scores_at_dp4_equal_the_harness_at_dp1(runs):
+    """dp 4 under ZeRO-3 (documents 2, 2, 2, 1 over the ranks, every rank's share gathered to rank 0) against the
+    standalone harness at dp 1 on the checkpoint of that iteration: per document, and the same metrics on every
+    rank."""
+    at_end = [_in_training(rank, EVAL_AT) for rank in runs["dp4"]]
+    assert [len(rank["downstream"]) for rank in runs["dp4"]] == [1] * 4
+    assert_same_documents(at_end[0]["scores"], runs["dp1_standalone"][2]["scores"])
+    assert [e["scores"] is None for e in at_end] == [False, True, True, True]
+    for task in TASKS:
+        assert at_end[0]["metrics"][task] == pytest.approx(runs["dp1_standalone"][2]["metrics"][task], rel=1e-5)
+    assert all(e["metrics"] == at_end[0]["metrics"] for e in at_end)
 
 
 def assert_same_documents(mine, theirs):

@@ -56,11 +56,12 @@ def _check(records, history, printed, world_size, megatron_path, timed):
         assert abs(measured - per_token) <= 1e-6 * per_token, (measured, per_token)
         assert record["memory"]["kind"] == "cpu_rss" and record["memory"]["bytes"] > 10 * 2 ** 20
         timers = record["timers_ms"]
-        assert set(timers) == {"forward", "backward", "allreduce", "optimizer"}
+        assert set(timers) == {"forward", "backward", "allreduce", "optimizer", "batch-generator"}
         if not timed:
             assert set(timers.values()) == {None}
             continue
         assert timers["forward"] > 0 and timers["backward"] > 0 and timers["optimizer"] > 0
+        assert 0 < timers["batch-generator"] < timers["forward"]    # the data wait, inside the forward phase
         if megatron_path:
             assert timers["allreduce"] is not None and timers["allreduce"] >= 0
         else:

@@ -33,14 +33,16 @@ def _path_args(path, directory):
     return ["--deepspeed", "--deepspeed_config", config]
 
 
-def _torchrun(save, path, kill=None):
+def _torchrun(save, path, kill=None, flags=MODEL):
+    """torchrun (2 ranks, one restart allowed) of pretrain_gpt.py on `flags`, with a SIGKILL (`kill`: (KILL_AT,
+    rank)) injected by tests/fixtures/kill_once.py; {iteration: the logged loss} (flags log every iteration)."""
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     if kill is not None:
         env.update(KILL_AT=kill[0], KILL_RANK=str(kill[1]), KILL_MARKER=save + ".killed")
     script = os.path.join(REPO, "tests", "fixtures", "kill_once.py") if kill else "pretrain_gpt.py"
     env.setdefault("KILL_AT", "step:0")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", script, *MODEL,
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", script, *flags,
                *_path_args(path, os.path.dirname(save)), "--save", save, "--load", save]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -53,8 +55,8 @@ def _torchrun(save, path, kill=None):
     return losses, result.stdout
 
 
-def _final_tensors(save):
-    tag = f"iter_{ITERS:07d}"
+def _final_tensors(save, iteration=ITERS):
+    tag = f"iter_{iteration:07d}"
     out = {}
     for root, _, files in os.walk(os.path.join(save, tag)):
         for name in files:

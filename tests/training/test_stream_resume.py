@@ -14,6 +14,7 @@ import torch
 from megatron.spawn import run_distributed
 from tests.data.test_stream import documents, write_shards
 from tests.helpers import set_tracker, TINY_SHAPE, write_config
+from tests.training.test_restarts import _assert_bitwise, _final_tensors, _torchrun
 
 ITERS = 6
 
@@ -117,6 +118,23 @@ def test_resume_at_another_model_parallel_layout_reads_the_same_samples(setup, t
     assert not resumed[1]["batches"]       # model-parallel rank 1 gets its batches by broadcast
     assert _global_samples(resumed) == _global_samples(straight)[2 * 8:4 * 8]
     _assert_same_record(_record(str(tmp_path / "mp2"), 4), _record(straight_dir, 4))
+
+
+def test_a_rank_killed_under_torchrun_restarts_bitwise_on_the_stream(setup, tmp_path):
+    """torchrun (dp 2, --max-restarts 1, a checkpoint every 3 iterations): rank 1 SIGKILLed in its optimizer step
+    of iteration 5, its tokenizer worker orphaned; the restarted group resumes from iteration 3 (just after an epoch
+    wrap, inside a document) and its losses, final weights, optimizer and RNG states and stream record (shard, row,
+    carry, shuffle buffer) equal the straight run's bitwise."""
+    flags, straight_dir, straight = setup
+    save = str(tmp_path / "save")
+    losses, stdout = _torchrun(save, "megatron", ("step:5", 1), flags=flags + [
+        "--log-interval", "1", "--save-interval", "3", "--num-workers", "1"])
+    assert " at iteration 3" in stdout
+    assert losses == {i: float(f"{loss:E}") for i, loss in enumerate(straight[0]["lm loss"], 1)}
+    final, reference = _final_tensors(save, ITERS), _final_tensors(straight_dir, ITERS)
+    assert final.keys() == reference.keys()
+    _assert_bitwise(reference, final)
+    _assert_same_record(_record(save, ITERS), _record(straight_dir, ITERS))
 
 
 def test_validation_split_is_the_same_at_every_evaluation(setup, tmp_path):

@@ -1,6 +1,6 @@
 """Benchmark the raw-shard stream (megatron/data/stream) against the indexed path (.bin/.idx).
 
-    python tools/prepare_default_data.py && python tools/bench/bench_stream.py        # ~3 min on 2 cores
+    python tools/prepare_default_data.py && python tools/bench/bench_stream.py        # ~7 min on 2 quiet cores
 
 Prints markdown tables:
 1. Loader throughput: the default corpus (data/webtext/webtext.json, its vocabulary) written as 8 Parquet and as
@@ -10,7 +10,12 @@ Prints markdown tables:
 2. Start and memory: time to the first batch on a synthetic shard set of --synthetic-mb (JSONL, 16 shards) and on
    4x as many shards (the same files linked 4 times), and the loader's peak resident memory (0 workers: all in one
    process) after the first --memory-batches batches of each. Each measurement runs in a fresh process.
-It is not a test: run it on a quiet machine.
+3. Data wait in the `make pretrain` recipe (scripts/ds_pretrain_gpt.sh as it is, --recipe-iters iterations, the
+   device's recipe: the CPU's small model or GPT-2 124M on a GPU), reading the preprocessed .bin/.idx and streaming
+   the default corpus written as 8 JSONL shards (0 and 1 tokenizer workers): ms per iteration and the
+   `batch-generator` timer (--timing-log-level 1; reading the micro batches), both from the run's --log-jsonl,
+   averaged over the log intervals after the first (which holds the start-up), and its share of the step.
+It is not a test: run it on a quiet machine. `--tables recipe` runs the third alone.
 """
 import argparse
 import gzip
@@ -114,6 +119,36 @@ def start_and_memory_table(work, args, texts):
     return rows
 
 
+def recipe_run(data_path, workers, work, iters):
+    """scripts/ds_pretrain_gpt.sh on `data_path` with `workers` loader workers: the --log-jsonl training records."""
+    name = f"{os.path.basename(data_path)}-{workers}"
+    log = os.path.join(work, f"{name}.jsonl")
+    env = dict(os.environ, PYTHON=sys.executable, DATA_PATH=data_path, TRAIN_ITERS=str(iters), LOG_JSONL=log,
+               CHECKPOINT_PATH=os.path.join(work, f"ckpt-{name}"),
+               EXTRA_ARGS=f"--timing-log-level 1 --num-workers {workers}")
+    subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "ds_pretrain_gpt.sh")], cwd=REPO_ROOT, env=env,
+                   check=True, capture_output=True, text=True)
+    with open(log) as handle:
+        return [r for r in map(json.loads, handle) if r.get("type") == "train"]
+
+
+def recipe_table(work, args, texts):
+    shards = write_shards(texts, os.path.join(work, "recipe_jsonl"), "jsonl", 8)
+    rows = ["| data | workers | ms per iteration | data wait ms per iteration | data wait / step | "
+            "first interval: data wait ms per iteration |", "|---|---|---|---|---|---|"]
+    for label, path, workers in ((".bin/.idx", os.path.join(WEBTEXT, "webtext_text_document"), 0),
+                                 ("JSONL shards (streamed)", shards, 0), ("JSONL shards (streamed)", shards, 1)):
+        first, *steady = recipe_run(path, workers, work, args.recipe_iters)
+        if not steady:
+            raise SystemExit("--recipe-iters: give at least two log intervals (20 iterations)")
+        step = sum(r["ms_per_iteration"] for r in steady) / len(steady)
+        wait = sum(r["timers_ms"]["batch-generator"] for r in steady) / len(steady)
+        rows.append(f"| {label} | {workers} | {step:,.1f} | {wait:.2f} | {100 * wait / step:.2f}% | "
+                    f"{first['timers_ms']['batch-generator']:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
@@ -121,6 +156,9 @@ def main(argv=None):
     parser.add_argument("--synthetic-mb", type=float, default=1024)
     parser.add_argument("--memory-batches", type=int, default=20)
     parser.add_argument("--target", type=int, default=580_000)
+    parser.add_argument("--recipe-iters", type=int, default=60, help="iterations of each make-pretrain run")
+    parser.add_argument("--tables", nargs="+", choices=["throughput", "start", "recipe"],
+                        default=["throughput", "start", "recipe"])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -128,11 +166,12 @@ def main(argv=None):
         return
     with open(os.path.join(WEBTEXT, "webtext.json")) as f:
         texts = [json.loads(line)["text"] for line in f]
-    print(f"# seq {SEQ}, micro batch {MICRO}, {os.cpu_count()} CPUs; the default corpus: {len(texts)} documents")
+    print(f"# {os.cpu_count()} CPUs; the default corpus: {len(texts)} documents; loader tables: seq {SEQ}, micro "
+          f"batch {MICRO}")
+    tables = {"throughput": throughput_table, "start": start_and_memory_table, "recipe": recipe_table}
     with tempfile.TemporaryDirectory() as work:
-        print("\n".join(throughput_table(work, args, texts)), flush=True)
-        print()
-        print("\n".join(start_and_memory_table(work, args, texts)))
+        for name in args.tables:
+            print("\n" + "\n".join(tables[name](work, args, texts)), flush=True)
 
 
 if __name__ == "__main__":
