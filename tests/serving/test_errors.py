@@ -1,5 +1,5 @@
 """Bad input never takes the server down: each case gets its HTTP status and an OpenAI error object naming the
-problem (one server with an API key for the module; after every case it still answers); a client that drops a
+problem (the session's server, which has an API key; after every case it still answers); a client that drops a
 stream frees the model; a bad start (missing checkpoint, another model's checkpoint, a taken port) is one line."""
 import http.client
 import json
@@ -11,9 +11,8 @@ import urllib.parse
 import pytest
 
 from tests.helpers import REPO
-from tests.serving.conftest import server_command, start_server
-
-KEY = "sesame"
+from tests.serving.conftest import API_KEY as KEY
+from tests.serving.conftest import server_command
 GOOD = {"prompt": "The game", "max_tokens": 4, "temperature": 0}
 CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the message)
     ("malformed JSON", b'{"prompt": "x", ', 400, None, "not valid JSON"),
@@ -30,10 +29,9 @@ CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the 
 ]
 
 
-@pytest.fixture(scope="module")
-def keyed(checkpoint):
-    with start_server(checkpoint, api_key=KEY) as running:
-        yield running
+@pytest.fixture
+def keyed(server):
+    return server
 
 
 @pytest.mark.parametrize("what, body, status, param, phrase", CASES, ids=[case[0] for case in CASES])
