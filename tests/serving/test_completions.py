@@ -90,7 +90,7 @@ def test_chat_prompt_is_the_finetuning_format(server):
     assert chat["choices"][0]["message"]["content"] == text.removeprefix(" ")
 
 
-def test_megatron_api_agrees_with_completions(server):
+def test_megatron_api_agrees_with_completions(server, alone):
     prompt = PROMPTS[1]
     status, api = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1,
                                                  "logprobs": True})
@@ -99,6 +99,11 @@ def test_megatron_api_agrees_with_completions(server):
     assert api["text"][0] == completion["text"]
     assert api["segments"][0] == completion["logprobs"]["tokens"]
     assert api["logprobs"][0] == completion["logprobs"]["token_logprobs"][1:]
+    status, bos = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1,
+                                                 "logprobs": True, "add_BOS": True})
+    ids = [0] + alone[1][1]                                    # <|endoftext|> is id 0 in the embedded vocab
+    after_eod = _complete(server, ids, 6, echo=True, logprobs=0)["choices"][0]["logprobs"]
+    assert bos["segments"][0] == after_eod["tokens"] and bos["logprobs"][0] == after_eod["token_logprobs"][1:]
 
 
 def test_stop_string_cuts_the_text(server, alone):
