@@ -113,3 +113,13 @@ def test_bad_start_is_one_line(checkpoint, change, phrase):
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and phrase in errors[0], result.stderr[-2000:]
+
+
+def test_taken_port_is_one_line(checkpoint):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        command = server_command(checkpoint) + ["--port", str(other.getsockname()[1])]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(errors) == 1 and "cannot listen on" in errors[0], result.stderr[-2000:]
