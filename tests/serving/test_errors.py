@@ -127,3 +127,13 @@ def test_taken_port_is_one_line(checkpoint):
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(errors) == 1 and "cannot listen on" in errors[0], result.stderr[-2000:]
+
+
+def test_pipeline_refused_by_name(checkpoint):
+    """Two pipeline stages (torchrun, 2 processes): refused before serving, the flag and the fix named."""
+    command = server_command(checkpoint, ["--pipeline-model-parallel-size", "2"], nproc=2)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors, result.stderr[-2000:]
+    assert all("not --pipeline-model-parallel-size 2" in line for line in errors), errors
+    assert "serving " not in result.stdout
