@@ -130,7 +130,7 @@ class Batcher:
             self.stats.running_rows = 0
 
     def _generate(self, pairs, request, chunk):
-        live = [(work, row) for work, row in pairs if not row.finish_reason]
+        live = [(work, row) for work, row in pairs if not row.finish_reason and not work.cancelled.is_set()]
         if not live:
             return
         self.stats.batches += 1

@@ -105,7 +105,25 @@ def test_dropped_stream_frees_its_place(keyed):
     connection.close()
     long.join()
     assert keyed.post("/v1/completions", GOOD)[0] == 200
-    assert keyed.request("GET", "/health")[1]["batches"] - before == 8 + 1
+    after = keyed.request("GET", "/health")[1]
+    assert after["batches"] - before == 8 + 1, (before, after)
+
+
+def test_dropped_running_stream_stops(keyed):
+    """A stream of 64 sampled rows (8 batches of 8) whose client hangs up after its first chunk: the batches after
+    the hang-up are never run."""
+    before = keyed.request("GET", "/health")[1]["batches"]
+    url = urllib.parse.urlparse(keyed.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(dict(GOOD, max_tokens=60, n=64, temperature=1.0,
+                                                                  stream=True)),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert keyed.post("/v1/completions", GOOD)[0] == 200          # queued behind what is left of the stream
+    assert keyed.request("GET", "/health")[1]["batches"] - before < 8 + 1
 
 
 @pytest.mark.parametrize("change, phrase", [
