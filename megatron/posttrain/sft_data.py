@@ -70,7 +70,7 @@ def parse_example(record):
     if "messages" in record and pair:
         raise ExampleError(f"has both 'messages' and {pair[0]!r}: give either prompt/response or messages")
     if "messages" in record:
-        return _checked_messages(record["messages"])
+        return checked_messages(record["messages"])
     if not pair:
         raise ExampleError(f"expected keys 'prompt' and 'response', or 'messages' (keys: {sorted(record)[:10]})")
     for key in ("prompt", "response"):
@@ -96,7 +96,9 @@ def parse_preference(record):
                  for key in ("chosen", "rejected"))
 
 
-def _checked_messages(messages):
+def checked_messages(messages, for_generation=False):
+    """messages as plain {"role", "content"} dicts; ExampleError naming the first bad one. A training example ends
+    with an assistant's answer; a generation prompt (for_generation: a chat request) ends with anything else."""
     if not isinstance(messages, list) or not messages:
         raise ExampleError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     for number, message in enumerate(messages):
@@ -109,7 +111,10 @@ def _checked_messages(messages):
             raise ExampleError(f"{where} content is {type(message['content']).__name__}, expected a string")
         if message["role"] == "system" and number > 0:
             raise ExampleError(f"{where} is a system message: only the first message may be one")
-    if messages[-1]["role"] != "assistant":
+    if for_generation and messages[-1]["role"] == "assistant":
+        raise ExampleError("the last message is an assistant's: a chat request ends with a user (or system) "
+                           "message, which the answer follows")
+    if not for_generation and messages[-1]["role"] != "assistant":
         raise ExampleError(f"the last message is a {messages[-1]['role']}'s: a conversation must end with an "
                            "assistant answer (text after it would have no loss)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -104,14 +104,16 @@ def _broadcast_from_model_parallel_src(tensor):
 
 @torch.no_grad()
 def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature=1.0, top_k=0, top_p=0.0,
-             eod_id=None, use_cache=True, seed=1234, static_cache=True, cuda_graph=None):
+             eod_id=None, use_cache=True, seed=1234, static_cache=True, cuda_graph=None, on_step=None):
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens; returns a list of lists of the
     new token ids per prompt (ending with eod_id where it was produced). Every model-parallel rank must call it
     with the same prompts and arguments; under expert parallelism every rank of the expert group calls it too (its
     own prompts, maybe none). static_cache: the one-token steps at fixed shapes (DecodeStep); False:
     the cache read as a growing prefix. cuda_graph: capture the static step as a CUDA graph (True), run it eagerly
     (False), the default (None: on CUDA at model-parallel size 1, graph_capture_default), or a capture function
-    (DecodeStep)."""
+    (DecodeStep). on_step(new): called on every rank after each step with its new ids (a long tensor [b]); a
+    true return ends the call there (every rank of the model-parallel group must return the same: the server's
+    streaming and stop strings), each row keeping the tokens made so far."""
     check_sampling_options(max_new_tokens, greedy, temperature, top_k, top_p)
     module = _unwrap(model)
     config = module.config
@@ -149,6 +151,7 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
         cache = kept.cache.restart() if kept else (module.new_inference_cache(total) if use_cache else None)
         step = None                                     # the static one-token step, after the prompt
         fed = 0                                         # columns already in the cache
+        end = total                                     # columns produced, when on_step ends the call early
         for column in range(width, total):              # the column whose token this step produces
             if (column - width) % DONE_CHECK_INTERVAL == 0 and _agreed_max(int(not done.all()), group, device) == 0:
                 break
@@ -175,11 +178,14 @@ def generate(model, prompts_token_ids, max_new_tokens, greedy=False, temperature
             if eod_id is not None:
                 done = done | (new == eod_id)
             done = done | (column >= last_column)
+            if on_step is not None and on_step(new):
+                end = column + 1
+                break
     finally:
         model.train(was_training)
     results = []
     for row, count in enumerate(new_counts):
-        out = tokens[row, width:width + count].tolist()
+        out = tokens[row, width:min(width + count, end)].tolist()
         if eod_id is not None and eod_id in out:
             out = out[:out.index(eod_id) + 1]
         results.append(out)
