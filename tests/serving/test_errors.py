@@ -1,0 +1,117 @@
+"""Bad input never takes the server down: each case gets its HTTP status and an OpenAI error object naming the
+problem (one server with an API key for the module; after every case it still answers); a client that drops a
+stream frees the model; a bad start (missing checkpoint, another model's checkpoint, a taken port) is one line."""
+import http.client
+import json
+import socket
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+
+from tests.helpers import REPO
+from tests.serving.conftest import server_command, start_server
+
+KEY = "sesame"
+GOOD = {"prompt": "The game", "max_tokens": 4, "temperature": 0}
+CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the message)
+    ("malformed JSON", b'{"prompt": "x", ', 400, None, "not valid JSON"),
+    ("unknown field", dict(GOOD, temprature=0), 400, "temprature", "unknown field 'temprature'"),
+    ("past the context", dict(GOOD, max_tokens=62), 400, "max_tokens", "past the model's context of 64"),
+    ("empty prompt", dict(GOOD, prompt=""), 400, "prompt", "empty"),
+    ("empty prompt list", dict(GOOD, prompt=[]), 400, "prompt", "empty"),
+    ("wrong type", dict(GOOD, max_tokens="4"), 400, "max_tokens", "expected an integer"),
+    ("bool is not an int", dict(GOOD, n=True), 400, "n", "expected an integer"),
+    ("id outside the vocabulary", dict(GOOD, prompt=[5, 8192]), 400, "prompt", "outside the vocabulary"),
+    ("unsupported field", dict(GOOD, best_of=3), 400, "best_of", "not supported"),
+    ("body not an object", [1, 2], 400, None, "JSON object"),
+    ("another model", dict(GOOD, model="gpt-4"), 404, "model", "not served here"),
+]
+
+
+@pytest.fixture(scope="module")
+def keyed(checkpoint):
+    with start_server(checkpoint, api_key=KEY) as running:
+        yield running
+
+
+@pytest.mark.parametrize("what, body, status, param, phrase", CASES, ids=[case[0] for case in CASES])
+def test_bad_request_gets_its_status_and_error(keyed, what, body, status, param, phrase):
+    raw = body if isinstance(body, bytes) else None
+    got, answer = keyed.post("/v1/completions", None if raw else body, raw=raw)
+    assert got == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param and phrase in answer["error"]["message"], answer
+    assert keyed.post("/v1/completions", GOOD)[0] == 200                       # still serving
+
+
+def test_too_large_body_refused_before_it_is_read(keyed):
+    """Content-Length one byte past the 1 MiB limit: 413 from the headers alone (the body is never sent)."""
+    url = urllib.parse.urlparse(keyed.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
+                        "Content-Length": str((1 << 20) + 1)}.items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 413 and "larger than 1048576 bytes" in answer["error"]["message"], answer
+    exactly = b'{"prompt": "The", "max_tokens": 1, "user": "' + b"a" * ((1 << 20) - 46) + b'"}'
+    assert len(exactly) == 1 << 20 and keyed.post("/v1/completions", None, raw=exactly)[0] == 200   # at the limit
+
+
+def test_megatron_api_refuses_by_name(keyed):
+    for body, param in [({"prompts": ["x"], "beam_width": 2}, "beam_width"),
+                        ({"prompts": ["x"], "top_k": 5, "top_p": 0.5}, "top_p"),
+                        ({"prompts": ["x"], "prevent_newline_after_colon": True}, "prevent_newline_after_colon"),
+                        ({"prompts": ["x"], "tokens_to_generate": 0}, "tokens_to_generate"),
+                        ({"prompts": "x"}, "prompts")]:
+        status, answer = keyed.request("PUT", "/api", body)
+        assert (status, answer["error"]["param"]) == (400, param), answer
+
+
+def test_chat_messages_checked(keyed):
+    for messages in ([], [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                     [{"role": "robot", "content": "Hi"}]):
+        status, answer = keyed.post("/v1/chat/completions", {"messages": messages})
+        assert (status, answer["error"]["param"]) == (400, "messages"), answer
+
+
+def test_wrong_or_missing_api_key(keyed):
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, answer = keyed.post("/v1/completions", GOOD, headers=headers)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
+    assert keyed.request("GET", "/health", headers={"Authorization": ""})[0] == 200   # health needs no key
+
+
+def test_dropped_stream_leaves_the_server_serving(keyed):
+    """A client reads one chunk of a 60-token stream and hangs up; the server finishes or drops that batch and
+    answers the next request."""
+    url = urllib.parse.urlparse(keyed.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(dict(GOOD, max_tokens=60, stream=True)),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert keyed.post("/v1/completions", GOOD)[0] == 200
+    deadline = time.monotonic() + 30
+    while keyed.request("GET", "/health")[1]["running_rows"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert keyed.request("GET", "/health")[1]["running_rows"] == 0
+
+
+@pytest.mark.parametrize("change, phrase", [
+    (["--load", "/nonexistent/ckpt"], "holds no checkpoint"),
+    (["--hidden-size", "48", "--num-attention-heads", "4"], "hidden"),
+], ids=["missing", "another model"])
+def test_bad_start_is_one_line(checkpoint, change, phrase):
+    command = server_command(checkpoint) + change
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and phrase in errors[0], result.stderr[-2000:]
