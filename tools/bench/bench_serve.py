@@ -91,16 +91,21 @@ def post_completions(connection, prompt, max_tokens):
     return payload["usage"]["completion_tokens"]
 
 
-def bench_server(server, prompts, requests, max_tokens):
-    """(requests/s, tokens/s) with len(prompts[0]) clients, client c sending prompts[r][c] for r < requests."""
+def bench_server(server, prompts, requests, max_tokens, per_request=False):
+    """(requests/s, tokens/s) with len(prompts[0]) clients, client c sending prompts[r][c] for r < requests; on
+    one kept-alive connection per client, or a new connection per request (`per_request`)."""
     clients = len(prompts[0])
     tokens = [0] * clients
     start_together = threading.Barrier(clients + 1)
 
     def client(index):
-        connection = http.client.HTTPConnection(server.host, int(server.port), timeout=600)
+        connect = lambda: http.client.HTTPConnection(server.host, int(server.port), timeout=600)   # noqa: E731
+        connection = connect()
         start_together.wait()
         for rows in prompts[:requests]:
+            if per_request:
+                connection.close()
+                connection = connect()
             tokens[index] += post_completions(connection, rows[index], max_tokens)
         connection.close()
 
@@ -186,41 +191,52 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests", type=int, default=8, help="requests per client")
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--connection-per-request", action="store_true",
+                        help="open a new connection for each request instead of keeping one alive per client")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of this process and the server's (OMP_NUM_THREADS; 0: torch's "
+                             "default). The server decodes on a thread of its own, where torch's default thread "
+                             "team ran ~10x faster than on a main thread on this loaded 2-core machine: equal "
+                             "thread counts keep the comparison fair")
     options = parser.parse_args()
+    if options.threads:
+        os.environ["OMP_NUM_THREADS"] = str(options.threads)   # read when torch starts, here and in the server
+    if options.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""          # the server process and this one both on the CPU
     import torch
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch sees no CUDA device")
-    if options.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""          # the server process and this one both on the CPU
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as directory:
         load = options.load or make_checkpoint(options, directory)
         model, eod_id = load_in_process(options, load)
         hf = load_hf(load, directory, options.device)
         prompts = prompt_table(options, model.config.real_vocab_size or model.config.vocab_size)
         print(f"# GPT-2 L={options.layers} h={options.hidden} heads={options.heads} V={hf.config.vocab_size} on "
-              f"{options.device} ({torch.get_num_threads()} threads here), prompt {options.prompt_tokens} tokens, "
-              f"max_tokens {options.max_tokens}, greedy, {options.requests} requests per client, medians of "
-              f"{options.repeats} repeats")
+              f"{options.device}, prompt {options.prompt_tokens} tokens, "
+              f"max_tokens {options.max_tokens}, greedy, {options.requests} requests per client "
+              f"({'a connection per request' if options.connection_per_request else 'kept-alive connections'}), "
+              f"{options.threads or 'default'} intra-op threads per process, medians of {options.repeats} repeats")
         print("| clients | server req/s | server tok/s | in-process req/s | in-process tok/s | serving overhead | "
               "HF req/s | HF tok/s | server / HF |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         with Server(options, load) as server:
             for clients in options.clients:
                 table = [rows[:clients] for rows in prompts]
-                ways = {"server": lambda: bench_server(server, table, options.requests, options.max_tokens),
-                        "ours": lambda: bench_in_process(model, table, options.requests, options.max_tokens, eod_id),
-                        "hf": lambda: bench_hf(hf, table, options.requests, options.max_tokens, eod_id)}
+                ways = {"server": lambda n: bench_server(server, table, n, options.max_tokens,
+                                                         options.connection_per_request),
+                        "ours": lambda n: bench_in_process(model, table, n, options.max_tokens, eod_id),
+                        "hf": lambda n: bench_hf(hf, table, n, options.max_tokens, eod_id)}
                 for way in ways.values():
-                    way()                                               # warm-up (graphs, caches, connections)
+                    way(1)                                              # warm-up (graphs, caches, connections)
                 results = {name: [] for name in ways}
                 for repeat in range(options.repeats):
                     for name in (list(ways) if repeat % 2 == 0 else list(reversed(ways))):
-                        results[name].append(ways[name]())
+                        results[name].append(ways[name](options.requests))
                 print(row(clients, results), flush=True)
 
 
