@@ -62,11 +62,10 @@ def listening_socket(host, port):
                           "(0: any free one) or --host") from None
 
 
-def serve(runner, args):
-    """Model-parallel rank 0: the HTTP server until interrupted (Ctrl-C, SIGTERM)."""
+def serve(runner, args, sock):
+    """Model-parallel rank 0: the HTTP server on `sock` until interrupted (Ctrl-C, SIGTERM)."""
     import uvicorn
     from megatron.serving import create_app
-    sock = listening_socket(args.host, args.port)
     app = create_app(runner, api_key=args.api_key, max_batch_size=args.max_batch_size,
                      model_name=args.served_model_name, chat_template=args.chat_template)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -85,12 +84,14 @@ def main(args_list=None):
     if dist.get_world_size() != mpu.get_model_parallel_world_size() * mpu.get_pipeline_model_parallel_world_size():
         raise InferenceInputError(f"the server runs one model: launch --model-parallel-size "
                                   f"({mpu.get_model_parallel_world_size()}) processes, not {dist.get_world_size()}")
+    first = mpu.get_model_parallel_rank() == 0
+    sock = listening_socket(args.host, args.port) if first else None   # a taken port fails before the load
     model = load_inference_model(args, "the text generation server", need_tokenizer=True)
     name = os.path.basename(os.path.normpath(args.load))
     runner = ModelRunner(model, get_tokenizer(), name, get_checkpoint_iteration(args.load)[0])
-    if mpu.get_model_parallel_rank() == 0:
+    if first:
         try:
-            serve(runner, args)
+            serve(runner, args, sock)
         finally:
             runner.close()
     else:

@@ -18,8 +18,7 @@ The drivers the entry points call (imported by module, not here: the light tools
     rlhf_driver   train_rlhf.py: the PPO/GRPO loop (rlhf_flags: its command line)
 """
 from .sft_data import (DEFAULT_TEMPLATE, TEMPLATES, ChatTemplate, ExampleError, assemble_row, checked_messages,
-                       encode_example,
-                       encode_prompt, pack_examples, parse_example, parse_preference, truncate_example)
+                       encode_example, encode_prompt, pack_examples, parse_example, parse_preference, truncate_example)
 from .sft_dataset import (PreferenceDataset, SFTDataError, SFTDataset, build_preference_datasets, build_sft_datasets,
                           open_sft_files, output_prefixes)
 from . import common, dpo, ema, reward, rlhf, rlhf_loss
@@ -27,8 +26,7 @@ from .common import model_inputs, sum_over_group, trim_to_longest
 from .sft_loss import StepBatches, masked_sum
 
 __all__ = ["DEFAULT_TEMPLATE", "TEMPLATES", "ChatTemplate", "ExampleError", "assemble_row", "checked_messages",
-           "encode_example",
-           "encode_prompt", "pack_examples", "parse_example", "parse_preference", "truncate_example", "SFTDataError",
-           "SFTDataset", "PreferenceDataset", "build_sft_datasets", "build_preference_datasets", "open_sft_files",
+           "encode_example", "encode_prompt", "pack_examples", "parse_example", "parse_preference", "truncate_example",
+           "SFTDataError", "SFTDataset", "PreferenceDataset", "build_sft_datasets", "build_preference_datasets", "open_sft_files",
            "output_prefixes", "StepBatches", "masked_sum", "model_inputs", "sum_over_group", "trim_to_longest",
            "common", "dpo", "ema", "reward", "rlhf", "rlhf_loss"]

@@ -7,6 +7,7 @@ tokenizer endpoints (what lm-eval's local-completions tokenizes with), /health a
 Every refusal is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its HTTP status:
 400 (bad JSON, field, value), 401 (API key), 404 (route, model), 405 (method), 413 (body too large).
 """
+import asyncio
 import json
 import os
 from contextlib import asynccontextmanager
@@ -81,7 +82,7 @@ def create_app(runner, *, api_key=None, max_batch_size=8, model_name=None, chat_
                                 "(GET /v1/models)", "model", "model_not_found")
 
     def submit(request):
-        work = Work(request, runner, _loop())
+        work = Work(request, runner, asyncio.get_running_loop())
         batcher.submit(work)
         return work
 
@@ -181,19 +182,10 @@ def _too_large(limit):
                     None, "request_too_large")
 
 
-def _loop():
-    import asyncio
-    return asyncio.get_running_loop()
-
-
 async def _finished(work):
     """Wait for the batcher to finish `work` (its deltas are for streams only); re-raise its error."""
-    while True:
-        event = await work.events.get()
-        if event[0] == "done":
-            return
-        if event[0] == "error":
-            raise event[1]
+    async for _ in _events(work):
+        pass
 
 
 def _sse(chunks):

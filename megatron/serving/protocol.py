@@ -10,14 +10,16 @@ search, penalties, logit_bias) is accepted only at its "off" value and otherwise
 """
 from dataclasses import dataclass, field
 
+from megatron.cli import UserError
 from megatron.posttrain import ExampleError, checked_messages
 
 MAX_LOGPROBS = 20
 """The most alternatives `logprobs` may ask for per token (OpenAI allows 5; vLLM 20)."""
 
 
-class APIError(Exception):
-    """A refused request: HTTP `status` and the OpenAI error object naming the problem (`param`: the field)."""
+class APIError(UserError, ValueError):
+    """A refused request (a client's bad input): HTTP `status` and the OpenAI error object naming the problem
+    (`param`: the field). The app answers it; it never reaches run_main."""
 
     def __init__(self, status, message, param=None, code=None, kind="invalid_request_error"):
         super().__init__(message)

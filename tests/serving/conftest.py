@@ -1,5 +1,5 @@
 """The serving tests' shared pieces: one tiny checkpoint per session (3 ZeRO steps on the embedded data, 64
-positions), and a server on it per module (tools/run_text_generation_server.py as a subprocess, --port 0, waited
+positions), and one server on it for the session (tools/run_text_generation_server.py as a subprocess, --port 0, waited
 for by its `serving NAME at URL` line).
 
     def test_x(server):                       # the module's tp-1 server: server.url, server.post(path, body)
@@ -121,7 +121,11 @@ def _wait_for_url(process):
     raise RuntimeError("the server did not start:\n" + "".join(lines[-40:]))
 
 
-@pytest.fixture(scope="module")
+API_KEY = "sesame"
+
+
+@pytest.fixture(scope="session")
 def server(checkpoint):
-    with start_server(checkpoint, ["--max-batch-size", "8"]) as running:
+    """The session's tp-1 server (--api-key API_KEY: Server.request sends it), shared by every module."""
+    with start_server(checkpoint, ["--max-batch-size", "8"], api_key=API_KEY) as running:
         yield running

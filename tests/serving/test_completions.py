@@ -1,7 +1,7 @@
 """The server's answers against generate() run in another process on the same checkpoint (one prompt at a time):
 8 concurrent greedy requests of different lengths (batched) each get the tokens they get alone; the unmodified
 `openai` client gets the same completions and chat completions, streamed and not; Megatron's PUT /api agrees with
-/v1/completions; stop strings cut the text; a seeded sample repeats. One server for the module."""
+/v1/completions; stop strings cut the text; a seeded sample repeats. One server for the session (conftest)."""
 import threading
 
 import pytest
@@ -38,6 +38,7 @@ def _complete(server, prompt, max_tokens, **fields):
 def test_concurrent_requests_get_what_they_get_alone(server, alone):
     texts, _ = alone
     answers = [None] * len(PROMPTS)
+    batches_before = server.request("GET", "/health")[1]["batches"]
 
     def ask(i):
         answers[i] = _complete(server, PROMPTS[i], NEW[i])
@@ -49,7 +50,7 @@ def test_concurrent_requests_get_what_they_get_alone(server, alone):
     assert [a["choices"][0]["text"] for a in answers] == texts
     assert [a["usage"]["prompt_tokens"] for a in answers] == [len(ids) for ids in alone[1]]
     _, health = server.request("GET", "/health")
-    assert health["largest_batch"] > 1, health          # requests were batched, not only queued
+    assert health["batches"] - batches_before < len(PROMPTS), health      # batched, not only queued
 
 
 def test_token_id_prompts_and_list_prompts(server, alone):
@@ -63,7 +64,7 @@ def test_token_id_prompts_and_list_prompts(server, alone):
 
 def test_openai_client_completions_and_chat(server, alone):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
     model = client.models.list().data[0].id
     done = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=NEW[2], temperature=0)
     assert done.choices[0].text == alone[0][2] and done.usage.completion_tokens == NEW[2]
@@ -89,7 +90,7 @@ def test_chat_prompt_is_the_finetuning_format(server):
     assert chat["choices"][0]["message"]["content"] == text.removeprefix(" ")
 
 
-def test_megatron_api_agrees_with_completions(server):
+def test_megatron_api_agrees_with_completions(server, alone):
     prompt = PROMPTS[1]
     status, api = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1,
                                                  "logprobs": True})
@@ -98,6 +99,11 @@ def test_megatron_api_agrees_with_completions(server):
     assert api["text"][0] == completion["text"]
     assert api["segments"][0] == completion["logprobs"]["tokens"]
     assert api["logprobs"][0] == completion["logprobs"]["token_logprobs"][1:]
+    status, bos = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1,
+                                                 "logprobs": True, "add_BOS": True})
+    ids = [0] + alone[1][1]                                    # <|endoftext|> is id 0 in the embedded vocab
+    after_eod = _complete(server, ids, 6, echo=True, logprobs=0)["choices"][0]["logprobs"]
+    assert bos["segments"][0] == after_eod["tokens"] and bos["logprobs"][0] == after_eod["token_logprobs"][1:]
 
 
 def test_stop_string_cuts_the_text(server, alone):

@@ -1,19 +1,19 @@
 """Bad input never takes the server down: each case gets its HTTP status and an OpenAI error object naming the
-problem (one server with an API key for the module; after every case it still answers); a client that drops a
+problem (the session's server, which has an API key; after every case it still answers); a client that drops a
 stream frees the model; a bad start (missing checkpoint, another model's checkpoint, a taken port) is one line."""
 import http.client
 import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 
 import pytest
 
 from tests.helpers import REPO
-from tests.serving.conftest import server_command, start_server
-
-KEY = "sesame"
+from tests.serving.conftest import API_KEY as KEY
+from tests.serving.conftest import server_command
 GOOD = {"prompt": "The game", "max_tokens": 4, "temperature": 0}
 CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the message)
     ("malformed JSON", b'{"prompt": "x", ', 400, None, "not valid JSON"),
@@ -30,10 +30,9 @@ CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the 
 ]
 
 
-@pytest.fixture(scope="module")
-def keyed(checkpoint):
-    with start_server(checkpoint, api_key=KEY) as running:
-        yield running
+@pytest.fixture
+def keyed(server):
+    return server
 
 
 @pytest.mark.parametrize("what, body, status, param, phrase", CASES, ids=[case[0] for case in CASES])
@@ -87,22 +86,25 @@ def test_wrong_or_missing_api_key(keyed):
     assert keyed.request("GET", "/health", headers={"Authorization": ""})[0] == 200   # health needs no key
 
 
-def test_dropped_stream_leaves_the_server_serving(keyed):
-    """A client reads one chunk of a 60-token stream and hangs up; the server finishes or drops that batch and
-    answers the next request."""
+def test_dropped_stream_frees_its_place(keyed):
+    """While a long request (64 sampled rows: 8 batches) holds the model, a stream queued behind it is dropped by
+    its client after the headers: it never runs (batches = the long request's 8 + the next request's 1)."""
+    before = keyed.request("GET", "/health")[1]["batches"]
+    long = threading.Thread(target=keyed.post, args=("/v1/completions", dict(GOOD, max_tokens=60, n=64,
+                                                                             temperature=1.0)))
+    long.start()
+    while keyed.request("GET", "/health")[1]["running_rows"] == 0:
+        time.sleep(0.01)
     url = urllib.parse.urlparse(keyed.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     connection.request("POST", "/v1/completions", json.dumps(dict(GOOD, max_tokens=60, stream=True)),
                        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    response = connection.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
+    assert connection.getresponse().status == 200
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
+    long.join()
     assert keyed.post("/v1/completions", GOOD)[0] == 200
-    deadline = time.monotonic() + 30
-    while keyed.request("GET", "/health")[1]["running_rows"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert keyed.request("GET", "/health")[1]["running_rows"] == 0
+    assert keyed.request("GET", "/health")[1]["batches"] - before == 8 + 1
 
 
 @pytest.mark.parametrize("change, phrase", [
@@ -115,3 +117,23 @@ def test_bad_start_is_one_line(checkpoint, change, phrase):
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and phrase in errors[0], result.stderr[-2000:]
+
+
+def test_taken_port_is_one_line(checkpoint):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        command = server_command(checkpoint) + ["--port", str(other.getsockname()[1])]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(errors) == 1 and "cannot listen on" in errors[0], result.stderr[-2000:]
+
+
+def test_pipeline_refused_by_name(checkpoint):
+    """Two pipeline stages (torchrun, 2 processes): refused before serving, the flag and the fix named."""
+    command = server_command(checkpoint, ["--pipeline-model-parallel-size", "2"], nproc=2)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors, result.stderr[-2000:]
+    assert all("not --pipeline-model-parallel-size 2" in line for line in errors), errors
+    assert "serving " not in result.stdout
