@@ -3,12 +3,12 @@ loopback HTTP) at 1, 4 and 16 concurrent clients, against calling `generate` in 
 against Hugging Face transformers' generate on its export (tools/convert_to_hf.py). Greedy, one server process.
 
     python tools/bench/bench_serve.py                     # CPU: trains a tiny checkpoint (L4 h256, webtext vocab)
-    python tools/bench/bench_serve.py --clients 1 4 --requests 8 --max-tokens 64
+    python tools/bench/bench_serve.py --connection-per-request --clients 1 --requests 16 --repeats 5
     python tools/bench/bench_serve.py --device cuda --layers 12 --hidden 768 --heads 12 --seq-length 1024
 
-Each client is a thread with its own keep-alive connection sending --requests requests one after another, each a
-prompt of --prompt-tokens token ids (distinct per request) and max_tokens --max-tokens at temperature 0; tokens/s
-counts the completion tokens the responses' usage reports. "In process" is the same work without HTTP: for c
+Each client is a thread with its own kept-alive connection (or a new one per request: --connection-per-request)
+sending --requests requests one after another, each a prompt of --prompt-tokens token ids (distinct per request)
+and max_tokens --max-tokens at temperature 0; tokens/s counts the completion tokens the responses' usage reports. "In process" is the same work without HTTP: for c
 clients, generate() on batches of c of the same prompts, --requests times (the batch the server forms at best);
 "HF" is GPT2LMHeadModel.generate on the same batches (the prompts all have one length: no padding on either side).
 Serving overhead = 1 - server requests/s / in-process requests/s; the goal at 1 client is <= 5%.
