@@ -15,8 +15,8 @@ them and each one honoured, or refused by name:
     stop_on_double_eol      stop after the first blank line ("\\n\\n") generated
     random_seed             the sampling seed (-1, the default: a fresh one per request)
     no_log                  accepted: this server logs no request texts anyway
-    prevent_newline_after_colon, top_p_decay, top_p_bound, beam_width, length_penalty, stop_token: refused unless
-    off (no logits processing, no beam search here)
+    prevent_newline_after_colon, top_p_decay, top_p_bound, beam_width, length_penalty, stop_token, all_probs:
+    refused unless off (no logits processing, no beam search, no whole-vocabulary distributions here)
 
 "text" is each prompt followed by its generation (the end-of-text token is not shown); "segments" its tokens as
 strings. Errors are OpenAI error objects (app.py), not Megatron's bare strings.
@@ -28,13 +28,14 @@ from .protocol import (APIError, GenerationRequest, check, check_context, prompt
 
 FIELDS = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "add_BOS", "stop_on_eol",
           "stop_on_double_eol", "random_seed", "no_log", "prevent_newline_after_colon", "top_p_decay", "top_p_bound",
-          "beam_width", "length_penalty", "stop_token")
+          "beam_width", "length_penalty", "stop_token", "all_probs")
 
 
 def parse(body, limits):
     """PUT /api's body -> GenerationRequest."""
     refuse_unknown(body, FIELDS, "PUT /api")
     refuse_unless_off(body, "prevent_newline_after_colon", (False,), "no logits processing")
+    refuse_unless_off(body, "all_probs", (False,), "no whole-vocabulary distributions are returned")
     refuse_unless_off(body, "top_p_decay", (0, 0.0), "top-p is not decayed")
     refuse_unless_off(body, "top_p_bound", (0, 0.0), "top-p is not decayed")
     for name in ("beam_width", "length_penalty", "stop_token"):

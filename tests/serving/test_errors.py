@@ -66,6 +66,7 @@ def test_megatron_api_refuses_by_name(keyed):
     for body, param in [({"prompts": ["x"], "beam_width": 2}, "beam_width"),
                         ({"prompts": ["x"], "top_k": 5, "top_p": 0.5}, "top_p"),
                         ({"prompts": ["x"], "prevent_newline_after_colon": True}, "prevent_newline_after_colon"),
+                        ({"prompts": ["x"], "all_probs": True}, "all_probs"),
                         ({"prompts": ["x"], "tokens_to_generate": 0}, "tokens_to_generate"),
                         ({"prompts": "x"}, "prompts")]:
         status, answer = keyed.request("PUT", "/api", body)
