@@ -52,7 +52,9 @@ def listening_socket(host, port):
     """A bound, listening TCP socket (connections wait in its backlog until the server accepts them)."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP; with 0 each
+        # kept-alive response waited ~45 ms for the client's delayed ACK (Nagle; Kludex/uvicorn#3149)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
