@@ -1,0 +1,142 @@
+"""Fault-tolerant replica groups on torchft (DESIGN section 21): a failed group costs its share of a step, not a
+restart of everyone.
+
+The job is R replica groups, each an ordinary Megatron/ZeRO job with its own torchrun (its own tensor, pipeline and
+data parallelism). Across groups, rank r of every group holds the same ZeRO partition, so the reduced gradient
+partitions are averaged rank for rank through torchft's Manager over the groups in this step's quorum, and the step
+is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook). A group that
+restarts asks the lighthouse for a quorum and receives the training state (zero.replica_state_dict: weights,
+optimizer state, loss scaler, lr scheduler, step counters; the TrainState and RNG states) from a live peer through
+torchft's checkpoint transport; no file is read. The lighthouse is torchft's own:
+
+    torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind 0.0.0.0:29510 &
+    # group g = 0 .. R-1, each with its own torchrun (its own --master_port / rendezvous):
+    torchrun --nproc_per_node 2 --master_port $((29600 + g)) --max-restarts 3 pretrain_gpt.py ... \\
+        --ft-replica-groups 2 --ft-group-id $g --ft-lighthouse http://HOST:29510
+
+Data: group g's data-parallel rank r reads as data-parallel rank g * dp + r of R * dp (sample_shard), so R groups of
+dp ranks see exactly the batches of one job at data-parallel size R * dp. One group (R = 1, no flag) imports no
+torchft and adds no collective. docs/operations.md says when to use it.
+"""
+import dataclasses
+import time
+from datetime import timedelta
+
+import torch
+
+from megatron.cli import UserError
+
+
+class FaultToleranceError(UserError):
+    """Replica-group settings that cannot work (a group id out of range, no lighthouse, torchft missing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSettings:
+    """The replica-group settings (--ft-* flags, or the JSON's "fault_tolerance" block: the JSON wins)."""
+    groups: int = 1
+    """R, the number of replica groups (1: no fault tolerance, torchft is not imported)."""
+    group_id: int = 0
+    """This job's group, 0 .. R-1: its share of each global batch and its torchft replica id."""
+    lighthouse: str = ""
+    """The lighthouse's address (http://HOST:PORT); empty: the TORCHFT_LIGHTHOUSE environment variable."""
+    min_replicas: int = 1
+    """A step commits only with at least this many groups in the quorum."""
+    timeout_s: float = 60.0
+    """torchft's timeout for the gradient exchange, should_commit, quorum and the checkpoint transfer (seconds)."""
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(groups=args.ft_replica_groups, group_id=args.ft_group_id, lighthouse=args.ft_lighthouse or "",
+                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
+
+    def check(self):
+        """One line naming the bad value, before anything is built."""
+        if self.groups < 1:
+            raise FaultToleranceError(f"--ft-replica-groups ({self.groups}) must be at least 1")
+        if not 0 <= self.group_id < self.groups:
+            raise FaultToleranceError(f"--ft-group-id ({self.group_id}) must be in [0, {self.groups}) for "
+                                      f"--ft-replica-groups {self.groups}")
+        if not 1 <= self.min_replicas <= self.groups:
+            raise FaultToleranceError(f"--ft-min-replicas ({self.min_replicas}) must be in [1, {self.groups}]")
+        if not self.timeout_s > 0:
+            raise FaultToleranceError(f"--ft-timeout ({self.timeout_s}) must be positive")
+
+
+def sample_shard(groups, group_id, data_parallel_rank, data_parallel_size):
+    """(rank, size) the sampler reads as: group g's rank r is rank g * dp + r of R * dp. With R = 2, dp = 2:
+    group 0 reads as ranks 0, 1 and group 1 as ranks 2, 3 of one data-parallel-4 job."""
+    return group_id * data_parallel_size + data_parallel_rank, groups * data_parallel_size
+
+
+def group_sample_indices(consumed, groups, group_id, data_parallel_size, micro_batch_size, micro_batches):
+    """Global sample indices group `group_id` trains on in the step that starts after `consumed` samples
+    (megatron.data.samplers' order: micro batch k of the step spans R * dp * micro samples)."""
+    stride = groups * data_parallel_size * micro_batch_size
+    first = group_id * data_parallel_size * micro_batch_size
+    return [consumed + k * stride + first + i for k in range(micro_batches)
+            for i in range(data_parallel_size * micro_batch_size)]
+
+
+class ReplicaGroup:
+    """This rank's side of its group in the torchft quorum: start_step() before the forward (quorum; a heal is
+    applied there), average_and_commit(partition_grads) as the optimizer's replica_sync. `state_dict` and
+    `load_state_dict` are the training state handed to / taken from a healing peer. `store_addr/port`: the group's
+    TCPStore (default: MASTER_ADDR/MASTER_PORT, torchrun's)."""
+
+    def __init__(self, settings, state_dict, load_state_dict, group_rank, group_world_size, store_addr=None,
+                 store_port=None):
+        try:
+            from torchft import Manager, ProcessGroupGloo   # optional: imported only with 2+ groups
+        except ImportError as error:
+            raise FaultToleranceError(f"--ft-replica-groups {settings.groups} needs torchft ({error}): "
+                                      "pip install torchft") from None
+        import os
+        lighthouse = settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise FaultToleranceError("no lighthouse: pass --ft-lighthouse http://HOST:PORT (or set "
+                                      "TORCHFT_LIGHTHOUSE), after starting torchft_lighthouse")
+        self.settings = settings
+        self._load = load_state_dict
+        self.heals = []        # (step, seconds) of each state received from a peer
+        self.quorums = []      # per step: the group ids whose gradients were averaged
+        self.committed = []    # per step: should_commit's answer
+        timeout = timedelta(seconds=settings.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=state_dict,
+            min_replica_size=settings.min_replicas, use_async_quorum=False, init_sync=False, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+            replica_id=f"group{settings.group_id}")
+        self._quorum_started = None
+
+    def _heal(self, state):
+        started = time.monotonic()
+        self._load(state)
+        self.heals.append((self.manager.current_step(), time.monotonic() - started))
+
+    def start_step(self):
+        """Join this step's quorum (blocking); a group behind the others receives their state here. Returns
+        whether it healed."""
+        heals = len(self.heals)
+        self.manager.start_quorum()
+        return len(self.heals) > heals
+
+    def average_and_commit(self, partition_grads):
+        """Average each reduced partition over the groups in the quorum (in place) and say whether to apply the
+        step. A failed exchange leaves the gradients unusable; should_commit is then False."""
+        from torch.distributed import ReduceOp
+        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device
+                             if partition_grads else "cpu")
+        member[self.settings.group_id] = 1.0
+        works = [self.manager.allreduce(grad) for grad in partition_grads]
+        works.append(self.manager.allreduce(member, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        committed = self.manager.should_commit()
+        self.quorums.append([g for g in range(self.settings.groups) if member[g].item() > 0.5])
+        self.committed.append(committed)
+        return committed
+
+    def shutdown(self):
+        self.manager.shutdown(wait=False)
