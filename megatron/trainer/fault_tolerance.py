@@ -139,4 +139,86 @@ class ReplicaGroup:
         return committed
 
     def shutdown(self):
-        self.manager.shutdown(wait=False)
+        self.manager.shutdown(wait=True)   # wait=False leaves a thread that aborts the process at exit
+
+
+class NoReplicaGroups:
+    """One group (R = 1): the training loop's calls do nothing, and torchft is never imported."""
+
+    def before_step(self, train_iterator):
+        return train_iterator
+
+    def after_step(self, iteration, history):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class ReplicaTraining:
+    """megatron/training.py's side: before_step() joins the quorum (and after a heal restarts the data at the
+    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals."""
+
+    def __init__(self, replica, args, train_state):
+        self.replica, self.args, self.train_state = replica, args, train_state
+        self._consumed = None      # where the step being taken starts in the global sample order
+
+    @classmethod
+    def from_args(cls, args, engine, train_state):
+        """NoReplicaGroups at R = 1; otherwise this rank's ReplicaGroup, hooked into the engine's optimizer."""
+        settings = ReplicaSettings.from_args(args)
+        if settings.groups == 1:
+            return NoReplicaGroups()
+        import torch.distributed as dist
+        from megatron import zero
+        from megatron.checkpoint.rng import get_rng_state, set_rng_state
+
+        def state_dict():
+            return {"engine": zero.replica_state_dict(engine), "train_state": train_state.to_state(),
+                    "rng": get_rng_state()}
+
+        def load_state_dict(state):
+            zero.load_replica_state_dict(engine, state["engine"])
+            for name in train_state.COUNTERS:
+                setattr(train_state, name, int(state["train_state"][name]))
+            set_rng_state(state["rng"])
+        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size())
+        engine.optimizer.replica_sync = replica.average_and_commit
+        return cls(replica, args, train_state)
+
+    def before_step(self, train_iterator):
+        if self.replica.start_step():
+            step, seconds = self.replica.heals[-1]
+            self._print(f"healed from a live group at iteration {self.train_state.iteration} (torchft step {step}) "
+                        f"in {seconds:.2f} s")
+            if train_iterator is not None:
+                if not hasattr(train_iterator, "restart_at"):
+                    raise FaultToleranceError("a healed group cannot move this training data source to the peer's "
+                                              "position: use an indexed dataset (--data-path PREFIX) or --mock-data")
+                train_iterator.restart_at(self.train_state.consumed_train_samples)
+        self._consumed = self.train_state.consumed_train_samples
+        return train_iterator
+
+    def after_step(self, iteration, history):
+        """Log this step's quorum; the samples of the groups whose gradients were not applied are dropped."""
+        settings, quorum = self.replica.settings, self.replica.quorums[-1]
+        committed = self.replica.committed[-1]
+        history.setdefault("ft quorum", []).append(len(quorum) if committed else 0)
+        history.setdefault("ft heals", [])[:] = self.replica.heals
+        lost = [g for g in range(settings.groups) if g not in quorum or not committed]
+        if not lost:
+            return
+        dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
+                                           self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        history.setdefault("ft dropped", {}).update({(iteration, g): indices for g, indices in dropped.items()})
+        for g, indices in dropped.items():
+            self._print(f"iteration {iteration}: quorum {quorum} of {settings.groups} groups, "
+                        f"{'committed' if committed else 'discarded'}; dropped group {g}'s samples {indices}")
+
+    def _print(self, text):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            print(f" > ft group {self.replica.settings.group_id}: {text}", flush=True)
+
+    def shutdown(self):
+        self.replica.shutdown()
