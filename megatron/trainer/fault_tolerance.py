@@ -98,7 +98,7 @@ class ReplicaGroup:
                                       "TORCHFT_LIGHTHOUSE), after starting torchft_lighthouse")
         self.settings = settings
         self._load = load_state_dict
-        self.heals = []        # (step, seconds) of each state received from a peer
+        self.heals = []        # (torchft step, seconds from asking for the quorum to the state loaded) of each heal
         self.quorums = []      # per step: the group ids whose gradients were averaged
         self.committed = []    # per step: should_commit's answer
         timeout = timedelta(seconds=settings.timeout_s)
@@ -111,16 +111,18 @@ class ReplicaGroup:
         self._quorum_started = None
 
     def _heal(self, state):
-        started = time.monotonic()
         self._load(state)
-        self.heals.append((self.manager.current_step(), time.monotonic() - started))
+        self.heals.append((self.manager.current_step(), None))
 
     def start_step(self):
-        """Join this step's quorum (blocking); a group behind the others receives their state here. Returns
-        whether it healed."""
-        heals = len(self.heals)
+        """Join this step's quorum (blocking); a group behind the others receives their state here (through
+        torchft's checkpoint transport) and loads it. Returns whether it healed."""
+        heals, started = len(self.heals), time.monotonic()
         self.manager.start_quorum()
-        return len(self.heals) > heals
+        if len(self.heals) == heals:
+            return False
+        self.heals[-1] = (self.heals[-1][0], time.monotonic() - started)
+        return True
 
     def average_and_commit(self, partition_grads):
         """Average each reduced partition over the groups in the quorum (in place) and say whether to apply the

@@ -18,8 +18,6 @@ from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.spawn import free_port, run_distributed
 from tests.helpers import assert_bitwise, FIXTURES, MOCK_VOCAB, NO_DROPOUT, REPO, TINY_SHAPE
 
-pytest.importorskip("torchft")
-
 ITERS, KILL_AT, WAIT_AT = 8, 3, 5
 MICRO, ACCUMULATION, GROUPS = 2, 2, 2
 GLOBAL = MICRO * ACCUMULATION * GROUPS
