@@ -78,6 +78,23 @@ def group_sample_indices(consumed, groups, group_id, data_parallel_size, micro_b
             for i in range(data_parallel_size * micro_batch_size)]
 
 
+def _forget_previous_manager(group_rank, group_world_size, store_addr, store_port):
+    """torchft's Manager publishes group rank 0's server address in the group's store, and the other ranks read it;
+    after a torchrun restart (one store for every attempt) or a second Manager in one process they could read the
+    dead one's. Rank 0 deletes the keys before anyone builds a Manager; the others then wait for the new ones."""
+    if group_world_size == 1:
+        return
+    import os
+    import torch.distributed as dist
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+    if group_rank == 0:
+        store = dist.TCPStore(store_addr or os.environ["MASTER_ADDR"], int(store_port or os.environ["MASTER_PORT"]),
+                              is_master=False, wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
 class ReplicaGroup:
     """This rank's side of its group in the torchft quorum: start_step() before the forward (quorum; a heal is
     applied there), average_and_commit(partition_grads) as the optimizer's replica_sync. `state_dict` and
@@ -102,6 +119,7 @@ class ReplicaGroup:
         self.quorums = []      # per step: the group ids whose gradients were averaged
         self.committed = []    # per step: should_commit's answer
         timeout = timedelta(seconds=settings.timeout_s)
+        _forget_previous_manager(group_rank, group_world_size, store_addr, store_port)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=state_dict,
             min_replica_size=settings.min_replicas, use_async_quorum=False, init_sync=False, timeout=timeout,

@@ -13,7 +13,7 @@ from tests.helpers import batch, ds_config, engine_train_step, param_groups, Tin
 
 STAGES = (1, 2, 3)
 STEPS, MICRO, ACCUMULATION, GROUPS, GROUP_DP = 4, 2, 2, 2, 2
-HEAL_AT = 2      # the heal runs: group 0 trains steps 0 and 1 alone, group 1 joins (and heals) at step 2
+HEAL_AT = 2      # the heal runs: group 0 trains steps 0 and 1 alone, group 1 joins at step 2 (or one later)
 GLOBAL = MICRO * ACCUMULATION * GROUPS * GROUP_DP      # 16 samples per step, as a dp-4 job's
 CLIP = 0.05      # below the gradient norm: the clip coefficient needs the norm of the groups' averaged gradients
 
@@ -54,20 +54,22 @@ def _group_step(engine, step, group_id):
 
 
 def _replica_group(engine, group_id, lighthouse):
-    """This rank's ReplicaGroup, hooked into the engine. Rank 0 first: it publishes the group's manager address
-    in the group's store, which a second Manager in the same launch overwrites."""
+    """This rank's ReplicaGroup, hooked into the engine, on a store of its own: torchft keys its process groups'
+    rendezvous by quorum id in the group's store, and every phase's lighthouse counts quorum ids from 1 again."""
     import torch.distributed as dist
     from megatron import zero
     from megatron.trainer.fault_tolerance import ReplicaGroup, ReplicaSettings
+    port, store = torch.zeros(1, dtype=torch.int64), None
+    if dist.get_rank() == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port[0] = store.port
+    dist.broadcast(port, 0)
     settings = ReplicaSettings(groups=GROUPS, group_id=group_id, lighthouse=lighthouse, min_replicas=1,
-                               timeout_s=30)
-    replica = None
-    for turn in range(2):
-        if (dist.get_rank() == 0) == (turn == 0):
-            replica = ReplicaGroup(settings, lambda: zero.replica_state_dict(engine),
-                                   lambda state: zero.load_replica_state_dict(engine, state),
-                                   dist.get_rank(), dist.get_world_size())
-        dist.barrier()
+                               timeout_s=120)
+    replica = ReplicaGroup(settings, lambda: zero.replica_state_dict(engine),
+                           lambda state: zero.load_replica_state_dict(engine, state), dist.get_rank(),
+                           dist.get_world_size(), store_addr="127.0.0.1", store_port=int(port))
+    replica.store = store      # held for the phase
     engine.optimizer.replica_sync = replica.average_and_commit
     return replica
 
@@ -81,18 +83,17 @@ def _wait_for(path):
 
 
 def _train(engine, replica, group_id, before_step=lambda step: None):
-    """Steps up to STEPS from where the engine is (a healed group: from the peer's step); {step: loss}, and the
-    state right after the quorum of the step a heal happened in (this group's or its peer's)."""
-    losses, at_heal = {}, None
+    """Steps up to STEPS from where the engine is (a healed group: from the peer's step); {step: loss} and
+    {step: the training state right after the step's quorum (a heal is applied there)}."""
+    from megatron import zero
+    losses, states = {}, {}
     while engine.global_steps < STEPS:
         before_step(engine.global_steps)
         replica.start_step()
         step = engine.global_steps
-        if step == HEAL_AT:
-            from megatron import zero
-            at_heal = zero.replica_state_dict(engine)
+        states[step] = zero.replica_state_dict(engine)
         losses[step] = _group_step(engine, step, group_id)
-    return losses, at_heal
+    return losses, states
 
 
 def _heal_phase(group_id, stage, lighthouse, markers):
@@ -107,12 +108,14 @@ def _heal_phase(group_id, stage, lighthouse, markers):
     if group_id == 1 and dist.get_rank() == 0:
         open(joined, "w").close()
 
-    def wait_for_group_1(step):
-        if step == HEAL_AT and dist.get_rank() == 0:
-            open(os.path.join(markers, f"alone{stage}"), "w").close()
+    def wait_for_group_1(step):     # every rank: a rank waiting in the quorum alone would time out
+        if step == HEAL_AT:
+            if dist.get_rank() == 0:
+                open(os.path.join(markers, f"alone{stage}"), "w").close()
             _wait_for(joined)
-    losses, at_heal = _train(engine, replica, group_id, wait_for_group_1 if group_id == 0 else lambda step: None)
-    result = {"losses": losses, "at_heal": at_heal, "heals": replica.heals, "weights": _full_weights(engine)}
+    losses, states = _train(engine, replica, group_id, wait_for_group_1 if group_id == 0 else lambda step: None)
+    result = {"losses": losses, "states": states, "heals": replica.heals, "quorums": replica.quorums,
+              "weights": _full_weights(engine)}
     replica.shutdown()
     return result
 
@@ -176,16 +179,16 @@ def test_two_groups_equal_one_data_parallel_4_job(no_fault_runs, stage):
                 assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
 
 
-def _reference_with_late_group(stage):
-    """Plain torch AdamW on one process: steps before HEAL_AT on group 0's half of the batch only (its samples:
-    the first GLOBAL / 2), then on the whole batch; the losses and final weights."""
+def _reference_replaying(quorums):
+    """Plain torch AdamW on one process; step i trains on the samples of the groups in quorums[i] (group 0's: the
+    first GLOBAL / 2 of the step's batch, group 1's the rest). The losses and final weights."""
     model = TinyNet()
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
+    losses, half = [], GLOBAL // GROUPS
+    for step, quorum in enumerate(quorums):
         x, y = batch(step, GLOBAL)
-        samples = GLOBAL // GROUPS if step < HEAL_AT else GLOBAL
-        loss = model(x[:samples], y[:samples])
+        rows = torch.cat([torch.arange(g * half, (g + 1) * half) for g in quorum])
+        loss = model(x[rows], y[rows])
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -196,21 +199,23 @@ def _reference_with_late_group(stage):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_late_group_heals_from_the_live_one_rank_for_rank(no_fault_runs, stage):
-    """Group 1 starts after group 0 has trained HEAL_AT steps: it receives weights, optimizer state, loss scaler,
-    scheduler and counters from group 0, rank for rank (dp 2: each rank its own partition), through torchft's
-    checkpoint transport; right after the heal its state is group 0's bitwise, and the trajectory is the
-    reference's that trains on group 0's half until HEAL_AT."""
+    """Group 1 starts after group 0 has trained HEAL_AT steps alone: it receives weights, optimizer state, loss
+    scaler, scheduler and counters from group 0, rank for rank (dp 2: each rank its own partition), through
+    torchft's checkpoint transport; right after the heal its state is group 0's bitwise, and the trajectory is that
+    of a reference replaying group 0's logged quorum."""
     from tests.helpers import assert_bitwise
     groups, _ = no_fault_runs
     for rank in range(GROUP_DP):
         survivor, healed = groups[0][rank][("heal", stage)], groups[1][rank][("heal", stage)]
-        assert survivor["heals"] == [] and [step for step, _ in healed["heals"]] == [HEAL_AT]
-        assert sorted(healed["losses"]) == list(range(HEAL_AT, STEPS))
-        assert_bitwise(survivor["at_heal"], healed["at_heal"])
+        assert survivor["heals"] == [] and len(healed["heals"]) == 1
+        heal_step = healed["heals"][0][0]
+        assert heal_step >= HEAL_AT and sorted(healed["losses"]) == list(range(heal_step, STEPS))
+        assert survivor["quorums"] == [[0]] * heal_step + [[0, 1]] * (STEPS - heal_step)
+        assert_bitwise(survivor["states"][heal_step], healed["states"][heal_step])
         for mine, theirs in zip(survivor["weights"], healed["weights"]):
             assert torch.equal(mine, theirs)
-    reference_losses, reference_weights = _reference_with_late_group(stage)
-    losses = [survivor["losses"][step] if step < HEAL_AT else
+    reference_losses, reference_weights = _reference_replaying(survivor["quorums"])
+    losses = [survivor["losses"][step] if step < heal_step else
               (survivor["losses"][step] + healed["losses"][step]) / 2 for step in range(STEPS)]
     assert losses == pytest.approx(reference_losses, rel=1e-6, abs=0)
     for mine, theirs in zip(survivor["weights"], reference_weights):
