@@ -84,7 +84,7 @@ def _wait_for(path):
 
 def _train(engine, replica, group_id, before_step=lambda step: None):
     """Steps up to STEPS from where the engine is (a healed group: from the peer's step); {step: loss} and
-    {step: the training state right after the step's quorum (a heal is applied there)}."""
+    {step: the training state right after the step's quorum (a heal is applied there), and the gradient norm}."""
     from megatron import zero
     losses, states = {}, {}
     while engine.global_steps < STEPS:
@@ -93,6 +93,7 @@ def _train(engine, replica, group_id, before_step=lambda step: None):
         step = engine.global_steps
         states[step] = zero.replica_state_dict(engine)
         losses[step] = _group_step(engine, step, group_id)
+        states[step]["grad_norm"] = engine.get_global_grad_norm()
     return losses, states
 
 
@@ -125,8 +126,9 @@ def _train_group(group_id, lighthouses, heal_lighthouses, markers):
     for stage, lighthouse in zip(STAGES, lighthouses):
         engine = _engine(stage)
         replica = _replica_group(engine, group_id, lighthouse)
-        losses, _ = _train(engine, replica, group_id)
+        losses, states = _train(engine, replica, group_id)
         out[stage] = {"losses": [losses[step] for step in range(STEPS)], "quorums": replica.quorums,
+                      "grad_norms": [states[step]["grad_norm"] for step in range(STEPS)],
                       "committed": replica.committed, "weights": _full_weights(engine)}
         replica.shutdown()
     for stage, lighthouse in zip(STAGES, heal_lighthouses):
@@ -138,8 +140,11 @@ def _train_dp4():
     out = {}
     for stage in STAGES:
         engine = _engine(stage)
-        losses = [engine_train_step(engine, step, GLOBAL) for step in range(STEPS)]
-        out[stage] = {"losses": losses, "weights": _full_weights(engine)}
+        losses, norms = [], []
+        for step in range(STEPS):
+            losses.append(engine_train_step(engine, step, GLOBAL))
+            norms.append(engine.get_global_grad_norm())
+        out[stage] = {"losses": losses, "grad_norms": norms, "weights": _full_weights(engine)}
     return out
 
 
@@ -173,6 +178,8 @@ def test_two_groups_equal_one_data_parallel_4_job(no_fault_runs, stage):
     # each group's loss is the mean over its half of the global batch: the two halves' mean is the dp-4 loss
     losses = [(a + b) / 2 for a, b in zip(groups[0][0][stage]["losses"], groups[1][0][stage]["losses"])]
     assert losses == pytest.approx(reference[stage]["losses"], rel=1e-6, abs=0)
+    for group in groups:      # the norm of the averaged gradients (Adam and clipping hide a wrong scale)
+        assert group[0][stage]["grad_norms"] == pytest.approx(reference[stage]["grad_norms"], rel=1e-6, abs=0)
     for group in groups:
         for rank in range(GROUP_DP):
             for mine, theirs in zip(group[rank][stage]["weights"], reference[stage]["weights"]):
