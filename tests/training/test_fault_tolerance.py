@@ -265,3 +265,22 @@ def test_one_group_imports_no_torchft(tmp_path):
                                       "--deepspeed", "--deepspeed_config", write_config(str(tmp_path))]
     imported, hook = run_distributed(_train_one_group, 1, args=(argv,))[0]
     assert not imported and hook is None
+
+
+def test_the_json_block_sets_the_flags_and_bad_settings_are_one_line(tmp_path, capsys):
+    """The JSON's fault_tolerance block sets --ft-replica-groups and --ft-timeout (a key it leaves out leaves its flag
+    alone); a disagreeing flag, R > 1 without --deepspeed, and a group id outside [0, R) are one line each."""
+    from megatron.arguments import parse_args
+    from tests.helpers import MOCK_VOCAB, parser_error, write_config
+    block = {"fault_tolerance": {"replica_groups": 3, "timeout": 7}}
+    config = write_config(str(tmp_path), **block)
+    deepspeed = ["--mock-data", "--deepspeed", "--deepspeed_config", config]
+    args = parse_args(args_list=deepspeed + ["--ft-group-id", "2", "--ft-min-replicas", "2"])
+    assert (args.ft_replica_groups, args.ft_timeout, args.ft_min_replicas, args.ft_group_id) == (3, 7, 2, 2)
+    parse = lambda argv: parse_args(args_list=argv)   # noqa: E731
+    line = parser_error(parse, deepspeed + ["--ft-replica-groups", "2"], capsys)
+    assert "--ft-replica-groups (2) disagrees with fault_tolerance.replica_groups (3)" in line
+    line = parser_error(parse, deepspeed + ["--ft-group-id", "3"], capsys)
+    assert "--ft-group-id (3) must be in [0, 3)" in line
+    line = parser_error(parse, MOCK_VOCAB + ["--ft-replica-groups", "2"], capsys)
+    assert "--ft-replica-groups 2 needs --deepspeed" in line
