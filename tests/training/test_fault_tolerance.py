@@ -13,7 +13,7 @@ from tests.helpers import batch, ds_config, engine_train_step, param_groups, Tin
 
 STAGES = (1, 2, 3)
 STEPS, MICRO, ACCUMULATION, GROUPS, GROUP_DP = 4, 2, 2, 2, 2
-HEAL_AT = 2      # the heal runs: group 0 trains steps 0 and 1 alone, group 1 joins at step 2 (or one later)
+HEAL_AT, TOGETHER = 2, 2   # heal runs: group 0 trains steps 0, 1 (or more) alone; group 1 joins, 2 steps together
 GLOBAL = MICRO * ACCUMULATION * GROUPS * GROUP_DP      # 16 samples per step, as a dp-4 job's
 CLIP = 0.05      # below the gradient norm: the clip coefficient needs the norm of the groups' averaged gradients
 
@@ -82,12 +82,14 @@ def _wait_for(path):
         time.sleep(0.02)
 
 
-def _train(engine, replica, group_id, before_step=lambda step: None):
-    """Steps up to STEPS from where the engine is (a healed group: from the peer's step); {step: loss} and
-    {step: the training state right after the step's quorum (a heal is applied there), and the gradient norm}."""
+def _train(engine, replica, group_id, before_step=lambda step: None, done=None):
+    """Steps from where the engine is (a healed group: from the peer's step) until `done()` (default: STEPS
+    steps); {step: loss} and {step: the training state right after the step's quorum (a heal is applied there),
+    and the gradient norm}."""
     from megatron import zero
     losses, states = {}, {}
-    while engine.global_steps < STEPS:
+    done = done or (lambda: engine.global_steps >= STEPS)
+    while not done():
         before_step(engine.global_steps)
         replica.start_step()
         step = engine.global_steps
@@ -114,7 +116,10 @@ def _heal_phase(group_id, stage, lighthouse, markers):
             if dist.get_rank() == 0:
                 open(os.path.join(markers, f"alone{stage}"), "w").close()
             _wait_for(joined)
-    losses, states = _train(engine, replica, group_id, wait_for_group_1 if group_id == 0 else lambda step: None)
+    # group 0 trains alone until group 1's quorum request is in (at HEAL_AT or a step or two later on a loaded
+    # machine), then both train TOGETHER steps
+    losses, states = _train(engine, replica, group_id, wait_for_group_1 if group_id == 0 else lambda step: None,
+                            done=lambda: replica.quorums.count([0, 1]) >= TOGETHER)
     result = {"losses": losses, "states": states, "heals": replica.heals, "quorums": replica.quorums,
               "weights": _full_weights(engine)}
     replica.shutdown()
@@ -216,14 +221,14 @@ def test_a_late_group_heals_from_the_live_one_rank_for_rank(no_fault_runs, stage
         survivor, healed = groups[0][rank][("heal", stage)], groups[1][rank][("heal", stage)]
         assert survivor["heals"] == [] and len(healed["heals"]) == 1
         heal_step = healed["heals"][0][0]
-        assert heal_step >= HEAL_AT and sorted(healed["losses"]) == list(range(heal_step, STEPS))
-        assert survivor["quorums"] == [[0]] * heal_step + [[0, 1]] * (STEPS - heal_step)
+        assert heal_step >= HEAL_AT and sorted(healed["losses"]) == list(range(heal_step, heal_step + TOGETHER))
+        assert survivor["quorums"] == [[0]] * heal_step + [[0, 1]] * TOGETHER
         assert_bitwise(survivor["states"][heal_step], healed["states"][heal_step])
         for mine, theirs in zip(survivor["weights"], healed["weights"]):
             assert torch.equal(mine, theirs)
     reference_losses, reference_weights = _reference_replaying(survivor["quorums"])
     losses = [survivor["losses"][step] if step < heal_step else
-              (survivor["losses"][step] + healed["losses"][step]) / 2 for step in range(STEPS)]
+              (survivor["losses"][step] + healed["losses"][step]) / 2 for step in range(heal_step + TOGETHER)]
     assert losses == pytest.approx(reference_losses, rel=1e-6, abs=0)
     for mine, theirs in zip(survivor["weights"], reference_weights):
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
