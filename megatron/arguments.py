@@ -42,6 +42,19 @@ def parse_args(extra_args_provider=None, args_list=None):
     return args
 
 
+def _check_fault_tolerance(args, parser):
+    """--ft-* (after the JSON's fault_tolerance block set them): the replica groups average the ZeRO engine's
+    reduced gradients, so R > 1 needs --deepspeed."""
+    from megatron.trainer.fault_tolerance import FaultToleranceError, ReplicaSettings
+    try:
+        ReplicaSettings.from_args(args).check()
+    except FaultToleranceError as error:
+        parser.error(str(error))
+    if args.ft_replica_groups > 1 and not args.deepspeed:
+        parser.error(f"--ft-replica-groups {args.ft_replica_groups} needs --deepspeed (the groups average the ZeRO "
+                     "engine's reduced gradients): add --deepspeed --deepspeed_config PATH, or drop the flag")
+
+
 def _check_lora_args(args, parser):
     """--lora-*: refused by name (also at --lora-rank 0, so a typo does not wait for the day LoRA is turned on);
     args.lora_targets becomes a tuple."""
@@ -176,6 +189,7 @@ def validate_args(args, parser, pretraining=True):
         parser.error("--optimizer muon with zero_optimization.offload_optimizer is not supported: remove the "
                      "offload block from the --deepspeed_config JSON, or use --optimizer adam")
     _check_pipeline_combinations(args, parser)
+    _check_fault_tolerance(args, parser)
     _check_lora_args(args, parser)
     check_moe_args(args, parser)
     _check_sequence_parallel(args, parser)

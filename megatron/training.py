@@ -26,6 +26,7 @@ from megatron.trainer.builders import (NORMALIZATIONS, get_learning_rate_schedul
                                        param_groups_for_weight_decay, resumed_lr_line)
 from megatron.trainer.data_iterators import build_train_valid_test_data_iterators
 from megatron.trainer.downstream_eval import DownstreamEval
+from megatron.trainer.fault_tolerance import NoReplicaGroups, ReplicaTraining
 from megatron.trainer.log_line import flops_per_token, IntervalLog, log_due, training_log  # noqa: F401
 from megatron.utils import print_rank_0, unwrap_model
 
@@ -47,8 +48,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
                      f"is {args.train_iters}; raise --train-iters (TRAIN_ITERS in the scripts) to train further")
     if args.log_jsonl and args.rank == 0:
         operations.write_jsonl_record(args.log_jsonl, operations.header_record(args, train_state.iteration))
+    replicas = ReplicaTraining.from_args(args, model, train_state)    # --ft-replica-groups (R = 1: nothing)
     history = train(forward_step_func, model, optimizer, lr_scheduler, train_iterator, valid_iterator, train_state,
-                    downstream)
+                    downstream, replicas)
+    replicas.shutdown()
     if after_training is not None:
         after_training(model)
     if args.save and history["last_saved_iteration"] != train_state.iteration:
@@ -221,7 +224,7 @@ def _zero_train_step(forward_step_func, data_iterator, model, optimizer, num_mic
         param = optimizer.last_nonfinite_param
         name = next((n for n, p in model.module.named_parameters() if p is param), None)
         raise operations.NonFiniteStep(losses, grad_norm, operations.gather_first_name(name))  # skipped
-    return losses, int(optimizer.overflow), grad_norm
+    return losses, int(optimizer.overflow or optimizer.discarded), grad_norm
 
 
 def _megatron_train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, num_micro_batches=None):
@@ -327,9 +330,11 @@ def _print_model_state_estimate(model, args):
 
 
 def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator, valid_data_iterator, train_state,
-          downstream=None):
+          downstream=None, replicas=None):
     """Train from `train_state` (advanced in place) to --train-iters; returns the per-iteration history.
-    `downstream`: the --eval-tasks DownstreamEval run every --eval-tasks-interval iterations."""
+    `downstream`: the --eval-tasks DownstreamEval run every --eval-tasks-interval iterations; `replicas`: the
+    replica group's quorum and heals (megatron/trainer/fault_tolerance.py), or None."""
+    replicas = replicas if replicas is not None else NoReplicaGroups()
     args, timers = get_args(), get_timers()
     writer = get_tensorboard_writer()
     model.train()
@@ -344,6 +349,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
     min_scale_watch = operations.MinLossScaleWatch.from_args(args, getattr(optimizer, "cur_scale", 1.0))
     step_watchdog = breadcrumbs.SlowStepWatchdog(args.slow_step_report_factor)
     while train_state.iteration < args.train_iters:
+        train_data_iterator = replicas.before_step(train_data_iterator)
         try:
             with step_watchdog.step(train_state.iteration + 1):
                 loss_dict, skipped_iter, grad_norm = train_step(forward_step_func, train_data_iterator, model,
@@ -359,9 +365,10 @@ def train(forward_step_func, model, optimizer, lr_scheduler, train_data_iterator
             print_rank_0(f" skipped step: {message} (--skip-nonfinite-steps)")
             loss_dict, skipped_iter, grad_norm = step.losses, 1, step.grad_norm
         train_state.iteration += 1
-        train_state.consumed_train_samples += args.global_batch_size
+        train_state.consumed_train_samples += args.global_batch_size * args.ft_replica_groups
         train_state.skipped_iterations += skipped_iter
         iteration = train_state.iteration
+        replicas.after_step(iteration, history)
         loss_scale = optimizer.cur_scale if args.deepspeed else getattr(optimizer, "loss_scale", 1.0)
         min_scale_watch.check(iteration, skipped_iter, loss_scale, loss_dict, history["last_saved_iteration"],
                               before_raise=exit_controller.close)

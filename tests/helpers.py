@@ -62,6 +62,22 @@ def train_each(argv_lists):
     return histories
 
 
+def assert_bitwise(a, b, where=""):
+    """Every tensor and number of two checkpoint objects equal (strings, e.g. paths, are not compared)."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            assert_bitwise(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    elif isinstance(a, (int, float, bool)) and not isinstance(a, str):
+        assert a == b or (a != a and b != b), where
+
+
 def parser_error(parse, argv, capsys):
     """The one line `parse(argv)` prints on stderr, after checking it exits with argparse's code 2."""
     import pytest

@@ -28,7 +28,8 @@ SUBCOMMAND_HELP = {"megatron.text_generation.lm_eval_model": [["run"]]}
 # Flags of programs that are not ours, as the docs use them (torchrun's, pytest's --device from tests/conftest.py).
 EXTERNAL_FLAGS = {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--standalone",
                   "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--device", "--help",
-                  "--no-deps", "--only-binary", "--python-version", "--system-site-packages"}   # pip's, venv's
+                  "--no-deps", "--only-binary", "--python-version", "--system-site-packages",   # pip's, venv's
+                  "--min_replicas", "--quorum_tick_ms", "--join_timeout_ms", "--bind"}   # torchft_lighthouse's
 
 _HELP_RUNNER = r"""
 import contextlib, io, json, os, runpy, sys

@@ -194,6 +194,22 @@ def _add_zero_args(parser):
     return parser
 
 
+def _add_fault_tolerance_args(parser):
+    group = parser.add_argument_group("fault-tolerant replica groups on torchft (docs/operations.md; the JSON's "
+                                      "fault_tolerance block wins)")
+    group.add_argument("--ft-replica-groups", type=int, default=1,
+                       help="R replica groups, each this job's layout under its own torchrun; gradients averaged "
+                            "across the groups in torchft's quorum each step (needs --deepspeed); 1: off")
+    group.add_argument("--ft-group-id", type=int, default=0, help="this job's group, 0 .. R-1")
+    group.add_argument("--ft-lighthouse", type=str, default="",
+                       help="http://HOST:PORT of torchft_lighthouse (default: $TORCHFT_LIGHTHOUSE)")
+    group.add_argument("--ft-min-replicas", type=int, default=1,
+                       help="a step commits only with at least this many groups in the quorum")
+    group.add_argument("--ft-timeout", type=float, default=60.0,
+                       help="seconds torchft waits for the gradient exchange, should_commit, a quorum and a heal")
+    return parser
+
+
 def _add_validation_args(parser):
     group = parser.add_argument_group("validation")
     group.add_argument("--eval-interval", type=int, default=1000)
@@ -265,4 +281,5 @@ def _add_lora_args(parser):
 
 ARGUMENT_GROUPS = (_add_network_size_args, _add_regularization_args, _add_training_args, _add_learning_rate_args,
                    _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args, _add_zero_args,
-                   _add_validation_args, _add_data_args, _add_logging_args, _add_lora_args, add_moe_args)
+                   _add_fault_tolerance_args, _add_validation_args, _add_data_args, _add_logging_args, _add_lora_args,
+                   add_moe_args)

@@ -3,6 +3,31 @@ model-parallel rank 0 starting where the TrainState's consumed samples say (a ra
 the validation one restarting when it runs out."""
 import mpu
 from megatron.global_vars import get_args
+from megatron.trainer.fault_tolerance import sample_shard
+
+
+class RestartableIterator:
+    """The training loader's batches, restartable at another position (a replica group healed from a peer
+    continues at the peer's consumed samples: megatron/trainer/fault_tolerance.py)."""
+
+    def __init__(self, loader):
+        self.loader, self._batches = loader, iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._batches)
+
+    def restart_at(self, consumed_samples):
+        self.loader.batch_sampler.consumed_samples = consumed_samples
+        self._batches = iter(self.loader)
+
+
+def _data_parallel_shard(args):
+    """(rank, size) the samplers read as: this rank's place in the data-parallel order of all replica groups."""
+    return sample_shard(args.ft_replica_groups, args.ft_group_id, mpu.get_data_parallel_rank(),
+                        mpu.get_data_parallel_world_size())
 
 
 def _cyclic(loader):
@@ -20,7 +45,7 @@ def _cyclic(loader):
 def _stream_iterator(source, index, train_state, args):
     """Training: the resumable stream (its record saved with every checkpoint through train_state). Validation:
     the first eval_iters steps' batches of its split, the same at every evaluation. Test: read once."""
-    ranks = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    ranks = _data_parallel_shard(args)
     if index == 0:
         train_state.data_stream = source.loader(args.batch_size, *ranks, args.num_workers,
                                                 train_state.loaded_stream_record, train_state.consumed_train_samples)
@@ -43,7 +68,7 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
     from megatron.data.samplers import pretraining_loader, train_valid_test_num_samples
     args = get_args()
     datasets = train_valid_test_dataset_provider(train_valid_test_num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
+        args.train_iters, args.global_batch_size * args.ft_replica_groups, args.eval_interval, args.eval_iters))
     # Every rank builds the datasets, so these flags agree across ranks (iterators exist on mp rank 0 only).
     args.do_valid = datasets[1] is not None and len(datasets[1]) > 0 and args.eval_iters > 0
     args.do_test = datasets[2] is not None and len(datasets[2]) > 0 and args.eval_iters > 0
@@ -57,7 +82,7 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
             iterators.append(_stream_iterator(dataset, index, train_state, args))
             continue
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples % len(dataset), 0][index]
-        loader = pretraining_loader(dataset, consumed, args.batch_size, mpu.get_data_parallel_rank(),
-                                    mpu.get_data_parallel_world_size(), args.num_workers)
-        iterators.append(iter(loader) if index == 0 else _cyclic(loader))
+        loader = pretraining_loader(dataset, consumed, args.batch_size, *_data_parallel_shard(args), args.num_workers)
+        train = RestartableIterator(loader) if args.ft_replica_groups > 1 else iter(loader)
+        iterators.append(train if index == 0 else _cyclic(loader))
     return tuple(iterators)

@@ -29,6 +29,7 @@ from .muon import Muon, MuonError, muon_settings, split_param_groups
 from .optimizer import ZeroOptimizer
 from .param_status import ZeroParamStatus
 from .partition import ALIGNMENT
+from .replica_state import load_replica_state_dict, replica_state_dict
 from .zero_init import register_external_parameter
 from .zero_init import GatheredParameters, Init
 
@@ -42,7 +43,7 @@ __all__ = ["add_config_arguments", "initialize", "build_optimizer", "Config", "C
            "ZeroEngine", "ZeroOptimizer", "LossScaler", "LossScalerConfig", "checkpointing", "Init",
            "GatheredParameters", "register_external_parameter", "ZeroParamStatus", "adam_kernel_options",
            "ALIGNMENT", "MAX_IN_FLIGHT", "zero", "offload", "register_generator", "as_deepspeed", "Muon",
-           "MuonError", "muon_settings", "split_param_groups"]
+           "MuonError", "muon_settings", "split_param_groups", "replica_state_dict", "load_replica_state_dict"]
 
 
 def __getattr__(name):

@@ -31,7 +31,7 @@ from megatron.cli import UserError, out_of_range
 from .config_keys import (DEEPSPEED_KEYS, NO_EFFECT, REFUSED, ZERO_ALIASES, _MUON_PARAMS,  # noqa: F401
                           _NO_EFFECT_TYPES, _OPTIMIZER_PARAMS, _SCHEDULER_PARAMS, _deepspeed_keys, _is_on)
 from .config_schema import (AUTO, AUTO_RULES, ActivationCheckpointingConfig, BF16Config, Config,  # noqa: F401
-                            FP16Config, HybridEngineConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
+                            FaultToleranceConfig, FP16Config, HybridEngineConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
                             ThroughputTimerConfig, TimersConfig, ZeroConfig)
 
 
@@ -41,7 +41,7 @@ class ConfigError(UserError, ValueError):
 
 _SECTIONS = {"fp16": FP16Config, "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig,
              "activation_checkpointing": ActivationCheckpointingConfig, "hybrid_engine": HybridEngineConfig,
-             "timers": TimersConfig}
+             "timers": TimersConfig, "fault_tolerance": FaultToleranceConfig}
 _SCALARS = {"train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
             "gradient_clipping": float, "steps_per_print": int, "wall_clock_breakdown": bool,
             "dataloader_drop_last": bool}

@@ -145,6 +145,17 @@ class TimersConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Our own block (DeepSpeed has none): fault-tolerant replica groups on torchft (megatron/trainer/
+    fault_tolerance.py; docs/operations.md). Each key given sets the --ft-* flag of the same name (a key left out
+    leaves its flag alone); the group id differs per job, so it stays on the command line (--ft-group-id)."""
+    replica_groups: Optional[int] = None   # R, the number of replica groups (--ft-replica-groups); 1: off
+    min_replicas: Optional[int] = None     # a step commits only with this many groups in the quorum
+    timeout: Optional[int] = None          # seconds: gradient exchange, should_commit, quorum, heal (--ft-timeout)
+    lighthouse: Optional[str] = None       # http://HOST:PORT of torchft_lighthouse (--ft-lighthouse)
+
+
+@dataclass
 class Config:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
@@ -156,6 +167,7 @@ class Config:
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)   # engine.generate's block
     timers: TimersConfig = field(default_factory=TimersConfig)
     optimizer: Optional[OptimizerConfig] = None
+    fault_tolerance: Optional[FaultToleranceConfig] = None   # absent: the --ft-* flags decide
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: float = 1.0     # DeepSpeed 0.19.8's default (GRADIENT_CLIPPING_DEFAULT); 0 = no clipping
     steps_per_print: int = 10

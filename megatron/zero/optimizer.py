@@ -5,6 +5,9 @@ rank's fp32 master slice of that group's flat buffer, so a learning-rate schedul
 keeps working. In fp32 the master slice is a view of the parameters' own flat buffer (no copy).
 
     step():  0. the client set `skip_step`: zero gradients, clear it, return False
+             0b. `replica_sync` set (fault-tolerant replica groups, megatron/trainer/fault_tolerance.py): it averages
+                the reduced partitions across the replica groups, rank for rank, and says whether the step commits;
+                a discarded step zeroes gradients and returns False (`discarded` True)
              1. norm + overflow over all partitions, data- and model-parallel ranks
              2. loss-scaler update; on overflow: zero gradients, return False (every rank skips); in fp32/bf16 the
                 same for a NaN/inf gradient when `skip_nonfinite` is set (the training loop sets it, then stops
@@ -91,6 +94,9 @@ class ZeroOptimizer:
         # a client's request to skip the next step (DeepSpeed-Chat's --align_overflow: when the actor overflows the
         # critic skips too); step() honours it once and clears it
         self.skip_step = False
+        # the one hook where replica groups meet: replica_sync(partition_grads) -> commit (bool), or None (one group)
+        self.replica_sync = None
+        self.discarded = False
         self.resident_parameter_bytes = 0     # stage 3: the persistent parameters' buffer (set by the engine)
         self.frozen_parameter_bytes = 0       # parameters in no group (requires_grad False; set by the engine)
 
@@ -167,6 +173,10 @@ class ZeroOptimizer:
             self.reducer.zero()
             return False
         partition_grads = [self.reducer.partition_grad(i) for i in range(len(self.groups))]
+        self.discarded = self.replica_sync is not None and not self.replica_sync(partition_grads)
+        if self.discarded:
+            self.reducer.zero()
+            return False
         norm, found_inf = global_norm_and_overflow(partition_grads, self.norm_ranges, self.ctx, self.collective_device,
                                                    self.cur_scale, partitioned=self.stage >= 1,
                                                    experts=self.experts)

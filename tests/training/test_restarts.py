@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.spawn import free_port, run_distributed
-from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE, train
+from tests.helpers import assert_bitwise, MOCK_VOCAB, REPO, TINY_SHAPE, train
 
 ITERS = 8
 MODEL = MOCK_VOCAB + TINY_SHAPE + ["--batch-size", "2", "--train-iters", str(ITERS), "--log-interval", "1",
@@ -66,22 +66,6 @@ def _final_tensors(save, iteration=ITERS):
     return out
 
 
-def _assert_bitwise(a, b, where=""):
-    """Every tensor and number of two checkpoint objects equal (strings, e.g. paths, are not compared)."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for key in a:
-            _assert_bitwise(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
-    elif isinstance(a, (int, float, bool)) and not isinstance(a, str):
-        assert a == b or (a != a and b != b), where
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted references: the same flags on 2 in-process gloo workers (no torchrun needed for a run
@@ -108,4 +92,4 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(straight, tmp_path, path,
     assert "loaded checkpoint from" in stdout and " at iteration 3" in stdout   # the newest complete one
     final = _final_tensors(save)
     assert final.keys() == reference_tensors.keys()
-    _assert_bitwise(reference_tensors, final)
+    assert_bitwise(reference_tensors, final)

@@ -1,0 +1,244 @@
+"""Fault-tolerant replica groups on torchft (DESIGN section 21): a failed group costs its share of a step, not a
+restart of everyone.
+
+The job is R replica groups, each an ordinary Megatron/ZeRO job with its own torchrun (its own tensor, pipeline and
+data parallelism). Across groups, rank r of every group holds the same ZeRO partition, so the reduced gradient
+partitions are averaged rank for rank through torchft's Manager over the groups in this step's quorum, and the step
+is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook). A group that
+restarts asks the lighthouse for a quorum and receives the training state (zero.replica_state_dict: weights,
+optimizer state, loss scaler, lr scheduler, step counters; the TrainState and RNG states) from a live peer through
+torchft's checkpoint transport; no file is read. The lighthouse is torchft's own:
+
+    torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind 0.0.0.0:29510 &
+    # group g = 0 .. R-1, each with its own torchrun (its own --master_port / rendezvous):
+    torchrun --nproc_per_node 2 --master_port $((29600 + g)) --max-restarts 3 pretrain_gpt.py ... \\
+        --ft-replica-groups 2 --ft-group-id $g --ft-lighthouse http://HOST:29510
+
+Data: group g's data-parallel rank r reads as data-parallel rank g * dp + r of R * dp (sample_shard), so R groups of
+dp ranks see exactly the batches of one job at data-parallel size R * dp. One group (R = 1, no flag) imports no
+torchft and adds no collective. docs/operations.md says when to use it.
+"""
+import dataclasses
+import time
+from datetime import timedelta
+
+import torch
+
+from megatron.cli import UserError
+
+
+class FaultToleranceError(UserError):
+    """Replica-group settings that cannot work (a group id out of range, no lighthouse, torchft missing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSettings:
+    """The replica-group settings (--ft-* flags, or the JSON's "fault_tolerance" block: the JSON wins)."""
+    groups: int = 1
+    """R, the number of replica groups (1: no fault tolerance, torchft is not imported)."""
+    group_id: int = 0
+    """This job's group, 0 .. R-1: its share of each global batch and its torchft replica id."""
+    lighthouse: str = ""
+    """The lighthouse's address (http://HOST:PORT); empty: the TORCHFT_LIGHTHOUSE environment variable."""
+    min_replicas: int = 1
+    """A step commits only with at least this many groups in the quorum."""
+    timeout_s: float = 60.0
+    """torchft's timeout for the gradient exchange, should_commit, quorum and the checkpoint transfer (seconds)."""
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(groups=args.ft_replica_groups, group_id=args.ft_group_id, lighthouse=args.ft_lighthouse or "",
+                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
+
+    def check(self):
+        """One line naming the bad value, before anything is built."""
+        if self.groups < 1:
+            raise FaultToleranceError(f"--ft-replica-groups ({self.groups}) must be at least 1")
+        if not 0 <= self.group_id < self.groups:
+            raise FaultToleranceError(f"--ft-group-id ({self.group_id}) must be in [0, {self.groups}) for "
+                                      f"--ft-replica-groups {self.groups}")
+        if not 1 <= self.min_replicas <= self.groups:
+            raise FaultToleranceError(f"--ft-min-replicas ({self.min_replicas}) must be in [1, {self.groups}]")
+        if not self.timeout_s > 0:
+            raise FaultToleranceError(f"--ft-timeout ({self.timeout_s}) must be positive")
+
+
+def sample_shard(groups, group_id, data_parallel_rank, data_parallel_size):
+    """(rank, size) the sampler reads as: group g's rank r is rank g * dp + r of R * dp. With R = 2, dp = 2:
+    group 0 reads as ranks 0, 1 and group 1 as ranks 2, 3 of one data-parallel-4 job."""
+    return group_id * data_parallel_size + data_parallel_rank, groups * data_parallel_size
+
+
+def group_sample_indices(consumed, groups, group_id, data_parallel_size, micro_batch_size, micro_batches):
+    """Global sample indices group `group_id` trains on in the step that starts after `consumed` samples
+    (megatron.data.samplers' order: micro batch k of the step spans R * dp * micro samples)."""
+    stride = groups * data_parallel_size * micro_batch_size
+    first = group_id * data_parallel_size * micro_batch_size
+    return [consumed + k * stride + first + i for k in range(micro_batches)
+            for i in range(data_parallel_size * micro_batch_size)]
+
+
+def _forget_previous_manager(group_rank, group_world_size, store_addr, store_port):
+    """torchft's Manager publishes group rank 0's server address in the group's store, and the other ranks read it;
+    after a torchrun restart (one store for every attempt) or a second Manager in one process they could read the
+    dead one's. Rank 0 deletes the keys before anyone builds a Manager; the others then wait for the new ones."""
+    if group_world_size == 1:
+        return
+    import os
+    import torch.distributed as dist
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+    if group_rank == 0:
+        store = dist.TCPStore(store_addr or os.environ["MASTER_ADDR"], int(store_port or os.environ["MASTER_PORT"]),
+                              is_master=False, wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
+class ReplicaGroup:
+    """This rank's side of its group in the torchft quorum: start_step() before the forward (quorum; a heal is
+    applied there), average_and_commit(partition_grads) as the optimizer's replica_sync. `state_dict` and
+    `load_state_dict` are the training state handed to / taken from a healing peer. `store_addr/port`: the group's
+    TCPStore (default: MASTER_ADDR/MASTER_PORT, torchrun's)."""
+
+    def __init__(self, settings, state_dict, load_state_dict, group_rank, group_world_size, store_addr=None,
+                 store_port=None):
+        try:
+            from torchft import Manager, ProcessGroupGloo   # optional: imported only with 2+ groups
+        except ImportError as error:
+            raise FaultToleranceError(f"--ft-replica-groups {settings.groups} needs torchft ({error}): "
+                                      "pip install torchft") from None
+        import os
+        lighthouse = settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise FaultToleranceError("no lighthouse: pass --ft-lighthouse http://HOST:PORT (or set "
+                                      "TORCHFT_LIGHTHOUSE), after starting torchft_lighthouse")
+        self.settings = settings
+        self._load = load_state_dict
+        self.heals = []        # (torchft step, seconds from asking for the quorum to the state loaded) of each heal
+        self.quorums = []      # per step: the group ids whose gradients were averaged
+        self.committed = []    # per step: should_commit's answer
+        timeout = timedelta(seconds=settings.timeout_s)
+        _forget_previous_manager(group_rank, group_world_size, store_addr, store_port)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=state_dict,
+            min_replica_size=settings.min_replicas, use_async_quorum=False, init_sync=False, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+            replica_id=f"group{settings.group_id}")
+        self._quorum_started = None
+
+    def _heal(self, state):
+        self._load(state)
+        self.heals.append((self.manager.current_step(), None))
+
+    def start_step(self):
+        """Join this step's quorum (blocking); a group behind the others receives their state here (through
+        torchft's checkpoint transport) and loads it. Returns whether it healed."""
+        heals, started = len(self.heals), time.monotonic()
+        self.manager.start_quorum()
+        if len(self.heals) == heals:
+            return False
+        self.heals[-1] = (self.heals[-1][0], time.monotonic() - started)
+        return True
+
+    def average_and_commit(self, partition_grads):
+        """Average each reduced partition over the groups in the quorum (in place) and say whether to apply the
+        step. A failed exchange leaves the gradients unusable; should_commit is then False."""
+        from torch.distributed import ReduceOp
+        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device
+                             if partition_grads else "cpu")
+        member[self.settings.group_id] = 1.0
+        works = [self.manager.allreduce(grad) for grad in partition_grads]
+        works.append(self.manager.allreduce(member, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        committed = self.manager.should_commit()
+        self.quorums.append([g for g in range(self.settings.groups) if member[g].item() > 0.5])
+        self.committed.append(committed)
+        return committed
+
+    def shutdown(self):
+        self.manager.shutdown(wait=True)   # wait=False leaves a thread that aborts the process at exit
+
+
+class NoReplicaGroups:
+    """One group (R = 1): the training loop's calls do nothing, and torchft is never imported."""
+
+    def before_step(self, train_iterator):
+        return train_iterator
+
+    def after_step(self, iteration, history):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class ReplicaTraining:
+    """megatron/training.py's side: before_step() joins the quorum (and after a heal restarts the data at the
+    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals."""
+
+    def __init__(self, replica, args, train_state):
+        self.replica, self.args, self.train_state = replica, args, train_state
+        self._consumed = None      # where the step being taken starts in the global sample order
+
+    @classmethod
+    def from_args(cls, args, engine, train_state):
+        """NoReplicaGroups at R = 1; otherwise this rank's ReplicaGroup, hooked into the engine's optimizer."""
+        settings = ReplicaSettings.from_args(args)
+        if settings.groups == 1:
+            return NoReplicaGroups()
+        import torch.distributed as dist
+        from megatron import zero
+        from megatron.checkpoint.rng import get_rng_state, set_rng_state
+
+        def state_dict():
+            return {"engine": zero.replica_state_dict(engine), "train_state": train_state.to_state(),
+                    "rng": get_rng_state()}
+
+        def load_state_dict(state):
+            zero.load_replica_state_dict(engine, state["engine"])
+            for name in train_state.COUNTERS:
+                setattr(train_state, name, int(state["train_state"][name]))
+            set_rng_state(state["rng"])
+        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size())
+        engine.optimizer.replica_sync = replica.average_and_commit
+        return cls(replica, args, train_state)
+
+    def before_step(self, train_iterator):
+        if self.replica.start_step():
+            step, seconds = self.replica.heals[-1]
+            self._print(f"healed from a live group at iteration {self.train_state.iteration} (torchft step {step}) "
+                        f"in {seconds:.2f} s")
+            if train_iterator is not None:
+                if not hasattr(train_iterator, "restart_at"):
+                    raise FaultToleranceError("a healed group cannot move this training data source to the peer's "
+                                              "position: use an indexed dataset (--data-path PREFIX) or --mock-data")
+                train_iterator.restart_at(self.train_state.consumed_train_samples)
+        self._consumed = self.train_state.consumed_train_samples
+        return train_iterator
+
+    def after_step(self, iteration, history):
+        """Log this step's quorum; the samples of the groups whose gradients were not applied are dropped."""
+        settings, quorum = self.replica.settings, self.replica.quorums[-1]
+        committed = self.replica.committed[-1]
+        history.setdefault("ft quorum", []).append(len(quorum) if committed else 0)
+        history.setdefault("ft heals", [])[:] = self.replica.heals
+        lost = [g for g in range(settings.groups) if g not in quorum or not committed]
+        if not lost:
+            return
+        dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
+                                           self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        history.setdefault("ft dropped", {}).update({(iteration, g): indices for g, indices in dropped.items()})
+        for g, indices in dropped.items():
+            self._print(f"iteration {iteration}: quorum {quorum} of {settings.groups} groups, "
+                        f"{'committed' if committed else 'discarded'}; dropped group {g}'s samples {indices}")
+
+    def _print(self, text):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            print(f" > ft group {self.replica.settings.group_id}: {text}", flush=True)
+
+    def shutdown(self):
+        self.replica.shutdown()
