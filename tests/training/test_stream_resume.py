@@ -13,8 +13,8 @@ import torch
 
 from megatron.spawn import run_distributed
 from tests.data.test_stream import documents, write_shards
-from tests.helpers import set_tracker, TINY_SHAPE, write_config
-from tests.training.test_restarts import _assert_bitwise, _final_tensors, _torchrun
+from tests.helpers import assert_bitwise, set_tracker, TINY_SHAPE, write_config
+from tests.training.test_restarts import _final_tensors, _torchrun
 
 ITERS = 6
 
@@ -133,7 +133,7 @@ def test_a_rank_killed_under_torchrun_restarts_bitwise_on_the_stream(setup, tmp_
     assert losses == {i: float(f"{loss:E}") for i, loss in enumerate(straight[0]["lm loss"], 1)}
     final, reference = _final_tensors(save, ITERS), _final_tensors(straight_dir, ITERS)
     assert final.keys() == reference.keys()
-    _assert_bitwise(reference, final)
+    assert_bitwise(reference, final)
     _assert_same_record(_record(save, ITERS), _record(straight_dir, ITERS))
 
 
