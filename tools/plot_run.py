@@ -6,7 +6,8 @@
 Panels (x: iteration): training loss (the validation loss as points), validation perplexity, learning rate, loss
 scale, skipped steps, gradient norm, tokens/s, TFLOP/s per rank, memory; train_rlhf.py's runs also reward (the
 validation rewards as points), policy loss, value loss, KL to the reference, clipped fraction, completion length,
-PTX loss (left out without a word when no run logs them); and a panel per downstream task and metric (--eval-tasks:
+PTX loss, and with --ft-replica-groups the replica groups in each step's quorum and the heals (left out without a
+word when no run logs them); and a panel per downstream task and metric (--eval-tasks:
 'TASK acc', 'TASK word_perplexity', ...; stderrs not drawn). A run without a panel's field leaves the
 panel to the other runs; a panel no run has is omitted (one line names it). The legend shows the file names (the
 shortest distinct path ends) or --labels. --html writes one self-contained page: the same charts as inline SVG and
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron import cli  # noqa: E402
 
 INSTALL_HINT = "pip install -r requirements.txt (or: pip install matplotlib)"
-RECORD_TYPES = ("header", "train", "validation", "downstream")
+RECORD_TYPES = ("header", "train", "validation", "downstream", "ft")
 
 
 class PlotError(cli.UserError):
@@ -49,8 +50,10 @@ class Run:
     downstream: list = dataclasses.field(default_factory=list)   # --eval-tasks records (the last written for each
                               # iteration and task)
 
+    ft: list = dataclasses.field(default_factory=list)   # --ft-replica-groups records: each step's quorum, heals
+
     def records(self, kind):
-        return {"train": self.train, "validation": self.validation, "downstream": self.downstream}[kind]
+        return {"train": self.train, "validation": self.validation, "downstream": self.downstream, "ft": self.ft}[kind]
 
 
 def read_run(path, label):
@@ -87,6 +90,8 @@ def read_run(path, label):
             by_kind[kind][record["iteration"]] = record
         elif kind == "downstream":
             by_kind[kind][(record["iteration"], str(record.get("task")))] = record
+        elif kind == "ft":
+            by_kind[kind][(record["iteration"], str(record.get("event")))] = record
     if not by_kind["train"]:
         raise PlotError(f"{path} has no training records (only {', '.join(sorted({k for k, _ in records}))}): "
                         "the run stopped before its first --log-interval")
@@ -94,7 +99,7 @@ def read_run(path, label):
     return Run(path, label, headers[0] if headers else None, [h.get("iteration") for h in headers[1:]],
                records[0][1], [r for _, r in sorted(by_kind["train"].items())],
                [r for _, r in sorted(by_kind["validation"].items())],
-               [r for _, r in sorted(by_kind["downstream"].items())])
+               [r for _, r in sorted(by_kind["downstream"].items())], [r for _, r in sorted(by_kind["ft"].items())])
 
 
 def default_labels(paths):
@@ -137,6 +142,7 @@ class Panel:
     series: Tuple[Series, ...]
     log_scale: bool = False
     rlhf: bool = False             # train_rlhf.py's: left out without a word when no run logs it
+    ft: bool = False               # --ft-replica-groups': the same
 
 
 PANELS = (
@@ -150,6 +156,11 @@ PANELS = (
     Panel("tokens/s", "tokens/s", (Series("train", _field("tokens_per_second")),)),
     Panel("TFLOP/s per rank", "TFLOP/s per rank", (Series("train", _field("tflops_per_rank")),)),
     Panel("memory", "GiB (CPU RSS / CUDA max allocated)", (Series("train", _gib(_field("memory", "bytes"))),)),
+    # --ft-replica-groups': the groups whose gradients each step applied (0: the step was discarded), heals
+    Panel("replica groups in the quorum", "groups applied (0: step discarded)", (Series("ft", _field("quorum")),),
+          ft=True),
+    Panel("heals", "seconds to heal (quorum to state loaded)", (Series("ft", _field("heal_seconds"), "", True),),
+          ft=True),
     # train_rlhf.py's (TRL's names): GRPO's, then PPO's
     Panel("reward", "mean reward (score)", (
         Series("train", _field("losses", "reward")), Series("train", _field("losses", "objective/scores"), " scores"),
@@ -196,7 +207,7 @@ def present_panels(runs):
     """(the panels some run has a value for, the titles of the others)."""
     present = [panel for panel in PANELS + downstream_panels(runs)
                if any(series_points(run, series)[0] for run in runs for series in panel.series)]
-    return present, [panel.title for panel in PANELS if panel not in present and not panel.rlhf]
+    return present, [panel.title for panel in PANELS if panel not in present and not (panel.rlhf or panel.ft)]
 
 
 def line_id(panel, run_index, series_index):

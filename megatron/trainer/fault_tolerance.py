@@ -211,6 +211,8 @@ class ReplicaTraining:
             step, seconds = self.replica.heals[-1]
             self._print(f"healed from a live group at iteration {self.train_state.iteration} (torchft step {step}) "
                         f"in {seconds:.2f} s")
+            self._log({"event": "heal", "iteration": self.train_state.iteration, "torchft_step": step,
+                       "heal_seconds": seconds})
             if train_iterator is not None:
                 if not hasattr(train_iterator, "restart_at"):
                     raise FaultToleranceError("a healed group cannot move this training data source to the peer's "
@@ -226,14 +228,25 @@ class ReplicaTraining:
         history.setdefault("ft quorum", []).append(len(quorum) if committed else 0)
         history.setdefault("ft heals", [])[:] = self.replica.heals
         lost = [g for g in range(settings.groups) if g not in quorum or not committed]
-        if not lost:
-            return
         dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
                                            self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        self._log({"event": "step", "iteration": iteration, "quorum": len(quorum) if committed else 0,
+                   "committed": committed, "dropped": {str(g): indices for g, indices in dropped.items()}})
+        if not lost:
+            return
         history.setdefault("ft dropped", {}).update({(iteration, g): indices for g, indices in dropped.items()})
         for g, indices in dropped.items():
             self._print(f"iteration {iteration}: quorum {quorum} of {settings.groups} groups, "
                         f"{'committed' if committed else 'discarded'}; dropped group {g}'s samples {indices}")
+
+    def _log(self, fields):
+        """A --log-jsonl record of this group (rank 0): every step's quorum size and a heal's duration (plotted by
+        tools/plot_run.py)."""
+        import torch.distributed as dist
+        if self.args.log_jsonl and dist.get_rank() == 0:
+            from megatron.guards import operations
+            operations.write_jsonl_record(self.args.log_jsonl, {"type": "ft", "group": self.replica.settings.group_id,
+                                                                "groups": self.replica.settings.groups, **fields})
 
     def _print(self, text):
         import torch.distributed as dist

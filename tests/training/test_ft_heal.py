@@ -50,6 +50,13 @@ def _losses(directory):
     return {r["iteration"]: r["losses"]["lm loss"] for r in records if "losses" in r}
 
 
+def _ft_records(directory, event):
+    """{iteration: the group's --log-jsonl 'ft' record of `event`} ('step': its quorum; 'heal')."""
+    with open(os.path.join(directory, "log.jsonl")) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return {r["iteration"]: r for r in records if r.get("type") == "ft" and r["event"] == event}
+
+
 def _final(directory):
     tag = os.path.join(directory, "save", f"iter_{ITERS:07d}")
     return {name: torch.load(os.path.join(tag, name), map_location="cpu", weights_only=False)
@@ -137,6 +144,7 @@ def test_the_killed_group_heals_from_the_live_one_and_the_survivor_never_restart
         # exactly group 1's share of that step: what its sampler (data-parallel rank 1 of 2) would have read
         share = list(MegatronPretrainingSampler(ITERS * GLOBAL, (iteration - 1) * GLOBAL, MICRO, 1, GROUPS))
         assert dropped == [i for batch in share[:ACCUMULATION] for i in batch]
+    _assert_the_log_and_plot_show_quorums_and_the_heal(directories, logged, int(heal.group(1)))
     # after the heal both groups hold the same weights and optimizer state, bitwise, to the end
     assert_bitwise(_final(directories[0]), _final(directories[1]))
 
@@ -151,3 +159,20 @@ def test_the_killed_group_heals_from_the_live_one_and_the_survivor_never_restart
     module = _final(directories[0])["mp_rank_00_model_states.pt"]["module"]
     for name, weight in reference_weights.items():
         assert torch.allclose(module[name].float(), weight, rtol=0, atol=1e-6), name
+
+
+def _assert_the_log_and_plot_show_quorums_and_the_heal(directories, logged, healed_at):
+    """Every step's quorum size in the survivor's --log-jsonl (1 while alone, with the dropped indices the log line
+    names; 2 otherwise), the heal in the healed group's, and tools/plot_run.py draws both panels."""
+    from plot_run import present_panels, read_run
+    steps = _ft_records(directories[0], "step")
+    assert {i: r["quorum"] for i, r in steps.items()} == {i: 1 if i in logged else 2 for i in range(1, ITERS + 1)}
+    assert {i: r["dropped"] for i, r in steps.items()} == {
+        i: {"1": logged[i][1]} if i in logged else {} for i in range(1, ITERS + 1)}
+    heals = _ft_records(directories[1], "heal")
+    assert list(heals) == [healed_at] and 0 < heals[healed_at]["heal_seconds"] < 30, heals
+    assert [r["quorum"] for i, r in _ft_records(directories[1], "step").items() if i > healed_at] == [2] * (
+        ITERS - healed_at)
+    runs = [read_run(os.path.join(d, "log.jsonl"), f"group {g}") for g, d in enumerate(directories)]
+    titles = [panel.title for panel in present_panels(runs)[0]]
+    assert "replica groups in the quorum" in titles and "heals" in titles, titles
