@@ -50,7 +50,7 @@ def _check_fault_tolerance(args, parser):
         ReplicaSettings.from_args(args).check()
     except FaultToleranceError as error:
         parser.error(str(error))
-    if args.ft_replica_groups > 1 and not args.deepspeed:
+    if args.ft_replica_groups > 1 and args.zero_config is None:      # no --deepspeed
         parser.error(f"--ft-replica-groups {args.ft_replica_groups} needs --deepspeed (the groups average the ZeRO "
                      "engine's reduced gradients): add --deepspeed --deepspeed_config PATH, or drop the flag")
 

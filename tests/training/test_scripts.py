@@ -47,10 +47,12 @@ SCRIPT_HELPERS = {"tools/prepare_default_data.py", "tools/prepare_sft_data.py", 
 
 
 def _launches(path):
-    """Each command of `path` (continuation lines joined) that runs a Python entry point: `launch N X.py ...`, or
-    "$PYTHON" X.py ... for an X not in SCRIPT_HELPERS."""
+    """Each command of `path` (continuation lines joined) that runs a Python entry point: `launch N X.py ...`,
+    "$PYTHON" -m torch.distributed.run ... (a script's own torchrun), or "$PYTHON" X.py ... for an X not in
+    SCRIPT_HELPERS."""
     commands = re.sub(r"\\\n", " ", path.read_text()).splitlines()
-    return [command.strip() for command in commands if re.match(r"\s*launch\s", command) or any(
+    return [command.strip() for command in commands if re.match(r"\s*launch\s", command)
+            or re.search(r'"\$PYTHON"\s+-m\s+torch\.distributed\.run\s', command) or any(
         script not in SCRIPT_HELPERS for script in re.findall(r'"\$PYTHON"\s+(?:-u\s+)?(\S+\.py)\b', command))]
 
 
@@ -63,7 +65,7 @@ def test_every_script_appends_extra_args_to_every_launch():
         launches = _launches(path)
         assert launches, f"{path.name}: no launch found"
         for command in launches:
-            flags = re.split(r"\s+(?:\d?>|\|)", command)[0]
+            flags = re.split(r"\s+(?:\d?>|\||&)", command)[0]     # before a redirection, a pipe or a `&`
             assert flags.endswith("${EXTRA_ARGS:-}"), f"{path.name}: EXTRA_ARGS is not the last flag of: {command}"
 
 
