@@ -52,7 +52,7 @@ rlhf: data   # runs make finetune (and make pretrain) first when their checkpoin
 	PYTHON=$(VPY) bash scripts/rlhf.sh
 
 # The test extras install (pip: one core) while the default data (which the tests read) is built on the other:
-# the data reads only the runtime packages, which the extras leave as they are. Then the suite, on 6 workers on 2
+# the data reads only the runtime packages, which the extras leave as they are. Then the suite, on 4 workers on 2
 # cores: many tests wait (process start-up, timeouts of the hang tests, rendezvous), and the extra workers keep
 # both cores busy meanwhile; --dist loadfile keeps each file's shared fixtures on one worker, and
 # tests/conftest.py hands the longest files out first.
@@ -60,7 +60,7 @@ test: install
 	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-compile -r requirements-test.lock & extras=$$!; \
 	$(VPY) tools/prepare_default_data.py || { kill $$extras; exit 1; }; \
 	wait $$extras
-	$(VPY) -m pytest -q -n 6 --dist loadfile --durations=20 tests
+	$(VPY) -m pytest -q -n 4 --dist loadfile --durations=20 tests
 
 # The newest versions the ranges allow, in throw-away venvs; then `make clean-data data` and put the digest it prints
 # in README.md (and the numbers of make pretrain: they follow the corpus). The test extras are resolved first (they
