@@ -95,6 +95,15 @@ def _forget_previous_manager(group_rank, group_world_size, store_addr, store_por
     dist.barrier()
 
 
+def _cross_group_process_group(torchft, timeout):
+    """torchft's process group over the replica groups, on the backend mpu chose for this rank's device (NCCL with
+    the accelerator's tensors on CUDA, gloo on the CPU): the exchanged partitions stay on the device."""
+    import mpu
+    if mpu.get_backend() == "nccl":
+        return torchft.ProcessGroupNCCL(timeout=timeout)
+    return torchft.ProcessGroupGloo(timeout=timeout)
+
+
 class ReplicaGroup:
     """This rank's side of its group in the torchft quorum: start_step() before the forward (quorum; a heal is
     applied there), average_and_commit(partition_grads) as the optimizer's replica_sync. `state_dict` and
@@ -104,7 +113,7 @@ class ReplicaGroup:
     def __init__(self, settings, state_dict, load_state_dict, group_rank, group_world_size, store_addr=None,
                  store_port=None):
         try:
-            from torchft import Manager, ProcessGroupGloo   # optional: imported only with 2+ groups
+            import torchft   # optional: imported only with 2+ groups
         except ImportError as error:
             raise FaultToleranceError(f"--ft-replica-groups {settings.groups} needs torchft ({error}): "
                                       "pip install torchft") from None
@@ -120,8 +129,8 @@ class ReplicaGroup:
         self.committed = []    # per step: should_commit's answer
         timeout = timedelta(seconds=settings.timeout_s)
         _forget_previous_manager(group_rank, group_world_size, store_addr, store_port)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=state_dict,
+        self.manager = torchft.Manager(
+            pg=_cross_group_process_group(torchft, timeout), load_state_dict=self._heal, state_dict=state_dict,
             min_replica_size=settings.min_replicas, use_async_quorum=False, init_sync=False, timeout=timeout,
             quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
             store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
