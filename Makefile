@@ -52,12 +52,16 @@ rlhf: data   # runs make finetune (and make pretrain) first when their checkpoin
 	PYTHON=$(VPY) bash scripts/rlhf.sh
 
 # The test extras install (pip: one core) while the default data (which the tests read) is built on the other:
-# the data reads only the runtime packages, which the extras leave as they are. Then the suite, on 4 workers on 2
-# cores: many tests wait (process start-up, timeouts of the hang tests, rendezvous), and the extra workers keep
-# both cores busy meanwhile; --dist loadfile keeps each file's shared fixtures on one worker, and
-# tests/conftest.py hands the longest files out first.
+# the data reads only the runtime packages, which the extras leave as they are. After the install, one import of
+# what nearly every test process loads writes its bytecode cache once (WARM_IMPORTS); otherwise the suite's first
+# few dozen processes (4 workers, their fork servers, the first launches) would each compile the same modules side
+# by side. Then the suite, on 4 workers on 2 cores: many tests wait (process start-up, timeouts of the hang tests,
+# rendezvous), and the extra workers keep both cores busy meanwhile; --dist loadfile keeps each file's shared
+# fixtures on one worker, and tests/conftest.py hands the longest files out first.
+export WARM_IMPORTS = import torch._dynamo, torch.distributed.run, deepspeed, transformers, pretrain_gpt, megatron.zero
 test: install
-	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-compile -r requirements-test.lock & extras=$$!; \
+	{ DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-compile -r requirements-test.lock \
+	  && { $(VPY) -c "$$WARM_IMPORTS" >/dev/null 2>&1 || true; }; } & extras=$$!; \
 	$(VPY) tools/prepare_default_data.py || { kill $$extras; exit 1; }; \
 	wait $$extras
 	$(VPY) -m pytest -q -n 4 --dist loadfile --durations=20 tests
