@@ -27,6 +27,9 @@ import torch
 from megatron.cli import UserError
 
 
+EXCHANGE_RETRIES = 2   # new quorums a group asks for after a failed gradient exchange before it discards the step
+
+
 class FaultToleranceError(UserError):
     """Replica-group settings that cannot work (a group id out of range, no lighthouse, torchft missing)."""
 
@@ -95,6 +98,15 @@ def _forget_previous_manager(group_rank, group_world_size, store_addr, store_por
     dist.barrier()
 
 
+def _on_every_rank(flag, device):
+    """Whether `flag` holds on every rank of this group (one MIN all-reduce in the group): the group decides as one
+    (its ranks' quorum requests and should_commit are group-wide in torchft)."""
+    import torch.distributed as dist
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _cross_group_process_group(torchft, timeout):
     """torchft's process group over the replica groups, on the backend mpu chose for this rank's device (NCCL with
     the accelerator's tensors on CUDA, gloo on the CPU): the exchanged partitions stay on the device."""
@@ -111,7 +123,7 @@ class ReplicaGroup:
     TCPStore (default: MASTER_ADDR/MASTER_PORT, torchrun's)."""
 
     def __init__(self, settings, state_dict, load_state_dict, group_rank, group_world_size, store_addr=None,
-                 store_port=None):
+                 store_port=None, nonfinite_is_fault=True):
         try:
             import torchft   # optional: imported only with 2+ groups
         except ImportError as error:
@@ -122,8 +134,8 @@ class ReplicaGroup:
         if not lighthouse:
             raise FaultToleranceError("no lighthouse: pass --ft-lighthouse http://HOST:PORT (or set "
                                       "TORCHFT_LIGHTHOUSE), after starting torchft_lighthouse")
-        self.settings = settings
-        self._load = load_state_dict
+        self.settings, self.nonfinite_is_fault = settings, nonfinite_is_fault
+        self.state_dict, self._load = state_dict, load_state_dict
         self.heals = []        # (torchft step, seconds from asking for the quorum to the state loaded) of each heal
         self.quorums = []      # per step: the group ids whose gradients were averaged
         self.committed = []    # per step: should_commit's answer
@@ -135,16 +147,26 @@ class ReplicaGroup:
             quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
             store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
             replica_id=f"group{settings.group_id}")
-        self._quorum_started = None
+        self.exchange_attempts = []   # per step: how many exchanges it took (1: no failure)
+        self._retrying = False
+        self._stashed = None   # a peer's state received while retrying an exchange: loaded before the next step
 
     def _heal(self, state):
+        if self._retrying:   # mid-step: this step's gradients are stale; the state is loaded before the next one
+            self._stashed = (state, self.manager.current_step(), time.monotonic())
+            return
         self._load(state)
         self.heals.append((self.manager.current_step(), None))
 
     def start_step(self):
         """Join this step's quorum (blocking); a group behind the others receives their state here (through
-        torchft's checkpoint transport) and loads it. Returns whether it healed."""
+        torchft's checkpoint transport) and loads it (or loads the one it received while retrying its last
+        exchange). Returns whether it healed."""
         heals, started = len(self.heals), time.monotonic()
+        if self._stashed is not None:
+            (state, step, started), self._stashed = self._stashed, None
+            self._load(state)
+            self.heals.append((step, None))
         self.manager.start_quorum()
         if len(self.heals) == heals:
             return False
@@ -152,20 +174,57 @@ class ReplicaGroup:
         return True
 
     def average_and_commit(self, partition_grads):
-        """Average each reduced partition over the groups in the quorum (in place) and say whether to apply the
-        step. A failed exchange leaves the gradients unusable; should_commit is then False."""
+        """Average each reduced partition over the groups that contributed to it (in place) and say whether to
+        apply the step. A failed exchange (a peer died or stalled past the timeout) does not cost the step: the
+        group's own partitions (kept aside: one copy of them) are put back, a new quorum is asked for (the
+        lighthouse drops a dead peer once its heartbeat stops) and the exchange is redone with the groups in it,
+        EXCHANGE_RETRIES times at most, then the step is discarded. A group whose gradients hold a NaN/inf (the
+        check is group-wide; not under fp16, whose loss scaler skips such steps everywhere), or whose state was
+        replaced by a peer's while retrying, contributes nothing and reports an error to torchft: its
+        should_commit is False, it heals at its next step, and the others' step is theirs alone."""
+        device = partition_grads[0].device
+        own = [grad.clone() for grad in partition_grads]   # the exchange is in place; a failed one leaves garbage
+        contribute = not self.nonfinite_is_fault or _on_every_rank(
+            all(bool(torch.isfinite(grad).all()) for grad in partition_grads), device)
+        members, attempts = self._exchange(partition_grads, contribute), 1
+        while not _on_every_rank(self.manager.errored() is None, device) and attempts <= EXCHANGE_RETRIES:
+            for grad, mine in zip(partition_grads, own):
+                grad.copy_(mine)
+            self._retrying = True
+            try:
+                self.manager.start_quorum()
+            finally:
+                self._retrying = False
+            contribute = contribute and self._stashed is None
+            members, attempts = self._exchange(partition_grads, contribute), attempts + 1
+        if not contribute:
+            self.manager.report_error(RuntimeError(f"group {self.settings.group_id}'s gradients are not usable "
+                                                   "this step (a NaN/inf, or a heal mid-step)"))
+        committed = self.manager.should_commit()
+        quorum = [g for g in range(self.settings.groups) if members[g].item() > 0.5]
+        if committed:
+            for grad in partition_grads:
+                grad.div_(len(quorum))
+        self.quorums.append(quorum)
+        self.committed.append(committed)
+        self.exchange_attempts.append(attempts)
+        return committed
+
+    def _exchange(self, partition_grads, contribute):
+        """Sum the partitions and a one-hot of this group over the quorum; a group that does not contribute sends
+        zeros. Returns the summed one-hots (which groups' gradients are in the sums)."""
         from torch.distributed import ReduceOp
-        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device
-                             if partition_grads else "cpu")
-        member[self.settings.group_id] = 1.0
-        works = [self.manager.allreduce(grad) for grad in partition_grads]
+        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device)
+        if contribute:
+            member[self.settings.group_id] = 1.0
+        else:
+            for grad in partition_grads:
+                grad.zero_()
+        works = [self.manager.allreduce(grad, reduce_op=ReduceOp.SUM) for grad in partition_grads]
         works.append(self.manager.allreduce(member, reduce_op=ReduceOp.SUM))
         for work in works:
             work.wait()
-        committed = self.manager.should_commit()
-        self.quorums.append([g for g in range(self.settings.groups) if member[g].item() > 0.5])
-        self.committed.append(committed)
-        return committed
+        return member
 
     def shutdown(self):
         self.manager.shutdown(wait=True)   # wait=False leaves a thread that aborts the process at exit
@@ -211,7 +270,8 @@ class ReplicaTraining:
             for name in train_state.COUNTERS:
                 setattr(train_state, name, int(state["train_state"][name]))
             set_rng_state(state["rng"])
-        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size())
+        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size(),
+                               nonfinite_is_fault=not args.fp16)
         engine.optimizer.replica_sync = replica.average_and_commit
         return cls(replica, args, train_state)
 
@@ -239,8 +299,13 @@ class ReplicaTraining:
         lost = [g for g in range(settings.groups) if g not in quorum or not committed]
         dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
                                            self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        attempts = self.replica.exchange_attempts[-1]
         self._log({"event": "step", "iteration": iteration, "quorum": len(quorum) if committed else 0,
-                   "committed": committed, "dropped": {str(g): indices for g, indices in dropped.items()}})
+                   "committed": committed, "exchanges": attempts,
+                   "dropped": {str(g): indices for g, indices in dropped.items()}})
+        if attempts > 1:
+            self._print(f"iteration {iteration}: the gradient exchange failed; redone {attempts - 1} time(s) with a "
+                        f"new quorum")
         if not lost:
             return
         history.setdefault("ft dropped", {}).update({(iteration, g): indices for g, indices in dropped.items()})
