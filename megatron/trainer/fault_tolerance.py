@@ -47,11 +47,14 @@ class ReplicaSettings:
     """A step commits only with at least this many groups in the quorum."""
     timeout_s: float = 60.0
     """torchft's timeout for the gradient exchange, should_commit, quorum and the checkpoint transfer (seconds)."""
+    replay_dropped: bool = False
+    """Queue the samples of a group that was out of a step and train on them at the next steps (ReplicaTraining)."""
 
     @classmethod
     def from_args(cls, args):
         return cls(groups=args.ft_replica_groups, group_id=args.ft_group_id, lighthouse=args.ft_lighthouse or "",
-                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
+                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout,
+                   replay_dropped=args.ft_replay_dropped)
 
     def check(self):
         """One line naming the bad value, before anything is built."""
@@ -64,6 +67,9 @@ class ReplicaSettings:
             raise FaultToleranceError(f"--ft-min-replicas ({self.min_replicas}) must be in [1, {self.groups}]")
         if not self.timeout_s > 0:
             raise FaultToleranceError(f"--ft-timeout ({self.timeout_s}) must be positive")
+        if self.replay_dropped and self.groups == 1:
+            raise FaultToleranceError("--ft-replay-dropped needs --ft-replica-groups 2 or more (one group drops no "
+                                      "samples): drop the flag")
 
 
 def sample_shard(groups, group_id, data_parallel_rank, data_parallel_size):
@@ -105,6 +111,12 @@ def _on_every_rank(flag, device):
     value = torch.tensor([float(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
+
+
+def _restartable(train_iterator, what):
+    if not hasattr(train_iterator, "restart_at"):
+        raise FaultToleranceError(f"{what} this training data source: use an indexed dataset (--data-path PREFIX) "
+                                  "or --mock-data")
 
 
 def _cross_group_process_group(torchft, timeout):
@@ -245,11 +257,18 @@ class NoReplicaGroups:
 
 class ReplicaTraining:
     """megatron/training.py's side: before_step() joins the quorum (and after a heal restarts the data at the
-    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals."""
+    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals.
 
-    def __init__(self, replica, args, train_state):
+    A step's global batch is R shares, group g training on share g. With --ft-replay-dropped the shares of the groups
+    out of a step go to `replay_queue` (part of the state a healing peer receives), and the next steps take up to R
+    queued shares first (each group reading its share by sample index), then fresh ones from the consumed position,
+    which advances by the fresh shares only: every sample is trained on once."""
+
+    def __init__(self, replica, args, train_state, replay_queue):
         self.replica, self.args, self.train_state = replica, args, train_state
+        self.replay_queue = replay_queue
         self._consumed = None      # where the step being taken starts in the global sample order
+        self._shares, self._replayed = None, 0   # the step's shares (group g's at g), how many came from the queue
 
     @classmethod
     def from_args(cls, args, engine, train_state):
@@ -260,20 +279,22 @@ class ReplicaTraining:
         import torch.distributed as dist
         from megatron import zero
         from megatron.checkpoint.rng import get_rng_state, set_rng_state
+        replay_queue = []
 
         def state_dict():
             return {"engine": zero.replica_state_dict(engine), "train_state": train_state.to_state(),
-                    "rng": get_rng_state()}
+                    "rng": get_rng_state(), "replay_queue": [list(share) for share in replay_queue]}
 
         def load_state_dict(state):
             zero.load_replica_state_dict(engine, state["engine"])
             for name in train_state.COUNTERS:
                 setattr(train_state, name, int(state["train_state"][name]))
             set_rng_state(state["rng"])
+            replay_queue[:] = state["replay_queue"]
         replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size(),
                                nonfinite_is_fault=not args.fp16)
         engine.optimizer.replica_sync = replica.average_and_commit
-        return cls(replica, args, train_state)
+        return cls(replica, args, train_state, replay_queue)
 
     def before_step(self, train_iterator):
         if self.replica.start_step():
@@ -283,12 +304,33 @@ class ReplicaTraining:
             self._log({"event": "heal", "iteration": self.train_state.iteration, "torchft_step": step,
                        "heal_seconds": seconds})
             if train_iterator is not None:
-                if not hasattr(train_iterator, "restart_at"):
-                    raise FaultToleranceError("a healed group cannot move this training data source to the peer's "
-                                              "position: use an indexed dataset (--data-path PREFIX) or --mock-data")
+                _restartable(train_iterator, "a healed group cannot move")
                 train_iterator.restart_at(self.train_state.consumed_train_samples)
         self._consumed = self.train_state.consumed_train_samples
+        self._plan()
+        if self._replayed and train_iterator is not None:
+            _restartable(train_iterator, "--ft-replay-dropped cannot re-read samples of")
+            fresh = (len(self._shares) - self._replayed) * self.args.global_batch_size
+            train_iterator.play(self._micro_batches(self._shares[self.replica.settings.group_id]),
+                                self._consumed + fresh)
         return train_iterator
+
+    def _micro_batches(self, share):
+        """This rank's micro batches of a group's share (group_sample_indices' layout: micro batch k of the share
+        spans dp x micro samples, data-parallel rank r's are the r-th micro of them)."""
+        import mpu
+        micro, dp, rank = self.args.batch_size, self.args.data_parallel_size, mpu.get_data_parallel_rank()
+        return [share[k * dp * micro + rank * micro:][:micro] for k in range(len(share) // (dp * micro))]
+
+    def _plan(self):
+        """This step's shares: up to R from the replay queue, the rest fresh from the consumed position (laid out
+        as a job of that many groups would read them; with none queued, exactly the samplers' order)."""
+        settings, args = self.replica.settings, self.args
+        self._replayed = min(len(self.replay_queue), settings.groups) if settings.replay_dropped else 0
+        fresh = settings.groups - self._replayed
+        self._shares = self.replay_queue[:self._replayed] + [
+            group_sample_indices(self._consumed, fresh, j, args.data_parallel_size, args.batch_size,
+                                 args.num_micro_batches) for j in range(fresh)]
 
     def after_step(self, iteration, history):
         """Log this step's quorum; the samples of the groups whose gradients were not applied are dropped."""
@@ -297,11 +339,13 @@ class ReplicaTraining:
         history.setdefault("ft quorum", []).append(len(quorum) if committed else 0)
         history.setdefault("ft heals", [])[:] = self.replica.heals
         lost = [g for g in range(settings.groups) if g not in quorum or not committed]
-        dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
-                                           self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        dropped = {g: self._shares[g] for g in lost}
+        self.train_state.consumed_train_samples -= self._replayed * self.args.global_batch_size   # not fresh ones
+        if settings.replay_dropped:
+            self.replay_queue[:] = self.replay_queue[self._replayed:] + [self._shares[g] for g in lost]
         attempts = self.replica.exchange_attempts[-1]
         self._log({"event": "step", "iteration": iteration, "quorum": len(quorum) if committed else 0,
-                   "committed": committed, "exchanges": attempts,
+                   "committed": committed, "exchanges": attempts, "replayed": self._shares[:self._replayed],
                    "dropped": {str(g): indices for g, indices in dropped.items()}})
         if attempts > 1:
             self._print(f"iteration {iteration}: the gradient exchange failed; redone {attempts - 1} time(s) with a "

@@ -17,16 +17,28 @@ MODEL = MOCK_VOCAB + TINY_SHAPE + NO_DROPOUT + [
     "--global-batch-size", str(MICRO * ACCUMULATION)]
 
 
-def group_batches(iteration, group):
-    """The micro batches (global sample indices) `group` reads in `iteration`: its sampler's (data-parallel rank
-    `group` of GROUPS) first ACCUMULATION batches from the step's start."""
-    sampler = MegatronPretrainingSampler(ITERS * GLOBAL, (iteration - 1) * GLOBAL, MICRO, group, GROUPS)
-    return list(sampler)[:ACCUMULATION]
+def replayed_shares(quorums):
+    """--ft-replay-dropped's order, from the quorums: {iteration: [group g's share (global sample indices, in the
+    order its micro batches read them)]}, {iteration: how many of them were replayed} and what is left queued. Each step takes up to GROUPS shares dropped
+    before (oldest first), then fresh ones: a group sampler's (data-parallel rank j of the fresh shares' count)
+    first ACCUMULATION batches from the fresh position, which advances by the fresh shares only."""
+    queue, consumed, shares, replayed = [], 0, {}, {}
+    for iteration in range(1, ITERS + 1):
+        replayed[iteration] = min(len(queue), GROUPS)
+        fresh = GROUPS - replayed[iteration]
+        shares[iteration] = queue[:replayed[iteration]] + [
+            [i for batch in list(MegatronPretrainingSampler(ITERS * GLOBAL, consumed, MICRO, j, fresh))[:ACCUMULATION]
+             for i in batch] for j in range(fresh)]
+        consumed += fresh * MICRO * ACCUMULATION
+        queue = queue[replayed[iteration]:] + [shares[iteration][g] for g in range(GROUPS)
+                                               if g not in quorums[iteration]]
+    return shares, replayed, queue
 
 
-def reference(argv, quorums):
-    """{iteration: [groups in the quorum]} -> ({iteration: {group: that group's mean loss}} for every group, in
-    the quorum or not, the final parameters)."""
+def reference(argv, quorums, shares):
+    """{iteration: [groups in the quorum]}, {iteration: [each group's share]} -> ({iteration: {group: that group's
+    mean loss}} for every group, in the quorum or not; {iteration: the gradient norm before clipping}, which Adam
+    and clipping would hide a wrong scale of; the final parameters)."""
     import pretrain_gpt
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.initialize import initialize_megatron
@@ -36,13 +48,14 @@ def reference(argv, quorums):
     optimizer = torch.optim.AdamW(param_groups_for_weight_decay(model), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     data = MockGPTDataset(ITERS * GLOBAL, args.seq_length, args.vocab_size, args.seed)
-    losses = {}
+    losses, norms = {}, {}
     for iteration in range(1, ITERS + 1):
         losses[iteration] = {}
         optimizer.zero_grad()
         for group in range(GROUPS):
             group_losses = []
-            for indices in group_batches(iteration, group):
+            share = shares[iteration][group]
+            for indices in (share[k * MICRO:(k + 1) * MICRO] for k in range(ACCUMULATION)):
                 text = torch.tensor(np.stack([data[i]["text"] for i in indices]))
                 tokens, labels = text[:, :-1], text[:, 1:]
                 positions = torch.arange(tokens.shape[1]).expand_as(tokens)
@@ -51,6 +64,6 @@ def reference(argv, quorums):
                     (loss / (len(quorums[iteration]) * ACCUMULATION)).backward()
                 group_losses.append(loss.item())
             losses[iteration][group] = sum(group_losses) / ACCUMULATION
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms[iteration] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         optimizer.step()
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -273,15 +273,17 @@ def test_one_group_imports_no_torchft(tmp_path):
 
 
 def test_the_json_block_sets_the_flags_and_bad_settings_are_one_line(tmp_path, capsys):
-    """The JSON's fault_tolerance block sets --ft-replica-groups and --ft-timeout (a key it leaves out leaves its flag
-    alone); a disagreeing flag, R > 1 without --deepspeed, and a group id outside [0, R) are one line each."""
+    """The JSON's fault_tolerance block sets --ft-replica-groups, --ft-timeout and --ft-replay-dropped (a key it leaves
+    out leaves its flag alone); a disagreeing flag, R > 1 without --deepspeed, a group id outside [0, R),
+    --ft-replay-dropped with one group and a non-bool replay_dropped are one line each."""
     from megatron.arguments import parse_args
     from tests.helpers import MOCK_VOCAB, parser_error, write_config
-    block = {"fault_tolerance": {"replica_groups": 3, "timeout": 7}}
+    block = {"fault_tolerance": {"replica_groups": 3, "timeout": 7, "replay_dropped": True}}
     config = write_config(str(tmp_path), **block)
     deepspeed = ["--mock-data", "--deepspeed", "--deepspeed_config", config]
     args = parse_args(args_list=deepspeed + ["--ft-group-id", "2", "--ft-min-replicas", "2"])
     assert (args.ft_replica_groups, args.ft_timeout, args.ft_min_replicas, args.ft_group_id) == (3, 7, 2, 2)
+    assert args.ft_replay_dropped
     parse = lambda argv: parse_args(args_list=argv)   # noqa: E731
     line = parser_error(parse, deepspeed + ["--ft-replica-groups", "2"], capsys)
     assert "--ft-replica-groups (2) disagrees with fault_tolerance.replica_groups (3)" in line
@@ -289,3 +291,9 @@ def test_the_json_block_sets_the_flags_and_bad_settings_are_one_line(tmp_path, c
     assert "--ft-group-id (3) must be in [0, 3)" in line
     line = parser_error(parse, MOCK_VOCAB + ["--ft-replica-groups", "2"], capsys)
     assert "--ft-replica-groups 2 needs --deepspeed" in line
+    line = parser_error(parse, MOCK_VOCAB + ["--ft-replay-dropped"], capsys)
+    assert "--ft-replay-dropped needs --ft-replica-groups 2 or more" in line
+    (tmp_path / "bad").mkdir()
+    bad = write_config(str(tmp_path / "bad"), fault_tolerance={"replica_groups": 2, "replay_dropped": "yes"})
+    line = parser_error(parse, ["--mock-data", "--deepspeed", "--deepspeed_config", bad], capsys)
+    assert "fault_tolerance.replay_dropped: expected bool, got str 'yes'" in line

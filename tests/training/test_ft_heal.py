@@ -16,7 +16,7 @@ import torch
 
 from megatron.spawn import free_port, run_distributed
 from tests.helpers import assert_bitwise, FIXTURES, REPO
-from tests.training.ft_reference import ACCUMULATION, CLIP, GROUPS, group_batches, ITERS, MICRO, MODEL, reference
+from tests.training.ft_reference import ACCUMULATION, CLIP, GROUPS, ITERS, MICRO, MODEL, reference, replayed_shares
 
 FAULTS = {"exception": 3, "nan": 8, "kill_step": 10, "kill_exchange": 15, "stop": 20}   # group 1 gets them
 WAIT_AT = (5, 12, 17, 22)       # group 0 waits there until group 1 is back from the 1st, 2nd, ... removing fault
@@ -28,7 +28,7 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
     with open(config, "w") as handle:   # the JSON's fault_tolerance block sets --ft-replica-groups and the timeout
         json.dump({"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                    "gradient_clipping": CLIP, "zero_optimization": {"stage": 2, "reduce_bucket_size": 4000},
-                   "fault_tolerance": {"replica_groups": GROUPS, "timeout": TIMEOUT}}, handle)
+                   "fault_tolerance": {"replica_groups": GROUPS, "timeout": TIMEOUT, "replay_dropped": True}}, handle)
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update({"FT_DIR": root, "FT_READY": root, "FT_DIGESTS": os.path.join(directory, "digests.jsonl"),
                 **env_extra})
@@ -96,6 +96,12 @@ def _alone(heals):
     return alone
 
 
+def _quorums_and_shares(heals):
+    alone = _alone(heals)
+    quorums = {i: [0] if i in alone else [0, 1] for i in range(1, ITERS + 1)}
+    return (quorums, *replayed_shares(quorums))
+
+
 def test_the_survivor_never_restarts_and_commits_every_step(faulty_run):
     directories, (survivor_out, faulty_out), steps, heals = faulty_run
     assert survivor_out.count("building GPT2 model") == 1               # group 0 was never restarted
@@ -134,25 +140,38 @@ def test_the_quorums_and_dropped_samples_are_the_failed_groups_share(faulty_run)
     alone = _alone(heals)
     assert {i for i, r in steps.items() if r["quorum"] == 1} == alone
     assert {i for i, r in steps.items() if r["quorum"] == 2} == set(range(1, ITERS + 1)) - alone
+    _, shares, replayed, _ = _quorums_and_shares(heals)
     for iteration, record in steps.items():
-        # exactly group 1's share of that step: what its sampler (data-parallel rank 1 of 2) would have read
-        expected = [i for batch in group_batches(iteration, 1) for i in batch]
-        assert record["dropped"] == ({"1": expected} if iteration in alone else {}), iteration
+        # exactly group 1's share of that step (a replayed one, or what its sampler would have read)
+        assert record["dropped"] == ({"1": shares[iteration][1]} if iteration in alone else {}), iteration
+        assert record["replayed"] == shares[iteration][:replayed[iteration]], iteration
     from plot_run import present_panels, read_run
     runs = [read_run(os.path.join(d, "log.jsonl"), f"group {g}") for g, d in enumerate(directories)]
     titles = [panel.title for panel in present_panels(runs)[0]]
     assert "replica groups in the quorum" in titles and "heals" in titles, titles
 
 
+def test_with_replay_every_sample_is_trained_on_once(faulty_run):
+    """--ft-replay-dropped: the shares of the steps group 1 missed were trained on later (by whichever group held
+    them then), and what the run consumed was trained on exactly once."""
+    directories, _, steps, heals = faulty_run
+    quorums, shares, replayed, left = _quorums_and_shares(heals)
+    assert sum(replayed.values()) >= len(_alone(heals)) > 0 and left == []   # a share dropped again is queued again
+    trained = [i for iteration, quorum in quorums.items() for g in quorum for i in shares[iteration][g]]
+    consumed = _by_iteration(directories[0], lambda r: "consumed_samples" in r)[ITERS]["consumed_samples"]
+    assert sorted(trained) == list(range(consumed))
+
+
 def test_the_trajectory_equals_a_reference_applying_the_logged_quorums(faulty_run):
     directories, _, steps, heals = faulty_run
+    quorums, shares, _, _ = _quorums_and_shares(heals)
     alone = _alone(heals)
-    quorums = {i: [0] if i in alone else [0, 1] for i in range(1, ITERS + 1)}
-    reference_losses, reference_weights = run_distributed(reference, 1, args=(MODEL, quorums),
-                                                          init_process_group=False)[0]
+    reference_losses, norms, reference_weights = run_distributed(reference, 1, args=(MODEL, quorums, shares),
+                                                                 init_process_group=False)[0]
     survivor, faulty = (_by_iteration(d, lambda r: "losses" in r) for d in directories)
     for iteration in range(1, ITERS + 1):
         assert survivor[iteration]["losses"]["lm loss"] == pytest.approx(reference_losses[iteration][0], rel=1e-6)
+        assert survivor[iteration]["grad_norm"] == pytest.approx(norms[iteration], rel=1e-6), iteration
         if iteration not in alone and iteration != FAULTS["kill_step"]:   # group 1 trained it (and logged it)
             assert faulty[iteration]["losses"]["lm loss"] == pytest.approx(reference_losses[iteration][1], rel=1e-6)
     module = _final(directories[0])["mp_rank_00_model_states.pt"]["module"]
