@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megatron.spawn import free_port, run_distributed
+from megatron.spawn import run_distributed
 from tests.helpers import assert_bitwise, FIXTURES, REPO
 from tests.training.ft_reference import ACCUMULATION, CLIP, GROUPS, ITERS, MICRO, MODEL, reference, replayed_shares
 
@@ -32,8 +32,8 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update({"FT_DIR": root, "FT_READY": root, "FT_DIGESTS": os.path.join(directory, "digests.jsonl"),
                 **env_extra})
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts",
-               str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               "--max-restarts", str(restarts),        # --standalone: its own rendezvous port, no race for one
                os.path.join(FIXTURES, "ft_group.py"), *MODEL, "--deepspeed", "--deepspeed_config", config,
                "--ft-group-id", str(group), "--ft-lighthouse", lighthouse, "--save", os.path.join(directory, "save"),
                "--log-jsonl", os.path.join(directory, "log.jsonl")]
