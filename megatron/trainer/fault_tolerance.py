@@ -4,10 +4,11 @@ restart of everyone.
 The job is R replica groups, each an ordinary Megatron/ZeRO job with its own torchrun (its own tensor, pipeline and
 data parallelism). Across groups, rank r of every group holds the same ZeRO partition, so the reduced gradient
 partitions are averaged rank for rank through torchft's Manager over the groups in this step's quorum, and the step
-is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook). A group that
-restarts asks the lighthouse for a quorum and receives the training state (zero.replica_state_dict: weights,
-optimizer state, loss scaler, lr scheduler, step counters; the TrainState and RNG states) from a live peer through
-torchft's checkpoint transport; no file is read. The lighthouse is torchft's own:
+is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook); a failed
+exchange is redone with a new quorum, so the live groups lose no step. A group that restarts asks the lighthouse
+for a quorum and receives the training state (zero.replica_state_dict: weights, optimizer state, loss scaler, lr
+scheduler, step counters; the TrainState and RNG states) from a live peer through torchft's checkpoint transport;
+no file is read. The lighthouse is torchft's own:
 
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind 0.0.0.0:29510 &
     # group g = 0 .. R-1, each with its own torchrun (its own --master_port / rendezvous):
@@ -15,8 +16,9 @@ torchft's checkpoint transport; no file is read. The lighthouse is torchft's own
         --ft-replica-groups 2 --ft-group-id $g --ft-lighthouse http://HOST:29510
 
 Data: group g's data-parallel rank r reads as data-parallel rank g * dp + r of R * dp (sample_shard), so R groups of
-dp ranks see exactly the batches of one job at data-parallel size R * dp. One group (R = 1, no flag) imports no
-torchft and adds no collective. docs/operations.md says when to use it.
+dp ranks see exactly the batches of one job at data-parallel size R * dp; --ft-replay-dropped trains on a dropped
+group's share at a later step (ReplicaTraining). One group (R = 1, no flag) imports no torchft and adds no
+collective. docs/operations.md says when to use it.
 """
 import dataclasses
 import time
