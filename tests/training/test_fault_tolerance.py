@@ -126,7 +126,28 @@ def _heal_phase(group_id, stage, lighthouse, markers):
     return result
 
 
-def _train_group(group_id, lighthouses, heal_lighthouses, markers):
+NAN_AT = 1   # the NaN phase: one NaN in group 1's rank-0 partition at this step (ZeRO-2)
+
+
+def _nan_phase(group_id, lighthouse):
+    """Both groups train STEPS steps; at NAN_AT group 1's rank 0 alone holds a NaN gradient."""
+    import torch.distributed as dist
+    engine = _engine(2)
+    replica = _replica_group(engine, group_id, lighthouse)
+
+    def sync(partition_grads):
+        if group_id == 1 and dist.get_rank() == 0 and engine.global_steps == NAN_AT:
+            partition_grads[0].view(-1)[0] = float("nan")
+        return replica.average_and_commit(partition_grads)
+    engine.optimizer.replica_sync = sync
+    losses, _ = _train(engine, replica, group_id)
+    result = {"losses": losses, "quorums": replica.quorums, "committed": replica.committed, "heals": replica.heals,
+              "weights": _full_weights(engine)}
+    replica.shutdown()
+    return result
+
+
+def _train_group(group_id, lighthouses, heal_lighthouses, markers, nan_lighthouse):
     out = {}
     for stage, lighthouse in zip(STAGES, lighthouses):
         engine = _engine(stage)
@@ -138,6 +159,7 @@ def _train_group(group_id, lighthouses, heal_lighthouses, markers):
         replica.shutdown()
     for stage, lighthouse in zip(STAGES, heal_lighthouses):
         out[("heal", stage)] = _heal_phase(group_id, stage, lighthouse, markers)
+    out["nan"] = _nan_phase(group_id, nan_lighthouse)
     return out
 
 
@@ -160,12 +182,15 @@ def no_fault_runs(tmp_path_factory):
     from torchft._torchft import LighthouseServer
     lighthouses = [LighthouseServer(bind="127.0.0.1:0", min_replicas=minimum, join_timeout_ms=20000,
                                     quorum_tick_ms=20) for minimum in (GROUPS, 1) for _ in STAGES]
+    lighthouses.append(LighthouseServer(bind="127.0.0.1:0", min_replicas=GROUPS, join_timeout_ms=20000,
+                                        quorum_tick_ms=20))     # the NaN phase
     addresses = [server.address() for server in lighthouses]
     markers = str(tmp_path_factory.mktemp("ft_markers"))
     try:
         with ThreadPoolExecutor(GROUPS) as pool:
             launches = [pool.submit(run_distributed, _train_group, GROUP_DP,
-                                    args=(g, addresses[:len(STAGES)], addresses[len(STAGES):], markers))
+                                    args=(g, addresses[:len(STAGES)], addresses[len(STAGES):-1], markers,
+                                          addresses[-1]))
                         for g in range(GROUPS)]
             groups = [launch.result() for launch in launches]
     finally:
@@ -229,6 +254,27 @@ def test_a_late_group_heals_from_the_live_one_rank_for_rank(no_fault_runs, stage
     reference_losses, reference_weights = _reference_replaying(survivor["quorums"])
     losses = [survivor["losses"][step] if step < heal_step else
               (survivor["losses"][step] + healed["losses"][step]) / 2 for step in range(heal_step + TOGETHER)]
+    assert losses == pytest.approx(reference_losses, rel=1e-6, abs=0)
+    for mine, theirs in zip(survivor["weights"], reference_weights):
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_nan_on_one_rank_keeps_its_whole_group_out_of_that_step(no_fault_runs):
+    """Group 1's rank 0 alone holds a NaN at step NAN_AT: both of its ranks contribute nothing (the group decides as
+    one: rank 1 of group 0 must not average rank 1 of group 1's partition in), group 1 does not commit and heals at
+    the next step, and group 0's step is its own: the trajectory of a reference without group 1 at that step."""
+    groups, _ = no_fault_runs
+    for rank in range(GROUP_DP):
+        survivor, faulty = groups[0][rank]["nan"], groups[1][rank]["nan"]
+        quorums = [[0, 1]] * NAN_AT + [[0]] + [[0, 1]] * (STEPS - NAN_AT - 1)
+        assert survivor["quorums"] == quorums and all(survivor["committed"]) and survivor["heals"] == []
+        assert faulty["quorums"][NAN_AT] == [0] and faulty["committed"][NAN_AT] is False
+        assert len(faulty["heals"]) == 1
+        for mine, theirs in zip(survivor["weights"], faulty["weights"]):
+            assert torch.equal(mine, theirs)
+    reference_losses, reference_weights = _reference_replaying(quorums)
+    losses = [survivor["losses"][step] if step == NAN_AT else (survivor["losses"][step] + faulty["losses"][step]) / 2
+              for step in range(STEPS)]
     assert losses == pytest.approx(reference_losses, rel=1e-6, abs=0)
     for mine, theirs in zip(survivor["weights"], reference_weights):
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
