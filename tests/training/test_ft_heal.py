@@ -106,7 +106,7 @@ def test_the_survivor_never_restarts_and_commits_every_step(faulty_run):
     directories, (survivor_out, faulty_out), steps, heals = faulty_run
     assert survivor_out.count("building GPT2 model") == 1               # group 0 was never restarted
     assert faulty_out.count("building GPT2 model") == 4                 # group 1 three times, by its torchrun
-    assert "discarded" not in survivor_out
+    assert "groups, discarded;" not in survivor_out                     # (a slow-step stack dump may name it)
     assert sorted(steps) == list(range(1, ITERS + 1))
     assert all(record["committed"] for record in steps.values())
     # the exchanges that failed against a dead or stopped group 1 were redone with a new quorum, once
