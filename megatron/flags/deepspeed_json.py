@@ -34,7 +34,8 @@ def reconcile_with_deepspeed_config(args, parser):
                 "zero_optimization.offload_param.device")]
     if config.fault_tolerance is not None:   # our own block: the keys it leaves out leave their --ft-* flags alone
         shared += [(f"ft_{name}", f"--ft-{name.replace('_', '-')}", getattr(config.fault_tolerance, name),
-                    f"fault_tolerance.{name}") for name in ("replica_groups", "min_replicas", "timeout", "lighthouse")
+                    f"fault_tolerance.{name}") for name in ("replica_groups", "min_replicas", "timeout", "lighthouse",
+                                                             "replay_dropped")
                    if getattr(config.fault_tolerance, name) is not None]
     if config.optimizer is not None:
         shared += _optimizer_flags(config.optimizer, parser)

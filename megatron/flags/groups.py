@@ -207,6 +207,9 @@ def _add_fault_tolerance_args(parser):
                        help="a step commits only with at least this many groups in the quorum")
     group.add_argument("--ft-timeout", type=float, default=60.0,
                        help="seconds torchft waits for the gradient exchange, should_commit, a quorum and a heal")
+    group.add_argument("--ft-replay-dropped", action="store_true",
+                       help="queue the samples of a group that was out of a step (by global sample index) and train "
+                            "on them at the next steps, so every sample is trained on once")
     return parser
 
 

@@ -1,6 +1,8 @@
 """The train/valid/test data iterators of megatron/training.py's pretrain: datasets on every rank, loaders on
 model-parallel rank 0 starting where the TrainState's consumed samples say (a raw-shard stream where its checkpoint record says),
 the validation one restarting when it runs out."""
+import itertools
+
 import mpu
 from megatron.global_vars import get_args
 from megatron.trainer.fault_tolerance import sample_shard
@@ -22,6 +24,13 @@ class RestartableIterator:
     def restart_at(self, consumed_samples):
         self.loader.batch_sampler.consumed_samples = consumed_samples
         self._batches = iter(self.loader)
+
+    def play(self, batches, consumed_samples):
+        """These micro batches (lists of sample indices) first, then the loader's from `consumed_samples` on (a
+        replica group replaying dropped samples: --ft-replay-dropped)."""
+        dataset, collate = self.loader.dataset, self.loader.collate_fn
+        self.restart_at(consumed_samples)
+        self._batches = itertools.chain([collate([dataset[i] for i in batch]) for batch in batches], self._batches)
 
 
 def _data_parallel_shard(args):

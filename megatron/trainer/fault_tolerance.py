@@ -4,10 +4,11 @@ restart of everyone.
 The job is R replica groups, each an ordinary Megatron/ZeRO job with its own torchrun (its own tensor, pipeline and
 data parallelism). Across groups, rank r of every group holds the same ZeRO partition, so the reduced gradient
 partitions are averaged rank for rank through torchft's Manager over the groups in this step's quorum, and the step
-is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook). A group that
-restarts asks the lighthouse for a quorum and receives the training state (zero.replica_state_dict: weights,
-optimizer state, loss scaler, lr scheduler, step counters; the TrainState and RNG states) from a live peer through
-torchft's checkpoint transport; no file is read. The lighthouse is torchft's own:
+is applied only if torchft's should_commit says so (ZeroOptimizer.replica_sync is the one engine hook); a failed
+exchange is redone with a new quorum, so the live groups lose no step. A group that restarts asks the lighthouse
+for a quorum and receives the training state (zero.replica_state_dict: weights, optimizer state, loss scaler, lr
+scheduler, step counters; the TrainState and RNG states) from a live peer through torchft's checkpoint transport;
+no file is read. The lighthouse is torchft's own:
 
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind 0.0.0.0:29510 &
     # group g = 0 .. R-1, each with its own torchrun (its own --master_port / rendezvous):
@@ -15,8 +16,9 @@ torchft's checkpoint transport; no file is read. The lighthouse is torchft's own
         --ft-replica-groups 2 --ft-group-id $g --ft-lighthouse http://HOST:29510
 
 Data: group g's data-parallel rank r reads as data-parallel rank g * dp + r of R * dp (sample_shard), so R groups of
-dp ranks see exactly the batches of one job at data-parallel size R * dp. One group (R = 1, no flag) imports no
-torchft and adds no collective. docs/operations.md says when to use it.
+dp ranks see exactly the batches of one job at data-parallel size R * dp; --ft-replay-dropped trains on a dropped
+group's share at a later step (ReplicaTraining). One group (R = 1, no flag) imports no torchft and adds no
+collective. docs/operations.md says when to use it.
 """
 import dataclasses
 import time
@@ -25,6 +27,9 @@ from datetime import timedelta
 import torch
 
 from megatron.cli import UserError
+
+
+EXCHANGE_RETRIES = 2   # new quorums a group asks for after a failed gradient exchange before it discards the step
 
 
 class FaultToleranceError(UserError):
@@ -44,11 +49,14 @@ class ReplicaSettings:
     """A step commits only with at least this many groups in the quorum."""
     timeout_s: float = 60.0
     """torchft's timeout for the gradient exchange, should_commit, quorum and the checkpoint transfer (seconds)."""
+    replay_dropped: bool = False
+    """Queue the samples of a group that was out of a step and train on them at the next steps (ReplicaTraining)."""
 
     @classmethod
     def from_args(cls, args):
         return cls(groups=args.ft_replica_groups, group_id=args.ft_group_id, lighthouse=args.ft_lighthouse or "",
-                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
+                   min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout,
+                   replay_dropped=args.ft_replay_dropped)
 
     def check(self):
         """One line naming the bad value, before anything is built."""
@@ -61,6 +69,9 @@ class ReplicaSettings:
             raise FaultToleranceError(f"--ft-min-replicas ({self.min_replicas}) must be in [1, {self.groups}]")
         if not self.timeout_s > 0:
             raise FaultToleranceError(f"--ft-timeout ({self.timeout_s}) must be positive")
+        if self.replay_dropped and self.groups == 1:
+            raise FaultToleranceError("--ft-replay-dropped needs --ft-replica-groups 2 or more (one group drops no "
+                                      "samples): drop the flag")
 
 
 def sample_shard(groups, group_id, data_parallel_rank, data_parallel_size):
@@ -95,6 +106,21 @@ def _forget_previous_manager(group_rank, group_world_size, store_addr, store_por
     dist.barrier()
 
 
+def _on_every_rank(flag, device):
+    """Whether `flag` holds on every rank of this group (one MIN all-reduce in the group): the group decides as one
+    (its ranks' quorum requests and should_commit are group-wide in torchft)."""
+    import torch.distributed as dist
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def _restartable(train_iterator, what):
+    if not hasattr(train_iterator, "restart_at"):
+        raise FaultToleranceError(f"{what} this training data source: use an indexed dataset (--data-path PREFIX) "
+                                  "or --mock-data")
+
+
 def _cross_group_process_group(torchft, timeout):
     """torchft's process group over the replica groups, on the backend mpu chose for this rank's device (NCCL with
     the accelerator's tensors on CUDA, gloo on the CPU): the exchanged partitions stay on the device."""
@@ -111,7 +137,7 @@ class ReplicaGroup:
     TCPStore (default: MASTER_ADDR/MASTER_PORT, torchrun's)."""
 
     def __init__(self, settings, state_dict, load_state_dict, group_rank, group_world_size, store_addr=None,
-                 store_port=None):
+                 store_port=None, nonfinite_is_fault=True):
         try:
             import torchft   # optional: imported only with 2+ groups
         except ImportError as error:
@@ -122,8 +148,8 @@ class ReplicaGroup:
         if not lighthouse:
             raise FaultToleranceError("no lighthouse: pass --ft-lighthouse http://HOST:PORT (or set "
                                       "TORCHFT_LIGHTHOUSE), after starting torchft_lighthouse")
-        self.settings = settings
-        self._load = load_state_dict
+        self.settings, self.nonfinite_is_fault = settings, nonfinite_is_fault
+        self.state_dict, self._load = state_dict, load_state_dict
         self.heals = []        # (torchft step, seconds from asking for the quorum to the state loaded) of each heal
         self.quorums = []      # per step: the group ids whose gradients were averaged
         self.committed = []    # per step: should_commit's answer
@@ -135,16 +161,26 @@ class ReplicaGroup:
             quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
             store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
             replica_id=f"group{settings.group_id}")
-        self._quorum_started = None
+        self.exchange_attempts = []   # per step: how many exchanges it took (1: no failure)
+        self._retrying = False
+        self._stashed = None   # a peer's state received while retrying an exchange: loaded before the next step
 
     def _heal(self, state):
+        if self._retrying:   # mid-step: this step's gradients are stale; the state is loaded before the next one
+            self._stashed = (state, self.manager.current_step(), time.monotonic())
+            return
         self._load(state)
         self.heals.append((self.manager.current_step(), None))
 
     def start_step(self):
         """Join this step's quorum (blocking); a group behind the others receives their state here (through
-        torchft's checkpoint transport) and loads it. Returns whether it healed."""
+        torchft's checkpoint transport) and loads it (or loads the one it received while retrying its last
+        exchange). Returns whether it healed."""
         heals, started = len(self.heals), time.monotonic()
+        if self._stashed is not None:
+            (state, step, started), self._stashed = self._stashed, None
+            self._load(state)
+            self.heals.append((step, None))
         self.manager.start_quorum()
         if len(self.heals) == heals:
             return False
@@ -152,20 +188,57 @@ class ReplicaGroup:
         return True
 
     def average_and_commit(self, partition_grads):
-        """Average each reduced partition over the groups in the quorum (in place) and say whether to apply the
-        step. A failed exchange leaves the gradients unusable; should_commit is then False."""
+        """Average each reduced partition over the groups that contributed to it (in place) and say whether to
+        apply the step. A failed exchange (a peer died or stalled past the timeout) does not cost the step: the
+        group's own partitions (kept aside: one copy of them) are put back, a new quorum is asked for (the
+        lighthouse drops a dead peer once its heartbeat stops) and the exchange is redone with the groups in it,
+        EXCHANGE_RETRIES times at most, then the step is discarded. A group whose gradients hold a NaN/inf (the
+        check is group-wide; not under fp16, whose loss scaler skips such steps everywhere), or whose state was
+        replaced by a peer's while retrying, contributes nothing and reports an error to torchft: its
+        should_commit is False, it heals at its next step, and the others' step is theirs alone."""
+        device = partition_grads[0].device
+        own = [grad.clone() for grad in partition_grads]   # the exchange is in place; a failed one leaves garbage
+        contribute = not self.nonfinite_is_fault or _on_every_rank(
+            all(bool(torch.isfinite(grad).all()) for grad in partition_grads), device)
+        members, attempts = self._exchange(partition_grads, contribute), 1
+        while not _on_every_rank(self.manager.errored() is None, device) and attempts <= EXCHANGE_RETRIES:
+            for grad, mine in zip(partition_grads, own):
+                grad.copy_(mine)
+            self._retrying = True
+            try:
+                self.manager.start_quorum()
+            finally:
+                self._retrying = False
+            contribute = contribute and self._stashed is None
+            members, attempts = self._exchange(partition_grads, contribute), attempts + 1
+        if not contribute:
+            self.manager.report_error(RuntimeError(f"group {self.settings.group_id}'s gradients are not usable "
+                                                   "this step (a NaN/inf, or a heal mid-step)"))
+        committed = self.manager.should_commit()
+        quorum = [g for g in range(self.settings.groups) if members[g].item() > 0.5]
+        if committed:
+            for grad in partition_grads:
+                grad.div_(len(quorum))
+        self.quorums.append(quorum)
+        self.committed.append(committed)
+        self.exchange_attempts.append(attempts)
+        return committed
+
+    def _exchange(self, partition_grads, contribute):
+        """Sum the partitions and a one-hot of this group over the quorum; a group that does not contribute sends
+        zeros. Returns the summed one-hots (which groups' gradients are in the sums)."""
         from torch.distributed import ReduceOp
-        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device
-                             if partition_grads else "cpu")
-        member[self.settings.group_id] = 1.0
-        works = [self.manager.allreduce(grad) for grad in partition_grads]
+        member = torch.zeros(self.settings.groups, dtype=torch.float32, device=partition_grads[0].device)
+        if contribute:
+            member[self.settings.group_id] = 1.0
+        else:
+            for grad in partition_grads:
+                grad.zero_()
+        works = [self.manager.allreduce(grad, reduce_op=ReduceOp.SUM) for grad in partition_grads]
         works.append(self.manager.allreduce(member, reduce_op=ReduceOp.SUM))
         for work in works:
             work.wait()
-        committed = self.manager.should_commit()
-        self.quorums.append([g for g in range(self.settings.groups) if member[g].item() > 0.5])
-        self.committed.append(committed)
-        return committed
+        return member
 
     def shutdown(self):
         self.manager.shutdown(wait=True)   # wait=False leaves a thread that aborts the process at exit
@@ -186,11 +259,18 @@ class NoReplicaGroups:
 
 class ReplicaTraining:
     """megatron/training.py's side: before_step() joins the quorum (and after a heal restarts the data at the
-    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals."""
+    peer's position), after_step() logs the quorum, the dropped samples (by global sample index) and heals.
 
-    def __init__(self, replica, args, train_state):
+    A step's global batch is R shares, group g training on share g. With --ft-replay-dropped the shares of the groups
+    out of a step go to `replay_queue` (part of the state a healing peer receives), and the next steps take up to R
+    queued shares first (each group reading its share by sample index), then fresh ones from the consumed position,
+    which advances by the fresh shares only: every sample is trained on once."""
+
+    def __init__(self, replica, args, train_state, replay_queue):
         self.replica, self.args, self.train_state = replica, args, train_state
+        self.replay_queue = replay_queue
         self._consumed = None      # where the step being taken starts in the global sample order
+        self._shares, self._replayed = None, 0   # the step's shares (group g's at g), how many came from the queue
 
     @classmethod
     def from_args(cls, args, engine, train_state):
@@ -201,19 +281,22 @@ class ReplicaTraining:
         import torch.distributed as dist
         from megatron import zero
         from megatron.checkpoint.rng import get_rng_state, set_rng_state
+        replay_queue = []
 
         def state_dict():
             return {"engine": zero.replica_state_dict(engine), "train_state": train_state.to_state(),
-                    "rng": get_rng_state()}
+                    "rng": get_rng_state(), "replay_queue": [list(share) for share in replay_queue]}
 
         def load_state_dict(state):
             zero.load_replica_state_dict(engine, state["engine"])
             for name in train_state.COUNTERS:
                 setattr(train_state, name, int(state["train_state"][name]))
             set_rng_state(state["rng"])
-        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size())
+            replay_queue[:] = state["replay_queue"]
+        replica = ReplicaGroup(settings, state_dict, load_state_dict, dist.get_rank(), dist.get_world_size(),
+                               nonfinite_is_fault=not args.fp16)
         engine.optimizer.replica_sync = replica.average_and_commit
-        return cls(replica, args, train_state)
+        return cls(replica, args, train_state, replay_queue)
 
     def before_step(self, train_iterator):
         if self.replica.start_step():
@@ -223,12 +306,33 @@ class ReplicaTraining:
             self._log({"event": "heal", "iteration": self.train_state.iteration, "torchft_step": step,
                        "heal_seconds": seconds})
             if train_iterator is not None:
-                if not hasattr(train_iterator, "restart_at"):
-                    raise FaultToleranceError("a healed group cannot move this training data source to the peer's "
-                                              "position: use an indexed dataset (--data-path PREFIX) or --mock-data")
+                _restartable(train_iterator, "a healed group cannot move")
                 train_iterator.restart_at(self.train_state.consumed_train_samples)
         self._consumed = self.train_state.consumed_train_samples
+        self._plan()
+        if self._replayed and train_iterator is not None:
+            _restartable(train_iterator, "--ft-replay-dropped cannot re-read samples of")
+            fresh = (len(self._shares) - self._replayed) * self.args.global_batch_size
+            train_iterator.play(self._micro_batches(self._shares[self.replica.settings.group_id]),
+                                self._consumed + fresh)
         return train_iterator
+
+    def _micro_batches(self, share):
+        """This rank's micro batches of a group's share (group_sample_indices' layout: micro batch k of the share
+        spans dp x micro samples, data-parallel rank r's are the r-th micro of them)."""
+        import mpu
+        micro, dp, rank = self.args.batch_size, self.args.data_parallel_size, mpu.get_data_parallel_rank()
+        return [share[k * dp * micro + rank * micro:][:micro] for k in range(len(share) // (dp * micro))]
+
+    def _plan(self):
+        """This step's shares: up to R from the replay queue, the rest fresh from the consumed position (laid out
+        as a job of that many groups would read them; with none queued, exactly the samplers' order)."""
+        settings, args = self.replica.settings, self.args
+        self._replayed = min(len(self.replay_queue), settings.groups) if settings.replay_dropped else 0
+        fresh = settings.groups - self._replayed
+        self._shares = self.replay_queue[:self._replayed] + [
+            group_sample_indices(self._consumed, fresh, j, args.data_parallel_size, args.batch_size,
+                                 args.num_micro_batches) for j in range(fresh)]
 
     def after_step(self, iteration, history):
         """Log this step's quorum; the samples of the groups whose gradients were not applied are dropped."""
@@ -237,10 +341,17 @@ class ReplicaTraining:
         history.setdefault("ft quorum", []).append(len(quorum) if committed else 0)
         history.setdefault("ft heals", [])[:] = self.replica.heals
         lost = [g for g in range(settings.groups) if g not in quorum or not committed]
-        dropped = {g: group_sample_indices(self._consumed, settings.groups, g, self.args.data_parallel_size,
-                                           self.args.batch_size, self.args.num_micro_batches) for g in lost}
+        dropped = {g: self._shares[g] for g in lost}
+        self.train_state.consumed_train_samples -= self._replayed * self.args.global_batch_size   # not fresh ones
+        if settings.replay_dropped:
+            self.replay_queue[:] = self.replay_queue[self._replayed:] + [self._shares[g] for g in lost]
+        attempts = self.replica.exchange_attempts[-1]
         self._log({"event": "step", "iteration": iteration, "quorum": len(quorum) if committed else 0,
-                   "committed": committed, "dropped": {str(g): indices for g, indices in dropped.items()}})
+                   "committed": committed, "exchanges": attempts, "replayed": self._shares[:self._replayed],
+                   "dropped": {str(g): indices for g, indices in dropped.items()}})
+        if attempts > 1:
+            self._print(f"iteration {iteration}: the gradient exchange failed; redone {attempts - 1} time(s) with a "
+                        f"new quorum")
         if not lost:
             return
         history.setdefault("ft dropped", {}).update({(iteration, g): indices for g, indices in dropped.items()})

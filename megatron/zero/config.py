@@ -242,11 +242,8 @@ def _section(raw, cls, key, no_effect):
         if name in AUTO_RULES and value == AUTO:
             values[name] = AUTO
             continue
-        if kind in (Optional[int], Optional[str]):
-            if value is None:
-                values[name] = None
-                continue
-            kind = int if kind == Optional[int] else str
+        if kind in (Optional[int], Optional[str], Optional[bool]):
+            kind = {Optional[int]: int, Optional[str]: str, Optional[bool]: bool}[kind]
         values[name] = _typed(value, kind, f"{key}.{name}")
     return cls(**values)
 

@@ -153,6 +153,7 @@ class FaultToleranceConfig:
     min_replicas: Optional[int] = None     # a step commits only with this many groups in the quorum
     timeout: Optional[int] = None          # seconds: gradient exchange, should_commit, quorum, heal (--ft-timeout)
     lighthouse: Optional[str] = None       # http://HOST:PORT of torchft_lighthouse (--ft-lighthouse)
+    replay_dropped: Optional[bool] = None  # train on a dropped group's samples later (--ft-replay-dropped)
 
 
 @dataclass

@@ -126,7 +126,28 @@ def _heal_phase(group_id, stage, lighthouse, markers):
     return result
 
 
-def _train_group(group_id, lighthouses, heal_lighthouses, markers):
+NAN_AT = 1   # the NaN phase: one NaN in group 1's rank-0 partition at this step (ZeRO-2)
+
+
+def _nan_phase(group_id, lighthouse):
+    """Both groups train STEPS steps; at NAN_AT group 1's rank 0 alone holds a NaN gradient."""
+    import torch.distributed as dist
+    engine = _engine(2)
+    replica = _replica_group(engine, group_id, lighthouse)
+
+    def sync(partition_grads):
+        if group_id == 1 and dist.get_rank() == 0 and engine.global_steps == NAN_AT:
+            partition_grads[0].view(-1)[0] = float("nan")
+        return replica.average_and_commit(partition_grads)
+    engine.optimizer.replica_sync = sync
+    losses, _ = _train(engine, replica, group_id)
+    result = {"losses": losses, "quorums": replica.quorums, "committed": replica.committed, "heals": replica.heals,
+              "weights": _full_weights(engine)}
+    replica.shutdown()
+    return result
+
+
+def _train_group(group_id, lighthouses, heal_lighthouses, markers, nan_lighthouse):
     out = {}
     for stage, lighthouse in zip(STAGES, lighthouses):
         engine = _engine(stage)
@@ -138,6 +159,7 @@ def _train_group(group_id, lighthouses, heal_lighthouses, markers):
         replica.shutdown()
     for stage, lighthouse in zip(STAGES, heal_lighthouses):
         out[("heal", stage)] = _heal_phase(group_id, stage, lighthouse, markers)
+    out["nan"] = _nan_phase(group_id, nan_lighthouse)
     return out
 
 
@@ -160,12 +182,15 @@ def no_fault_runs(tmp_path_factory):
     from torchft._torchft import LighthouseServer
     lighthouses = [LighthouseServer(bind="127.0.0.1:0", min_replicas=minimum, join_timeout_ms=20000,
                                     quorum_tick_ms=20) for minimum in (GROUPS, 1) for _ in STAGES]
+    lighthouses.append(LighthouseServer(bind="127.0.0.1:0", min_replicas=GROUPS, join_timeout_ms=20000,
+                                        quorum_tick_ms=20))     # the NaN phase
     addresses = [server.address() for server in lighthouses]
     markers = str(tmp_path_factory.mktemp("ft_markers"))
     try:
         with ThreadPoolExecutor(GROUPS) as pool:
             launches = [pool.submit(run_distributed, _train_group, GROUP_DP,
-                                    args=(g, addresses[:len(STAGES)], addresses[len(STAGES):], markers))
+                                    args=(g, addresses[:len(STAGES)], addresses[len(STAGES):-1], markers,
+                                          addresses[-1]))
                         for g in range(GROUPS)]
             groups = [launch.result() for launch in launches]
     finally:
@@ -234,6 +259,27 @@ def test_a_late_group_heals_from_the_live_one_rank_for_rank(no_fault_runs, stage
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
 
 
+def test_a_nan_on_one_rank_keeps_its_whole_group_out_of_that_step(no_fault_runs):
+    """Group 1's rank 0 alone holds a NaN at step NAN_AT: both of its ranks contribute nothing (the group decides as
+    one: rank 1 of group 0 must not average rank 1 of group 1's partition in), group 1 does not commit and heals at
+    the next step, and group 0's step is its own: the trajectory of a reference without group 1 at that step."""
+    groups, _ = no_fault_runs
+    for rank in range(GROUP_DP):
+        survivor, faulty = groups[0][rank]["nan"], groups[1][rank]["nan"]
+        quorums = [[0, 1]] * NAN_AT + [[0]] + [[0, 1]] * (STEPS - NAN_AT - 1)
+        assert survivor["quorums"] == quorums and all(survivor["committed"]) and survivor["heals"] == []
+        assert faulty["quorums"][NAN_AT] == [0] and faulty["committed"][NAN_AT] is False
+        assert len(faulty["heals"]) == 1
+        for mine, theirs in zip(survivor["weights"], faulty["weights"]):
+            assert torch.equal(mine, theirs)
+    reference_losses, reference_weights = _reference_replaying(quorums)
+    losses = [survivor["losses"][step] if step == NAN_AT else (survivor["losses"][step] + faulty["losses"][step]) / 2
+              for step in range(STEPS)]
+    assert losses == pytest.approx(reference_losses, rel=1e-6, abs=0)
+    for mine, theirs in zip(survivor["weights"], reference_weights):
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
+
+
 def test_group_shards_tile_the_data_parallel_order():
     """R = 2 groups of dp 2 read exactly what ranks 0..3 of one dp-4 sampler read; R = 3 groups of dp 1 too."""
     from megatron.trainer.fault_tolerance import group_sample_indices, sample_shard
@@ -273,15 +319,17 @@ def test_one_group_imports_no_torchft(tmp_path):
 
 
 def test_the_json_block_sets_the_flags_and_bad_settings_are_one_line(tmp_path, capsys):
-    """The JSON's fault_tolerance block sets --ft-replica-groups and --ft-timeout (a key it leaves out leaves its flag
-    alone); a disagreeing flag, R > 1 without --deepspeed, and a group id outside [0, R) are one line each."""
+    """The JSON's fault_tolerance block sets --ft-replica-groups, --ft-timeout and --ft-replay-dropped (a key it leaves
+    out leaves its flag alone); a disagreeing flag, R > 1 without --deepspeed, a group id outside [0, R),
+    --ft-replay-dropped with one group and a non-bool replay_dropped are one line each."""
     from megatron.arguments import parse_args
     from tests.helpers import MOCK_VOCAB, parser_error, write_config
-    block = {"fault_tolerance": {"replica_groups": 3, "timeout": 7}}
+    block = {"fault_tolerance": {"replica_groups": 3, "timeout": 7, "replay_dropped": True}}
     config = write_config(str(tmp_path), **block)
     deepspeed = ["--mock-data", "--deepspeed", "--deepspeed_config", config]
     args = parse_args(args_list=deepspeed + ["--ft-group-id", "2", "--ft-min-replicas", "2"])
     assert (args.ft_replica_groups, args.ft_timeout, args.ft_min_replicas, args.ft_group_id) == (3, 7, 2, 2)
+    assert args.ft_replay_dropped
     parse = lambda argv: parse_args(args_list=argv)   # noqa: E731
     line = parser_error(parse, deepspeed + ["--ft-replica-groups", "2"], capsys)
     assert "--ft-replica-groups (2) disagrees with fault_tolerance.replica_groups (3)" in line
@@ -289,3 +337,9 @@ def test_the_json_block_sets_the_flags_and_bad_settings_are_one_line(tmp_path, c
     assert "--ft-group-id (3) must be in [0, 3)" in line
     line = parser_error(parse, MOCK_VOCAB + ["--ft-replica-groups", "2"], capsys)
     assert "--ft-replica-groups 2 needs --deepspeed" in line
+    line = parser_error(parse, MOCK_VOCAB + ["--ft-replay-dropped"], capsys)
+    assert "--ft-replay-dropped needs --ft-replica-groups 2 or more" in line
+    (tmp_path / "bad").mkdir()
+    bad = write_config(str(tmp_path / "bad"), fault_tolerance={"replica_groups": 2, "replay_dropped": "yes"})
+    line = parser_error(parse, ["--mock-data", "--deepspeed", "--deepspeed_config", bad], capsys)
+    assert "fault_tolerance.replay_dropped: expected bool, got str 'yes'" in line

@@ -1,12 +1,13 @@
 """A killed worker: replica groups on torchft against today's torchrun restart + checkpoint load, on the same run.
 
-    python tools/bench/bench_ft_heal.py [--kill-at 25] [--train-iters 300] [--save-interval 10]
+    python tools/bench/bench_ft_heal.py [--kill-at 25] [--train-iters 300] [--save-interval 10] [--keep-logs DIR]
 
 Both runs train the tiny GPT-2 on --mock-data with ZeRO-2 at the same global batch, each worker one CPU process:
 - replica groups: torchft's lighthouse on loopback and 2 groups of 1 process, each under its own torchrun
   (--max-restarts 1); group 1's worker is SIGKILLed once its log reaches --kill-at. Measured: seconds from the
   kill to group 1's next logged iteration (restart, quorum, state from group 0, a step), and the steps group 0
-  lost (iterations it did not commit; the goal is 0) and trained alone meanwhile.
+  lost (iterations it did not commit; the goal is 0: a failed exchange is redone with a new quorum), the exchanges
+  it redid and the steps it trained alone meanwhile.
 - torchrun restart: one torchrun of 2 processes (data parallel 2, --save-interval, --load = --save), the same kill.
   Measured: seconds to the next logged iteration, and the steps lost (trained again after loading the newest
   checkpoint: --kill-at minus the last saved iteration, for every worker).
@@ -81,9 +82,13 @@ def replica_groups(args, directory):
         outputs = [agent.communicate()[0] for agent in agents]
     finally:
         lighthouse.shutdown()
+    for g, output in enumerate(outputs if args.keep_logs else []):
+        with open(os.path.join(args.keep_logs, f"group{g}.txt"), "w") as handle:
+            handle.write(output)
     alone = outputs[0].count("dropped group 1's samples")
-    lost = outputs[0].count("discarded")
-    return back - killed, lost, alone
+    lost = outputs[0].count("groups, discarded;")     # the step lines (a stack dump may name `discarded` too)
+    redone = outputs[0].count("the gradient exchange failed")
+    return back - killed, lost, alone, redone
 
 
 def torchrun_restart(args, directory):
@@ -103,13 +108,15 @@ def main():
     parser.add_argument("--kill-at", type=int, default=25)   # mid-interval: the restart redoes 5 steps
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--keep-logs", metavar="DIR", help="write the replica groups' output there")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
-        heal_s, lost, alone = replica_groups(args, first)
+        heal_s, lost, alone, exchanges = replica_groups(args, first)
         restart_s, redone = torchrun_restart(args, second)
     print("| recovery | kill -> training again (s) | steps lost by the other workers |")
     print("|---|---|---|")
-    print(f"| torchft replica groups (2 x 1) | {heal_s:.1f} | {lost} (group 0 trained {alone} steps alone) |")
+    print(f"| torchft replica groups (2 x 1) | {heal_s:.1f} | {lost} (group 0 redid {exchanges} exchange(s) with a new "
+          f"quorum, then trained {alone} steps alone) |")
     print(f"| torchrun restart + checkpoint load (dp 2, save every {args.save_interval}) | {restart_s:.1f} | "
           f"{redone} (redone after the reload) |")
 
