@@ -45,14 +45,20 @@ def _torchrun(nproc, argv, log, directory):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--max-restarts", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "pretrain_gpt.py", *MODEL,
                *argv, "--deepspeed", "--deepspeed_config", config, "--log-jsonl", log]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log + ".out", "w") as output:   # a file: a pipe read only at the end fills and blocks the worker
+        return subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True)
+
+
+def _output(log):
+    with open(log + ".out") as handle:
+        return handle.read()
 
 
 def _kill_a_worker(agent, log, kill_at):
     """SIGKILL one worker of `agent` (a torchrun) once `log` reaches iteration kill_at; the kill's time."""
     while not any(r.get("iteration", 0) >= kill_at for r in _records(log)):
         if agent.poll() is not None:
-            raise RuntimeError(f"the run ended before iteration {kill_at}:\n{agent.stdout.read()[-3000:]}")
+            raise RuntimeError(f"the run ended before iteration {kill_at}:\n{_output(log)[-3000:]}")
         time.sleep(0.02)
     with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as handle:
         worker = int(handle.read().split()[-1])
@@ -64,7 +70,7 @@ def _next_iteration_after(log, count, agent):
     """Seconds-stamp of the first record beyond the first `count` ones (training again)."""
     while len(_records(log)) <= count:
         if agent.poll() is not None:
-            raise RuntimeError(f"the run ended without training again:\n{agent.stdout.read()[-3000:]}")
+            raise RuntimeError(f"the run ended without training again:\n{_output(log)[-3000:]}")
         time.sleep(0.02)
     return time.monotonic()
 
@@ -79,7 +85,9 @@ def replica_groups(args, directory):
     try:
         killed = _kill_a_worker(agents[1], logs[1], args.kill_at)
         back = _next_iteration_after(logs[1], len(_records(logs[1])), agents[1])
-        outputs = [agent.communicate()[0] for agent in agents]
+        for agent in agents:
+            agent.wait()
+        outputs = [_output(log) for log in logs]
     finally:
         lighthouse.shutdown()
     for g, output in enumerate(outputs if args.keep_logs else []):
@@ -99,7 +107,7 @@ def torchrun_restart(args, directory):
     killed = _kill_a_worker(agent, log, args.kill_at)
     done = max(r["iteration"] for r in _records(log))
     back = _next_iteration_after(log, len(_records(log)), agent)
-    agent.communicate()
+    agent.wait()
     return back - killed, done - done // args.save_interval * args.save_interval
 
 
