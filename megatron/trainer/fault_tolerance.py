@@ -107,10 +107,11 @@ def _forget_previous_manager(group_rank, group_world_size, store_addr, store_por
 
 
 def _on_every_rank(flag, device):
-    """Whether `flag` holds on every rank of this group (one MIN all-reduce in the group): the group decides as one
-    (its ranks' quorum requests and should_commit are group-wide in torchft)."""
+    """Whether `flag` (a bool, or a one-element tensor on `device`: no host sync before the all-reduce) holds on
+    every rank of this group (one MIN all-reduce in the group, one host sync): the group decides as one (its ranks'
+    quorum requests and should_commit are group-wide in torchft)."""
     import torch.distributed as dist
-    value = torch.tensor([float(flag)], device=device)
+    value = (flag.float().reshape(1) if torch.is_tensor(flag) else torch.tensor([float(flag)], device=device))
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
 
@@ -198,8 +199,8 @@ class ReplicaGroup:
         should_commit is False, it heals at its next step, and the others' step is theirs alone."""
         device = partition_grads[0].device
         own = [grad.clone() for grad in partition_grads]   # the exchange is in place; a failed one leaves garbage
-        contribute = not self.nonfinite_is_fault or _on_every_rank(
-            all(bool(torch.isfinite(grad).all()) for grad in partition_grads), device)
+        contribute = not self.nonfinite_is_fault or _on_every_rank(     # all partitions checked on the device
+            torch.stack([torch.isfinite(grad).all() for grad in partition_grads]).all(), device)
         members, attempts = self._exchange(partition_grads, contribute), 1
         while not _on_every_rank(self.manager.errored() is None, device) and attempts <= EXCHANGE_RETRIES:
             for grad, mine in zip(partition_grads, own):
@@ -215,7 +216,7 @@ class ReplicaGroup:
             self.manager.report_error(RuntimeError(f"group {self.settings.group_id}'s gradients are not usable "
                                                    "this step (a NaN/inf, or a heal mid-step)"))
         committed = self.manager.should_commit()
-        quorum = [g for g in range(self.settings.groups) if members[g].item() > 0.5]
+        quorum = [g for g, member in enumerate(members.tolist()) if member > 0.5]   # one host read
         if committed:
             for grad in partition_grads:
                 grad.div_(len(quorum))
