@@ -57,11 +57,16 @@ def _worker(fn, rank, world_size, port, args, model_parallel_size, queue, init_p
 # nothing in them starts threads or touches torch.distributed at import.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "mpu", "megatron.training", "megatron.zero",
             "pretrain_gpt"]
+# More modules for the server to import once, comma-separated (tests/conftest.py names pytest and the reference
+# libraries its tests' workers import: a worker unpickling a test's function imports that test's module, and with
+# it pytest, DeepSpeed, transformers, lm-eval, each ~0.5-1.5 CPU-s per worker otherwise). A missing one is skipped.
+PRELOAD_ENV = "MEGATRON_SPAWN_PRELOAD"
 
 
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    extra = [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
+    ctx.set_forkserver_preload(_PRELOAD + extra)
     return ctx
 
 

@@ -16,6 +16,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEBTEXT = os.path.join(REPO, "data", "webtext")
 DEVICE_ENV = "MEGATRON_TEST_DEVICE"
+PRELOAD_ENV = "MEGATRON_SPAWN_PRELOAD"    # megatron.spawn.PRELOAD_ENV (not imported here: conftest loads before torch)
 
 
 def pytest_addoption(parser):
@@ -36,6 +37,9 @@ def pytest_configure(config):
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""     # read when CUDA first initializes, in this process and workers
+        # run_distributed's fork server imports these once per pytest worker, not each of the ~800 workers it forks
+        # (measured: pytest's import alone was ~5% of the suite's CPU). Not on CUDA: DeepSpeed probes the device.
+        os.environ.setdefault(PRELOAD_ENV, "pytest,deepspeed,transformers,lm_eval.evaluator")
         return
     import torch
     if not torch.cuda.is_available():
