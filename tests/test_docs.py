@@ -16,6 +16,7 @@ import tempfile
 import pytest
 
 from tests.helpers import REPO
+from tests import warm_python
 
 
 README = os.path.join(REPO, "README.md")
@@ -134,8 +135,8 @@ def helps():
                  for name, kind, argv in own}
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "helps.json")
-        runner = subprocess.run([sys.executable, "-c", _HELP_RUNNER, out_path, json.dumps(shared)], cwd=REPO,
-                                capture_output=True, text=True, timeout=300)
+        runner = warm_python.run([sys.executable, "-c", _HELP_RUNNER, out_path, json.dumps(shared)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=300)
         assert os.path.exists(out_path), runner.stderr[-3000:]
         runs = json.loads(_read(out_path))
     for command, process in processes.items():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import port_taken, REPO
+from tests import warm_python
 sys.path.insert(0, os.path.join(REPO, "tools"))
 sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 import bench_gpu  # noqa: E402
@@ -282,9 +283,9 @@ def test_one_cell_on_the_cpu_through_the_training_loop(tmp_path):
     shape, the model-state formula the ZeRO paper's 16 bytes per parameter (fp32)."""
     out = tmp_path / "rows.json"
     with port_taken(6000), port_taken(29500):
-        done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench", "bench_gpu.py"), "--models",
-                               "tiny", "--precisions", "fp32", "--stages", "2", "--device", "cpu", "--steps", "2",
-                               "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
+        done = warm_python.run([sys.executable, os.path.join(REPO, "tools", "bench", "bench_gpu.py"), "--models",
+                                "tiny", "--precisions", "fp32", "--stages", "2", "--device", "cpu", "--steps", "2",
+                                "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (row,) = json.loads(out.read_text())
     m = bench_gpu.MODELS["tiny"]
@@ -322,8 +323,8 @@ def test_part_c_client_runs_on_the_cpu():
     """Part (c), tools/ds_client_check.py, as the GPU check runs it, on this CPU (the suite hides CUDA): both stages
     pass their checks and report the device, falling losses equal at ZeRO-2 and ZeRO-3, and 8 new tokens per
     prompt."""
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "ds_client_check.py")], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    done = warm_python.run([sys.executable, os.path.join(REPO, "tools", "ds_client_check.py")], capture_output=True,
+                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     records = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["stage"] for r in records] == [2, 3] and {r["device"] for r in records} == {"cpu"}

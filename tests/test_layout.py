@@ -4,12 +4,12 @@ the post-training methods take what they share from megatron/posttrain/common.py
 lines in the files it names; four short entry points that import no script, and no source file over 450 lines."""
 import ast
 import os
-import subprocess
 import sys
 
 from megatron.spawn import free_port
 
 from tests.helpers import REPO
+from tests import warm_python
 
 
 def _imported_modules(path):
@@ -48,8 +48,8 @@ def test_import_mpu_loads_no_megatron_module():
         "model(torch.randn(1, 4, 8, requires_grad=True)).sum().backward()",
         "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))"])
     env = dict(os.environ, PYTHONPATH=REPO, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=env)
+    result = warm_python.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
 

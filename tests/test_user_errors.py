@@ -5,13 +5,13 @@ errors that signal a bug in our code (a user cannot cause them). run_main(main) 
 error class that forgets the base is a traceback for a user: this walk fails instead."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from tests.helpers import REPO
+from tests import warm_python
 
 # Errors a user cannot cause, each with why: they must NOT derive from UserError (run_main would hide a bug).
 INTERNAL_ERRORS = {
@@ -72,8 +72,8 @@ def _modules(root):
 
 
 def _walk(modules, repo=REPO):
-    result = subprocess.run([sys.executable, "-c", _WALKER, repo, json.dumps(modules)], cwd=repo,
-                            capture_output=True, text=True, timeout=300)
+    result = warm_python.run([sys.executable, "-c", _WALKER, repo, json.dumps(modules)], cwd=repo,
+                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -176,8 +176,8 @@ def test_run_main_prints_a_user_error_as_one_line_and_keeps_a_bug_s_traceback(tm
             raise KeyError("a bug")
         run_main(main)
     """)
-    runs = {kind: subprocess.run([sys.executable, "-c", script, REPO, kind], cwd=str(tmp_path), capture_output=True,
-                                 text=True, timeout=120) for kind in ("checkpoint", "stuck", "bug", "value")}
+    runs = {kind: warm_python.run([sys.executable, "-c", script, REPO, kind], cwd=str(tmp_path), capture_output=True,
+                                  text=True, timeout=120) for kind in ("checkpoint", "stuck", "bug", "value")}
     assert (runs["checkpoint"].returncode, runs["checkpoint"].stderr) == (
         1, "error: ckpt/iter_0000010 is damaged: pass --load of another checkpoint\n")
     assert (runs["stuck"].returncode, runs["stuck"].stderr) == (

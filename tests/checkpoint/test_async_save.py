@@ -11,7 +11,6 @@ fsyncs, and the next save (or the end of training) agrees, writes the manifest a
 - A run resumed from an async-saved checkpoint ends with a checkpoint byte-identical to the straight run's.
 """
 import os
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ from megatron.checkpoint import manifest
 from megatron.spawn import free_port, run_distributed
 from megatron.checkpoint import layout as ckpt
 from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE, write_config
+from tests import warm_python
 
 ARGS = MOCK_VOCAB + TINY_SHAPE + ["--batch-size", "2", "--hidden-dropout", "0.1",
         "--attention-dropout", "0.1", "--log-interval", "100", "--eval-iters", "0", "--lr", "1e-3", "--warmup", "0",
@@ -120,8 +120,8 @@ def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
     save_dir = str(tmp_path / "save")
     flags = ARGS + _flags(tmp_path, zero)
     env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
-    result = subprocess.run([sys.executable, "-c", KILL_RUNNER] + flags + ["--save", save_dir, "--async-save"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = warm_python.run([sys.executable, "-c", KILL_RUNNER] + flags + ["--save", save_dir, "--async-save"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == -9, result.stderr[-3000:]
     assert open(os.path.join(save_dir, ckpt.TRACKER_FILENAME)).read() == "2"
     if zero:

@@ -8,7 +8,6 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import types
 
@@ -18,6 +17,7 @@ import torch
 from megatron.spawn import free_port, run_distributed
 
 from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE
+from tests import warm_python
 
 
 TINY = MOCK_VOCAB + TINY_SHAPE + ["--batch-size", "2", "--hidden-dropout", "0.1",
@@ -212,8 +212,8 @@ def test_bad_checkpoint_exits_nonzero_with_message(tmp_path):
     os.makedirs(tmp_path / "save")
     (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("7")
     env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
-    result = subprocess.run([sys.executable, "pretrain_gpt.py"] + TINY + ["--train-iters", "1", "--load",
-                                                                           str(tmp_path / "save")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, "pretrain_gpt.py"] + TINY + ["--train-iters", "1", "--load",
+                                                                            str(tmp_path / "save")],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert f"names iteration 7, but {tmp_path / 'save' / 'iter_0000007'} does not exist" in result.stderr

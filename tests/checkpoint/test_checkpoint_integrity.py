@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import zlib
 
@@ -23,6 +22,7 @@ from megatron.checkpoint import atomic_io, manifest
 from megatron.spawn import free_port, run_distributed
 from megatron.checkpoint import layout as ckpt
 from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE, write_config
+from tests import warm_python
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
@@ -297,8 +297,8 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, zero):
     save_dir = str(tmp_path / "save")
     flags = _zero_flags(str(tmp_path)) if zero else []
     env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
-    result = subprocess.run([sys.executable, "-c", ENOSPC_RUNNER] + ARGS + flags + ["--save", save_dir], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = warm_python.run([sys.executable, "-c", ENOSPC_RUNNER] + ARGS + flags + ["--save", save_dir], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: writing ") and "No space left on device" in errors[0], \

@@ -14,7 +14,6 @@ Two worker launches in all (1 process, then 2) do every load and training run; t
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 from megatron.spawn import run_distributed
 
 from tests.helpers import gathered_model_parallel, REPO, TINY_SHAPE, train_keeping_model
+from tests import warm_python
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import convert_from_hf  # noqa: E402
@@ -357,7 +357,7 @@ def test_missing_transformers_gives_the_install_hint(runs, tmp_path, monkeypatch
                                        ("zero_to_fp32.py", ["{empty}", "{empty}/out.pt"])])
 def test_command_line_error_exits_1_without_traceback(tmp_path, tool, argv):
     argv = [a.format(empty=str(tmp_path)) for a in argv]
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool)] + argv, cwd=str(tmp_path),
-                            capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, os.path.join(REPO, "tools", tool)] + argv, cwd=str(tmp_path),
+                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr

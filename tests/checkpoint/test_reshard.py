@@ -16,6 +16,7 @@ import torch
 
 from megatron.spawn import run_distributed
 from tests.helpers import NO_DROPOUT, REPO, set_tracker, TINY, write_config
+from tests import warm_python
 
 SAVE_AT, TOTAL = 3, 8
 BASE = TINY[:TINY.index("--train-iters")] + ["--train-iters", str(TOTAL), "--log-interval", "100",
@@ -304,13 +305,12 @@ def test_bf16_zero2_mp2_loads_at_mp1_with_fp32_masters_and_moments_bitwise(saved
 def test_bf16_zero2_mp2_resized_offline_keeps_fp32_state_bitwise(saved_bf16_mp2, tmp_path):
     """tools/checkpoint_util.py writing the bf16 mp2 checkpoint at mp1 (ZeRO layout): the written fp32 masters and
     moments are bitwise the saved ones."""
-    import subprocess
     import sys
     _, save_dir, expected = saved_bf16_mp2
     tool = os.path.join(REPO, "tools", "checkpoint_util.py")
-    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path),
-                             "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
-                            capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path),
+                              "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
+                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     resized = _saved_zero_state_by_hand(os.path.join(str(tmp_path), f"iter_{SAVE_AT:07d}"), 1)
     assert sorted(resized) == sorted(expected)
@@ -434,14 +434,13 @@ def test_bad_checkpoints_name_the_problem(saved_mp2_dp2, tmp_path):
 def test_checkpoint_util_resizes_offline_with_the_full_state(saved_mp2_dp2, tmp_path):
     """tools/checkpoint_util.py writes the mp2 x dp2 ZeRO-2 checkpoint at mp1 (ZeRO layout); the engine's own
     loader (no load-time resharding: same path and size) then gives bitwise the saved state and continues alike."""
-    import subprocess
     import sys
     root, save_dir, straight, saved_state = saved_mp2_dp2
     resized = str(tmp_path / "mp1")
     tool = os.path.join(REPO, "tools", "checkpoint_util.py")
-    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", resized,
-                             "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
-                            capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", resized,
+                              "--target-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "8"],
+                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "resized checkpoint saved at mp2 x dp2 (zero-2) to mp1 (zero)" in result.stdout
     flags = ["--deepspeed", "--deepspeed_config", os.path.join(root, "ds_config.json"), "--load", resized]
@@ -451,8 +450,8 @@ def test_checkpoint_util_resizes_offline_with_the_full_state(saved_mp2_dp2, tmp_
             assert torch.equal(loaded_state[name][kind], tensor), (name, kind)
     worst = max(abs(a - b) / abs(b) for a, b in zip(resumed["lm loss"], straight["lm loss"][SAVE_AT:]))
     assert resumed["iteration"][0] == SAVE_AT + 1 and worst <= 1e-5, (resumed["lm loss"], straight["lm loss"])
-    result = subprocess.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path / "mp3"),
-                             "--target-tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, tool, "--load-dir", save_dir, "--save-dir", str(tmp_path / "mp3"),
+                              "--target-tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
     assert "--target-tensor-parallel-size 3 does not divide the model's 4 attention heads" in result.stderr
 

@@ -3,7 +3,6 @@ iteration on each data-parallel rank (captured from get_batch in a real 2-proces
 accumulation), and its text is their detokenization."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from megatron.spawn import run_distributed
 
 from tests.helpers import REPO
+from tests import warm_python
 
 
 ITERATIONS, MICRO_BATCHES = 3, 2
@@ -43,8 +43,8 @@ def _train_capturing(args_list):
 
 
 def _print_batch(flags, iteration):
-    return subprocess.run([sys.executable, "tools/print_batch.py", "--iteration", str(iteration), "--world-size",
-                           "2", *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return warm_python.run([sys.executable, "tools/print_batch.py", "--iteration", str(iteration), "--world-size",
+                            "2", *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_printed_ids_are_the_consumed_batch(tmp_path, webtext_data):

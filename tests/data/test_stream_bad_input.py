@@ -4,7 +4,6 @@ an empty shard, a path or glob that names no shard: one line naming the file and
 import gzip
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from megatron.data.stream import StreamConfig, StreamDataError, StreamLoader, list_shards
 from tests.data.test_stream import documents, SEQ, tokenized, vocab  # noqa: F401  (vocab: a fixture)
 from tests.helpers import REPO, TINY_SHAPE
+from tests import warm_python
 
 
 def _jsonl(path, lines):
@@ -111,8 +111,8 @@ def test_pretrain_gpt_prints_one_line_and_exits_non_zero(webtext_data, tmp_path)
                           "--merge-file", os.path.join(webtext_data, "merges.txt"), "--train-iters", "2",
                           "--eval-iters", "0", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     env = dict(os.environ, MASTER_PORT=str(_free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags], capture_output=True,
-                            text=True, cwd=REPO, env=env, timeout=120)
+    result = warm_python.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags], capture_output=True,
+                             text=True, cwd=REPO, env=env, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/a.jsonl: line 2: malformed JSON")
     assert not os.path.exists(tmp_path / "ckpt" / "iter_0000001")

@@ -3,12 +3,12 @@ megatron/arguments.py): flags, an unknown task, a task whose data is on the hub 
 model cannot score; and the per-task log line's format."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import parser_error, REPO, TINY_SHAPE
+from tests import warm_python
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # a hub dataset fails at once instead of after retries
@@ -73,12 +73,12 @@ def test_an_unscorable_task_type_stops_pretraining_in_one_line_before_the_model(
     """pretrain_gpt.py itself: exit status 1, one line, nothing built or trained."""
     path = _task_dir(tmp_path / "tasks", "regress", "output_type: regression\ndoc_to_text: '{{q}}'\n"
                                                     "doc_to_target: label\n")
-    done = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-data", "webtext", "--vocab-file",
-                           os.path.join(webtext_data, "vocab.json"), "--merge-file",
-                           os.path.join(webtext_data, "merges.txt"), *TINY_SHAPE, "--train-iters", "1",
-                           "--eval-tasks", "regress", "--eval-tasks-path", path],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+    done = warm_python.run([sys.executable, "pretrain_gpt.py", "--train-data", "webtext", "--vocab-file",
+                            os.path.join(webtext_data, "vocab.json"), "--merge-file",
+                            os.path.join(webtext_data, "merges.txt"), *TINY_SHAPE, "--train-iters", "1",
+                            "--eval-tasks", "regress", "--eval-tasks-path", path],
+                           cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(
         "error: --eval-tasks: regress cannot be loaded by lm-eval: Got invalid output_type 'regression'")

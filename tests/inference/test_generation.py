@@ -12,6 +12,7 @@ from megatron.spawn import free_port, run_distributed
 from tests.model.test_gpt2_model import copy_into_hf
 
 from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE
+from tests import warm_python
 
 
 CONFIG = dict(num_layers=2, vocab_size=64, hidden_size=32, num_attention_heads=4, max_sequence_length=24,
@@ -193,9 +194,9 @@ def test_generate_samples_bad_input_is_one_line(tmp_path, checkpoint):
         messages[2].endswith("was saved by another model shape: hidden_size 32 (checkpoint) != 64 (this run)")
     assert not out.exists()   # nothing was written
     # The command line: one line on stderr, exit status 1, no traceback.
-    result = subprocess.run([sys.executable, "tools/generate_samples_gpt.py", *MODEL, *io, "--sample-input-file",
-                             str(tmp_path / "missing.txt")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, MASTER_PORT=str(free_port())))   # port 6000 may be taken
+    result = warm_python.run([sys.executable, "tools/generate_samples_gpt.py", *MODEL, *io, "--sample-input-file",
+                              str(tmp_path / "missing.txt")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, MASTER_PORT=str(free_port())))   # port 6000 may be taken
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {messages[1]}"]
 

@@ -15,6 +15,7 @@ from megatron.spawn import free_port, run_distributed
 from tests.model.test_gpt2_model import copy_into_hf
 
 from tests.helpers import FIXTURES, REPO, TINY_SHAPE
+from tests import warm_python
 
 
 WIKI = os.path.join(FIXTURES, "wiki.test.tokens")
@@ -213,10 +214,10 @@ def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_da
     loss, ppl, adjusted = map(float, line.groups())
     assert 0 < loss < 20 and ppl == pytest.approx(math.exp(loss), rel=1e-5) and adjusted > ppl
     # Bad input: a missing file is one line on stderr and exit status 1.
-    missing = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *tokenizer, "--load", save, "--task",
-                              "LAMBADA", "--valid-data", str(tmp_path / "none.jsonl")], cwd=REPO,
-                             env=dict(os.environ, MASTER_PORT=str(free_port())), capture_output=True, text=True,
-                             timeout=120)
+    missing = warm_python.run([sys.executable, "tasks/main.py", *MODEL, *tokenizer, "--load", save, "--task",
+                               "LAMBADA", "--valid-data", str(tmp_path / "none.jsonl")], cwd=REPO,
+                              env=dict(os.environ, MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                              timeout=120)
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"error: --valid-data {tmp_path / 'none.jsonl'} does not exist"
 
@@ -258,9 +259,9 @@ def test_lambada_cli_on_a_zero_checkpoint_matches_huggingface(tmp_path, zero_che
     texts = _rigged_lambada(data, hf, tokenizer)
     flags = ["--vocab-file", os.path.join(webtext_data, "vocab.json"), "--merge-file",
              os.path.join(webtext_data, "merges.txt"), "--load", save, "--task", "LAMBADA", "--valid-data", str(data)]
-    result = subprocess.run([sys.executable, "tasks/main.py", *MODEL, *flags, "--strict-lambada"], cwd=REPO,
-                            env=dict(os.environ, MASTER_PORT=str(free_port())),
-                            capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, "tasks/main.py", *MODEL, *flags, "--strict-lambada"], cwd=REPO,
+                             env=dict(os.environ, MASTER_PORT=str(free_port())),
+                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"validation results on LAMBADA \| number correct: (\d+) \| total examples: (\d+) \| "
                      r"avg accuracy: (\S+)", result.stdout)

@@ -4,12 +4,12 @@ checkpoint under ZeRO-2, printing the validation perplexity and three held-out a
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import REPO, run_script, SCRIPT_TEST_SHAPE, spread_seeds
+from tests import warm_python
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import prepare_sft_data  # noqa: E402
@@ -106,8 +106,8 @@ def test_another_seed_deals_other_questions():
 def test_missing_corpus_is_one_line(tmp_path):
     script = ("import sys; sys.modules['chatterbot_corpus'] = None; sys.argv = ['x', '--output-dir', sys.argv[1]]; "
               "sys.path.insert(0, 'tools'); import prepare_sft_data; prepare_sft_data.main()")
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "sft")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = warm_python.run([sys.executable, "-c", script, str(tmp_path / "sft")], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: the chatterbot-corpus package is not installed: pip install "
                                      "chatterbot-corpus==1.3.3 PyYAML (make install does)")

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 
 import numpy
@@ -32,6 +31,7 @@ import torch
 from megatron.spawn import free_port, run_distributed
 
 from tests.helpers import REPO, set_tracker
+from tests import warm_python
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import convert_from_hf  # noqa: E402
@@ -372,9 +372,9 @@ BAD_LINES = ['{"prompt": "Hi", "response": "Hello."}',
 
 def test_bad_lines_are_named_and_refused_or_skipped(tmp_path, webtext_data, capsys):
     path = _write_lines(tmp_path, BAD_LINES)
-    refused = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_sft_data.py")] +
-                             _preprocess_argv(tmp_path, webtext_data, path), capture_output=True, text=True,
-                             timeout=120)
+    refused = warm_python.run([sys.executable, os.path.join(REPO, "tools", "preprocess_sft_data.py")] +
+                              _preprocess_argv(tmp_path, webtext_data, path), capture_output=True, text=True,
+                              timeout=120)
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == [
         f"error: {path}:3: missing key 'response' (a prompt/response example needs both) (--on-error skip skips "
@@ -522,18 +522,18 @@ def test_resumed_fine_tuning_equals_the_straight_run(one_process):
 
 def test_cli_preprocess_finetune_from_pretraining_and_generate(setup, one_process, tmp_path):
     prefix = str(tmp_path / "qa")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_sft_data.py"), "--input",
-                           setup["jsonl"], "--output-prefix", prefix, "--vocab-file",
-                           os.path.join(setup["webtext"], "vocab.json"), "--merge-file",
-                           os.path.join(setup["webtext"], "merges.txt"), "--seq-length", str(SEQ), "--workers", "2"],
-                          capture_output=True, text=True, timeout=120)
+    done = warm_python.run([sys.executable, os.path.join(REPO, "tools", "preprocess_sft_data.py"), "--input",
+                            setup["jsonl"], "--output-prefix", prefix, "--vocab-file",
+                            os.path.join(setup["webtext"], "vocab.json"), "--merge-file",
+                            os.path.join(setup["webtext"], "merges.txt"), "--seq-length", str(SEQ), "--workers", "2"],
+                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Done: 40 examples" in done.stderr
     env = dict(os.environ, MASTER_PORT=str(free_port()))
     command = [sys.executable, os.path.join(REPO, "finetune_gpt.py")] + _model_flags(setup["webtext"]) + [
         "--data-path", prefix, "--split", SPLIT, "--load", one_process["pretrained"], "--train-iters", "3",
         "--batch-size", "4", "--eval-iters", "2", "--eval-interval", "1000", "--log-interval", "1"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    run = warm_python.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     final = [line for line in run.stdout.splitlines() if "validation loss at the end of training" in line]
     assert len(final) == 1, run.stdout[-3000:]

@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import REPO
+from tests import warm_python
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64"]
@@ -40,11 +41,11 @@ def checkpoint(tmp_path_factory, webtext_data):
     root = tmp_path_factory.mktemp("serving_checkpoint")
     save = str(root / "tiny")
     tokenizer = Checkpoint(save, webtext_data).tokenizer_args
-    subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + SHAPE + tokenizer + [
-        "--data-path", os.path.join(webtext_data, "webtext_text_document"), "--data-cache-path", str(root / "cache"),
-        "--batch-size", "2", "--train-iters", "3", "--lr", "3e-3", "--warmup", "0", "--log-interval", "100",
-        "--eval-iters", "0", "--save", save, "--deepspeed", "--deepspeed_config", write_config(str(root))],
-        cwd=REPO, check=True, capture_output=True, timeout=300)
+    warm_python.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + SHAPE + tokenizer + [
+         "--data-path", os.path.join(webtext_data, "webtext_text_document"), "--data-cache-path", str(root / "cache"),
+         "--batch-size", "2", "--train-iters", "3", "--lr", "3e-3", "--warmup", "0", "--log-interval", "100",
+         "--eval-iters", "0", "--save", save, "--deepspeed", "--deepspeed_config", write_config(str(root))],
+         cwd=REPO, check=True, capture_output=True, timeout=300)
     return Checkpoint(save, webtext_data)
 
 

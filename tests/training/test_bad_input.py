@@ -12,6 +12,7 @@ import pytest
 
 from megatron.text_generation.generation import check_sampling_options
 from tests.helpers import parser_error, REPO, TINY_SHAPE, write_config
+from tests import warm_python
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
@@ -91,8 +92,8 @@ ORDER = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 def test_real_data_without_the_vocabulary_files_is_one_line():
     """--train-data webtext without --vocab-file/--merge-file: one line naming both and the default data's files,
     exit status 1 (it was a ValueError traceback from the tokenizer)."""
-    done = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-data", "webtext", "--merge-file",
-                           "data/webtext/merges.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = warm_python.run([sys.executable, "pretrain_gpt.py", "--train-data", "webtext", "--merge-file",
+                            "data/webtext/merges.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
         "error: GPT2BPETokenizer needs --vocab-file and --merge-file; --vocab-file not given (the default data's: "
@@ -195,9 +196,9 @@ def test_entry_points_print_one_line_and_exit_non_zero(tmp_path, webtext_data):
     running = {}
     for name, (argv, _) in commands.items():
         from megatron.spawn import free_port
-        running[name] = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True,
-                                         env=dict(env, MASTER_PORT=str(free_port())))
+        running[name] = warm_python.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True,
+                                          env=dict(env, MASTER_PORT=str(free_port())))
     for name, process in running.items():
         _, stderr = process.communicate(timeout=300)
         lines = [line for line in stderr.strip().splitlines() if not line.startswith("W1")]

@@ -2,7 +2,6 @@
 parameter and iteration, without saving (the tracker keeps the last good checkpoint); --skip-nonfinite-steps
 skips that step instead (parameters and Adam state equal those before it)."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from megatron.spawn import free_port, run_distributed
 from tests.helpers import NO_DROPOUT, REPO, TINY
+from tests import warm_python
 
 POISONED = "transformer.layers.1.mlp.dense_4h_to_h.weight"
 CONSTANT_LR = ["--lr-decay-style", "constant", "--warmup", "0", "--log-interval", "1"]
@@ -35,8 +35,8 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 def test_nan_gradient_stops_without_saving(tmp_path):
     save = tmp_path / "checkpoints"
     flags = TINY + NO_DROPOUT + CONSTANT_LR + ["--train-iters", "6", "--save", str(save), "--save-interval", "2"]
-    result = subprocess.run([sys.executable, "-c", _CLI] + flags, cwd=REPO, capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, MASTER_PORT=str(free_port())))
+    result = warm_python.run([sys.executable, "-c", _CLI] + flags, cwd=REPO, capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, MASTER_PORT=str(free_port())))
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -2,12 +2,12 @@
 difference and which ranks hold which value (megatron.guards.preflight)."""
 import json
 import os
-import subprocess
 import sys
 
 from megatron.spawn import free_port, run_distributed
 
 from tests.helpers import REPO
+from tests import warm_python
 
 
 TINY = ["--mock-data", "--num-layers", "1", "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
@@ -107,9 +107,9 @@ runpy.run_path(os.path.join({repo!r}, "pretrain_gpt.py"), run_name="__main__")
 def test_cli_ranks_with_different_flags_exit_nonzero_with_one_line(tmp_path):
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER.format(repo=REPO))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), str(wrapper)] + TINY, cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", str(free_port()), str(wrapper)] + TINY, cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     line = "error: ranks disagree before training: hidden_size: 32 on ranks [0], 64 on ranks [1]"
     assert result.stderr.count(line) == 2, result.stderr[-3000:]

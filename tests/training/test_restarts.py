@@ -6,7 +6,6 @@ path and on ZeRO-2 and ZeRO-3."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 from megatron.spawn import free_port, run_distributed
 from tests.helpers import assert_bitwise, MOCK_VOCAB, REPO, TINY_SHAPE, train
+from tests import warm_python
 
 ITERS = 8
 MODEL = MOCK_VOCAB + TINY_SHAPE + ["--batch-size", "2", "--train-iters", str(ITERS), "--log-interval", "1",
@@ -44,7 +44,7 @@ def _torchrun(save, path, kill=None, flags=MODEL):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", script, *flags,
                *_path_args(path, os.path.dirname(save)), "--save", save, "--load", save]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    result = warm_python.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     if kill is not None:
         assert os.path.exists(save + ".killed"), "the kill was never triggered"

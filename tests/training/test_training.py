@@ -1,6 +1,5 @@
 """The Megatron training loop: model/data-parallel runs equal a single process; fp16 loss scaling; bad flags."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 from megatron.spawn import run_distributed
 
 from tests.helpers import NO_DROPOUT, REPO, TINY, train
+from tests import warm_python
 
 
 def _losses(world_size, extra):
@@ -152,8 +152,8 @@ def test_exit_controller_with_foreign_previous_handler():
      "'no-such-c++' (the CXX variable, default g++) is not on PATH"),
 ])
 def test_invalid_configuration_exits_with_message(flags, env, message):
-    result = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
-                            env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
+    result = warm_python.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
+                             env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr

@@ -5,7 +5,6 @@ DeepSpeed-Chat-shaped main (tests/fixtures/ds_chat_shaped_main.py, which starts 
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from megatron.spawn import free_port
 from megatron.zero.as_deepspeed import __main__ as alias_module
 from megatron.zero.as_deepspeed.__main__ import main as alias_main
 from tests.helpers import FIXTURES, REPO, script_env
+from tests import warm_python
 
 CLIENT = os.path.join(FIXTURES, "ds_chat_shaped_main.py")
 STEPS, MICRO, LR, WORLD = 4, 2, 1e-2, 2            # the client's
@@ -43,9 +43,9 @@ def _reference():
 
 
 def _launch(command, output_dir):
-    result = subprocess.run([sys.executable, *command, "--output_dir", str(output_dir)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300,
-                            env=script_env({"PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}))
+    result = warm_python.run([sys.executable, *command, "--output_dir", str(output_dir)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300,
+                             env=script_env({"PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}))
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     records = []
     for rank in range(WORLD):

@@ -14,6 +14,7 @@ from megatron.spawn import free_port, run_distributed
 from tests.helpers import (logged_losses, NO_DROPOUT, parser_error, REPO, run_script, SCRIPT_TEST_DS_CONFIG,
                            SCRIPT_TEST_SHAPE, script_env, set_tracker, SHORT_PRETRAIN, TINY, train, write_config)
 from tests.checkpoint.test_checkpoint import train_killed_in_save
+from tests import warm_python
 
 
 def test_zero2_path_equals_megatron_path_at_mp2_dp2(tmp_path):
@@ -26,8 +27,8 @@ def test_zero2_path_equals_megatron_path_at_mp2_dp2(tmp_path):
 
 
 def _run_cli(flags, env=None):
-    return subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
-                          env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
+    return warm_python.run([sys.executable, "pretrain_gpt.py", "--mock-data"] + flags, cwd=REPO,
+                           env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=120)
 
 
 def _parse_error(argv, capsys):

@@ -31,6 +31,7 @@ import torch
 
 from megatron.spawn import free_port
 from tests.helpers import FIXTURES, REPO, script_env
+from tests import warm_python
 
 CLIENT = os.path.join(FIXTURES, "ds_chat_client.py")
 CONFIGS = ["step1_zero2", "step1_zero3", "step3_actor_zero3", "step3_actor_zero3_offload"]
@@ -63,9 +64,9 @@ def _start(library, root):
                           "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"})
         log = os.path.join(root, f"{library}.rank{rank}.log")
         with open(log, "w") as handle:
-            processes.append((subprocess.Popen([sys.executable, *LAUNCH[library], "--output_dir",
-                                                os.path.join(root, library), "--steps", str(STEPS)],
-                                               cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT), log))
+            processes.append((warm_python.Popen([sys.executable, *LAUNCH[library], "--output_dir",
+                                                 os.path.join(root, library), "--steps", str(STEPS)],
+                                                cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT), log))
     return processes
 
 

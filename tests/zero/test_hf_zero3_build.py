@@ -6,13 +6,13 @@ is partitioned, initialized, and trains under `deepspeed.initialize` at stage 3 
 Run in a subprocess: the fake `deepspeed` and transformers' global config never reach this pytest process."""
 import importlib.util
 import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from tests.helpers import REPO, script_env
+from tests import warm_python
 
 CLIENT = textwrap.dedent('''
     import json
@@ -59,8 +59,8 @@ CLIENT = textwrap.dedent('''
 def test_transformers_zero3_from_config_builds_partitioned_and_matches_plain(tmp_path):
     script = tmp_path / "hf_zero3.py"
     script.write_text(CLIENT)
-    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=script_env({"PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}))
+    result = warm_python.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env=script_env({"PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}))
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     out = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert out["zero3"] and out["partitioned"] and out["numel_outside"] == 0

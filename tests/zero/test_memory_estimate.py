@@ -4,7 +4,6 @@ as the training script's start-up line."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from megatron.guards import memory
 from megatron.spawn import run_distributed
 from tests.helpers import (ds_config, engine_train_step, MOCK_VOCAB, NO_DROPOUT, ParallelTinyNet, param_groups, REPO,
                            TINY, TINY_SHAPE, TinyNet)
+from tests import warm_python
 
 BUCKET = 300
 
@@ -177,10 +177,11 @@ def test_training_prints_estimate_and_measurement_and_tool_agrees(tmp_path, stag
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
     assert history["model_state_estimate"]["total"] == history["model_state_measured"]["total"]
     # TINY: 2 layers, h 32, 4 heads, s 16, vocab 64 padded to a multiple of 8
-    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
-                           "--data-parallel-size", "2", "--zero-stage", str(stage), "--reduce-bucket-size", str(BUCKET), *tool_extra,
-                           *([f"--{precision}"] if precision != "fp32" else [])],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    tool = warm_python.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
+                            "--data-parallel-size", "2", "--zero-stage", str(stage), "--reduce-bucket-size",
+                            str(BUCKET), *tool_extra,
+                            *([f"--{precision}"] if precision != "fp32" else [])],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert tool.returncode == 0, tool.stderr
     assert _printed(tool.stdout, "estimate") == estimate
     assert "activations per rank" in tool.stdout
@@ -247,10 +248,10 @@ def test_megatron_path_estimate_equals_measurement_and_tool():
     estimate, measured = _printed(out, "estimate"), _printed(out, "measured after step 1")
     for kind in memory.KINDS + ("master_gradients", "total"):
         assert estimate[kind] == measured[kind], (kind, estimate, measured)
-    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
-                           "--data-parallel-size", "2", "--bf16", "--micro-batch-size", "2", "--device", "cpu",
-                           "--attention-dropout", "0", "--hidden-dropout", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    tool = warm_python.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:],
+                            "--data-parallel-size", "2", "--bf16", "--micro-batch-size", "2", "--device", "cpu",
+                            "--attention-dropout", "0", "--hidden-dropout", "0"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert _printed(tool.stdout, "estimate") == estimate
     started = re.search(r"activation memory estimate per rank \(bytes, [^)]*\): (\d+)", out)
     assert started and int(started.group(1)) == _tool_activations(tool.stdout) > 0, (out, tool.stdout)
@@ -422,8 +423,8 @@ def test_start_up_estimate_equals_measurement_under_context_parallel_and_muon(tm
     assert int(measured["buckets"]) <= int(estimate["buckets"])     # a bound (the peak seen vs the pool)
     tool_flags = ["--optimizer", "muon", "--data-parallel-size", "2"] if "muon" in flags else \
         ["--context-parallel-size", "2", "--data-parallel-size", "1"]
-    tool = subprocess.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:], *tool_flags,
-                           "--zero-stage", "2", "--reduce-bucket-size", str(BUCKET)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    tool = warm_python.run([sys.executable, "tools/estimate_memory.py", *TINY_SHAPE, *MOCK_VOCAB[1:], *tool_flags,
+                            "--zero-stage", "2", "--reduce-bucket-size", str(BUCKET)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert tool.returncode == 0, tool.stderr
     assert _printed(tool.stdout, "estimate") == estimate

@@ -5,7 +5,6 @@ zero_to_fp32, and a forward that only one rank runs."""
 import gc
 import math
 import os
-import subprocess
 import sys
 import warnings
 
@@ -21,6 +20,7 @@ from megatron.spawn import free_port, run_distributed
 from megatron.zero.partition import ALIGNMENT
 from tests.zero.test_zero_precision import EXPECTED_SCALES, OVERFLOWS
 from tests.helpers import batch, device, engine_train_step, max_relative_difference, param_groups, REPO, TinyNet
+from tests import warm_python
 
 THRESHOLD = 40       # TinyNet's biases (32, 32, 8) and LayerNorm (32 + 32) stay whole; its weights are partitioned
 
@@ -602,9 +602,9 @@ time.sleep(300)               # far past the test's timeout: only rank 0's failu
 def test_a_forward_on_one_rank_fails_with_the_reason_instead_of_hanging(tmp_path):
     script = tmp_path / "lonely.py"
     script.write_text(LONELY.format(repo=REPO))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), str(script)], capture_output=True, text=True,
-                            timeout=200, cwd=REPO)   # a hang (rank 0 waiting on rank 1) raises TimeoutExpired
+    result = warm_python.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", str(free_port()), str(script)], capture_output=True, text=True,
+                             timeout=200, cwd=REPO)   # a hang (rank 0 waiting on rank 1) raises TimeoutExpired
     assert result.returncode != 0
     assert "did not join: every data-parallel rank must run the same forwards" in result.stderr, result.stderr[-3000:]
     assert "'fc1'" in result.stderr
