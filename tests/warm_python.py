@@ -206,8 +206,19 @@ def _serve(path):
     listener.listen(64)
     listener.settimeout(5)
     open(path + ".ready", "w").close()
+    try:
+        _accept_until_orphaned(listener, children, base_path)
+    finally:
+        for name in (path, path + ".ready"):
+            os.unlink(name)
+        os.rmdir(os.path.dirname(path))
+
+
+def _accept_until_orphaned(listener, children, base_path):
+    """Fork a child for each request until the pytest worker that started this server is gone."""
+    import signal
     parent = os.getppid()
-    while os.getppid() == parent:            # until the pytest worker is gone
+    while os.getppid() == parent:
         try:
             connection, _ = listener.accept()
         except socket.timeout:

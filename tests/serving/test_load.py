@@ -1,9 +1,9 @@
 """A bounded loopback load (tests/serving/load.py): 16 clients x 200 requests on one server, a cycle of completions
 and chat (streamed and not), bad requests of every kind, a wrong API key and streams dropped after their first
 event. Nothing may fail with a 5xx or a dropped connection, every bad request gets its own 4xx with an OpenAI error,
-every dropped stream frees its rows, and the server's resident memory stays flat: the median over the last 50
-answers at most RSS_GROWTH_KIB above the median over the first 50 (after 16 x 100 unmeasured requests: the
-allocator's first growth)."""
+every dropped stream frees its rows, and the server's resident memory stays flat: of the two halves of the measured
+answers (medians over 50 answers at the start, the middle and the end), the one that grew less grew at most
+RSS_GROWTH_KIB / 2 (after 16 x 100 unmeasured requests: the allocator's first growth)."""
 import statistics
 import time
 from urllib.parse import urlsplit
@@ -55,7 +55,14 @@ def test_load_gets_no_server_error_and_every_bad_request_its_4xx(loaded):
 
 
 def test_server_memory_is_flat_under_load(loaded):
+    """A leak grows the resident memory in both halves of the measured answers alike (4 KiB a request: +6.4 MiB a
+    half); the allocator's one-off growth (one clean-clone run on a loaded machine: +14 MiB within the measured
+    window) lands in one half. So the half that grew less may grow at most half of RSS_GROWTH_KIB."""
     _, _, report = loaded
-    first, last = statistics.median(report.rss_kib[:50]), statistics.median(report.rss_kib[-50:])
-    print(f"server RSS: first 50 answers {first / 1024:.1f} MiB, last 50 {last / 1024:.1f} MiB")
-    assert last - first <= RSS_GROWTH_KIB
+    middle = len(report.rss_kib) // 2
+    window = report.rss_kib
+    first, mid, last = (statistics.median(window[:50]), statistics.median(window[middle - 25:middle + 25]),
+                        statistics.median(window[-50:]))
+    print(f"server RSS: first 50 answers {first / 1024:.1f} MiB, middle 50 {mid / 1024:.1f}, last 50 "
+          f"{last / 1024:.1f} MiB")
+    assert min(mid - first, last - mid) <= RSS_GROWTH_KIB / 2, (first, mid, last)
