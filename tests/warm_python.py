@@ -18,6 +18,7 @@ interpreter than this one, both fall back to subprocess.
 """
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -177,7 +178,6 @@ def run(args, *, input=None, capture_output=False, timeout=None, check=False, **
 
 # ---- server ---------------------------------------------------------------------------------------------------
 def _serve(path):
-    import signal
     for name in PRELOAD:
         __import__(name)
     del sys.path[0]                          # this file's directory: each command gets its own sys.path[0]
@@ -216,7 +216,6 @@ def _serve(path):
 
 def _accept_until_orphaned(listener, children, base_path):
     """Fork a child for each request until the pytest worker that started this server is gone."""
-    import signal
     parent = os.getppid()
     while os.getppid() == parent:
         try:
