@@ -21,6 +21,9 @@ import json
 import time
 
 WAIT_SECONDS = 60.0      # a blocking unit the model cannot settle by then runs unchecked (a peer computing long)
+# The wait for the peers' units polls the store, backing off: a peer that is computing (most waits, on a loaded
+# machine) costs a few polls, not one every 2 ms (each poll is several store round trips on both sides).
+POLL_FIRST, POLL_LONGEST = 0.001, 0.032
 
 
 class P2POrderError(RuntimeError):
@@ -193,7 +196,7 @@ class Tracker:
         self.store.add(f"{self.PREFIX}/{self.rank}/n", 1)
         if blocking:
             self.store.set(f"{self.PREFIX}/{self.rank}/blocked", str(index))
-        deadline = time.monotonic() + WAIT_SECONDS
+        deadline, pause = time.monotonic() + WAIT_SECONDS, POLL_FIRST
         while True:
             blocked = self.refresh()
             if blocking:
@@ -206,7 +209,8 @@ class Tracker:
                                     f"opposite orders on the two sides)")
             if not blocking or self.model.complete(self.rank, index) or time.monotonic() > deadline:
                 break
-            time.sleep(0.002)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_LONGEST)
         if blocking:
             self.store.set(f"{self.PREFIX}/{self.rank}/blocked", "-1")
 
