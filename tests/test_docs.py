@@ -130,8 +130,8 @@ def helps():
     own += [(name, entries[name], sub + ["--help"]) for name, subs in SUBCOMMAND_HELP.items() if name in entries
             for sub in subs]
     shared = [(kind, name, ["--help"]) for name, kind in sorted(entries.items()) if not name.endswith(".sh")]
-    processes = {" ".join([name] + argv): subprocess.Popen(_own_process(name, kind, argv), cwd=REPO,
-                                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes = {" ".join([name] + argv): warm_python.Popen(_own_process(name, kind, argv), cwd=REPO,
+                                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for name, kind, argv in own}
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "helps.json")

@@ -2,7 +2,6 @@
 is an error naming the line, with nothing left under the final names."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.helpers import REPO, build_small_corpus, write_jsonl  # also puts tools/ on sys.path
+from tests import warm_python
 
 import make_sample_corpus  # noqa: E402  (tools/)
 import preprocess_data  # noqa: E402  (tools/)
@@ -129,7 +129,7 @@ def test_keep_newlines_keeps_them_in_sentences(small, tmp_path):
 
 def test_cli_end_to_end(small, tmp_path):
     prefix = str(tmp_path / "cli")
-    result = subprocess.run(
+    result = warm_python.run(
         [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", small["corpus"],
          "--output-prefix", prefix, "--vocab-file", small["vocab"], "--merge-file", small["merges"],
          "--tokenizer-type", "GPT2BPETokenizer", "--dataset-impl", "mmap", "--append-eod", "--workers", "2",
@@ -137,7 +137,7 @@ def test_cli_end_to_end(small, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "docs/s" in result.stderr and "MB/s" in result.stderr
     assert len(MMapIndexedDataset(prefix + "_text_document")) == len(small["texts"]) - 1
-    bad = subprocess.run(
+    bad = warm_python.run(
         [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", small["corpus"],
          "--output-prefix", prefix, "--vocab-file", small["merges"], "--merge-file", small["merges"],
          "--tokenizer-type", "GPT2BPETokenizer"], capture_output=True, text=True, timeout=120)

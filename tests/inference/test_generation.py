@@ -2,7 +2,6 @@
 tools/generate_samples_gpt.py. Greedy tokens are compared with Hugging Face GPT2LMHeadModel.generate on the same
 weights; at model-parallel 2 the model (built from the same seed) holds the same full weights as at mp 1."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -149,11 +148,11 @@ def test_generate_samples_cli_at_model_parallel_2(tmp_path, checkpoint):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("5 9 3\n11\n60 61 7 33 2\n")
     out = tmp_path / "samples.txt"
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "tools/generate_samples_gpt.py", *MODEL,
                "--model-parallel-size", "2", "--load", save, "--sample-input-file", str(prompts),
                "--sample-output-file", str(out), "--out-seq-length", "6", "--top_k", "5", "--batch-size", "2"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = warm_python.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     blocks = out.read_text().strip().split("\n\n")
     assert blocks[0] == "Context: 5 9 3" and blocks[2] == "Context: 11" and blocks[4] == "Context: 60 61 7 33 2"

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -203,10 +202,10 @@ def test_cli_on_a_pretrained_checkpoint_at_model_parallel_2(tmp_path, webtext_da
     run_distributed(_pretrain, 1, args=(save, webtext_data))
     tokenizer = ["--vocab-file", os.path.join(webtext_data, "vocab.json"),
                  "--merge-file", os.path.join(webtext_data, "merges.txt")]
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "tasks/main.py", *MODEL, *tokenizer, "--model-parallel-size", "2",
                "--load", save, "--task", "WIKITEXT103", "--valid-data", WIKI, "--overlapping-eval", "8"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = warm_python.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"validation results on WIKITEXT103 \| avg loss: (\S+) \| ppl: (\S+) \| adjusted ppl: (\S+)",
                      result.stdout)

@@ -96,7 +96,7 @@ def server_command(checkpoint, extra=(), nproc=1):
 def start_server(checkpoint, extra=(), nproc=1, api_key=None):
     """The server on `checkpoint` until the block ends (then SIGTERM, as Ctrl-C would)."""
     command = server_command(checkpoint, list(extra) + (["--api-key", api_key] if api_key else []), nproc)
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = warm_python.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         yield Server(_wait_for_url(process), process, api_key)
     finally:

@@ -4,7 +4,6 @@ stream frees the model; a bad start (missing checkpoint, another model's checkpo
 import http.client
 import json
 import socket
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -14,6 +13,7 @@ import pytest
 from tests.helpers import REPO
 from tests.serving.conftest import API_KEY as KEY
 from tests.serving.conftest import server_command
+from tests import warm_python
 GOOD = {"prompt": "The game", "max_tokens": 4, "temperature": 0}
 CASES = [   # (what, raw body or JSON, status, the param named, a phrase of the message)
     ("malformed JSON", b'{"prompt": "x", ', 400, None, "not valid JSON"),
@@ -132,7 +132,7 @@ def test_dropped_running_stream_stops(keyed):
 ], ids=["missing", "another model"])
 def test_bad_start_is_one_line(checkpoint, change, phrase):
     command = server_command(checkpoint) + change
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = warm_python.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and phrase in errors[0], result.stderr[-2000:]
@@ -143,7 +143,7 @@ def test_taken_port_is_one_line(checkpoint):
         other.bind(("127.0.0.1", 0))
         other.listen()
         command = server_command(checkpoint) + ["--port", str(other.getsockname()[1])]
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+        result = warm_python.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(errors) == 1 and "cannot listen on" in errors[0], result.stderr[-2000:]
 
@@ -151,7 +151,7 @@ def test_taken_port_is_one_line(checkpoint):
 def test_pipeline_refused_by_name(checkpoint):
     """Two pipeline stages (torchrun, 2 processes): refused before serving, the flag and the fix named."""
     command = server_command(checkpoint, ["--pipeline-model-parallel-size", "2"], nproc=2)
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = warm_python.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and errors, result.stderr[-2000:]
     assert all("not --pipeline-model-parallel-size 2" in line for line in errors), errors

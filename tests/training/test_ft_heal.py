@@ -17,6 +17,7 @@ import torch
 from megatron.spawn import run_distributed
 from tests.helpers import assert_bitwise, FIXTURES, REPO
 from tests.training.ft_reference import ACCUMULATION, CLIP, GROUPS, ITERS, MICRO, MODEL, reference, replayed_shares
+from tests import warm_python
 
 FAULTS = {"exception": 3, "nan": 8, "kill_step": 10, "kill_exchange": 15, "stop": 20}   # group 1 gets them
 WAIT_AT = (5, 12, 17, 22)       # group 0 waits there until group 1 is back from the 1st, 2nd, ... removing fault
@@ -38,7 +39,7 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
                "--ft-group-id", str(group), "--ft-lighthouse", lighthouse, "--save", os.path.join(directory, "save"),
                "--log-jsonl", os.path.join(directory, "log.jsonl")]
     with open(os.path.join(directory, "output.txt"), "w") as output:   # read after the run (or a hang)
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        return warm_python.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
 
 
 def _records(path):

@@ -13,6 +13,7 @@ import time
 from megatron.spawn import free_port, run_distributed
 
 from tests.helpers import MOCK_VOCAB, REPO, TINY_SHAPE
+from tests import warm_python
 
 
 TINY = MOCK_VOCAB + TINY_SHAPE + ["--train-iters", "2", "--eval-iters", "0"]
@@ -21,9 +22,9 @@ TINY = MOCK_VOCAB + TINY_SHAPE + ["--train-iters", "2", "--eval-iters", "0"]
 def _torchrun(script, tmp_path, extra=()):
     path = tmp_path / "job.py"
     path.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n" + script)
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), str(path)] + TINY + list(extra),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm_python.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", str(free_port()), str(path)] + TINY + list(extra),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 SLEEPER = """

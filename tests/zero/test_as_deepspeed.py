@@ -6,7 +6,6 @@ import inspect
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -19,6 +18,7 @@ from megatron.zero.as_deepspeed.accelerator import get_accelerator
 from megatron.zero.as_deepspeed.adam import DeepSpeedCPUAdam, FusedAdam
 from mpu import get_backend, get_device
 from tests.helpers import REPO, script_env
+from tests import warm_python
 
 PYTHON = sys.executable
 STEPS, LR, BETAS = 5, 1e-2, (0.9, 0.95)
@@ -102,8 +102,8 @@ CLIENT = textwrap.dedent('''
 
 
 def _run(args, tmp_path, env=None):
-    result = subprocess.run([PYTHON, *args], cwd=REPO, env=script_env(env or {}), capture_output=True, text=True,
-                            timeout=300)
+    result = warm_python.run([PYTHON, *args], cwd=REPO, env=script_env(env or {}), capture_output=True, text=True,
+                             timeout=300)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
