@@ -40,6 +40,10 @@ def pytest_configure(config):
         # run_distributed's fork server imports these once per pytest worker, not each of the ~800 workers it forks
         # (measured: pytest's import alone was ~5% of the suite's CPU). Not on CUDA: DeepSpeed probes the device.
         os.environ.setdefault(PRELOAD_ENV, "pytest,deepspeed,transformers,lm_eval.evaluator")
+        # the scripts' `python` and torchrun's workers fork from the warm interpreter too (tests/warm_python.py)
+        from tests import warm_python
+        for key, value in warm_python.shim_environment().items():
+            os.environ.setdefault(key, value)
         return
     import torch
     if not torch.cuda.is_available():

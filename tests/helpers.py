@@ -306,6 +306,8 @@ def spread_seeds(default):
 
 def script_env(env_overrides):
     """The environment without MASTER_PORT (a one-node launch picks a free port itself) plus the overrides."""
+    from tests import warm_python
+    warm_python.start_for_scripts()
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
     return dict(env, **env_overrides)
 

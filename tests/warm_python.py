@@ -15,6 +15,13 @@ and non-daemon threads finished at exit. What differs: torch was imported under 
 suite's: CUDA hidden, OMP_NUM_THREADS=1), so a command that sets torch's own variables, or one that tests an
 interpreter without torch, is launched with subprocess. Off the CPU suite (`--device cuda`), and for any other
 interpreter than this one, both fall back to subprocess.
+
+`tests/warm_python.sh ARGS...` is the same for what the tests' commands start in turn: the suite's shell scripts
+(`PYTHON`) and torchrun's workers (`PYTHON_EXEC`, which torchrun launches its workers with) run it as `python`. It
+forwards the signals it gets to the forked command and exits as the command did (by the same signal where one
+killed it); the command is killed when it is killed (SIGKILL cannot be forwarded). Where the server cannot run the
+command as a fresh interpreter would (other start-up variables, interpreter options other than -u/-B/-m/-c, a
+script on stdin), it runs the real interpreter (exec).
 """
 import os
 import pickle
@@ -36,7 +43,12 @@ _lock = threading.Lock()
 # Read at the interpreter's or torch's start-up: a command whose environment gives them other values than the
 # server had is launched with subprocess (PYTHONPATH and PYTHONUNBUFFERED are applied per command).
 _STARTUP_VARIABLES = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY")
-_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+_PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHON", "PYTHON_EXEC")
+# Not read at start-up: torchrun's variables for its workers (read when the process group or the agent's API runs),
+# and Intel OpenMP's, which sklearn's and joblib's imports set (torch's CPU wheel loads GNU OpenMP, libgomp)
+_NOT_STARTUP = ("TORCHELASTIC_", "TORCH_NCCL_", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_python.sh")
+SOCKET_ENV, REAL_ENV = "MEGATRON_WARM_PYTHON_SOCKET", "MEGATRON_WARM_PYTHON_REAL"
 _UNSUPPORTED = ("executable", "preexec_fn", "pass_fds", "shell", "user", "group", "extra_groups", "umask",
                 "process_group")
 _EXECUTE_CHILD = ("self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, "
@@ -46,7 +58,21 @@ _EXECUTE_CHILD = ("self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
 
 def _startup_environment(env):
     return {key: value for key, value in env.items()
-            if key.startswith(_STARTUP_VARIABLES) and key not in _PER_COMMAND}
+            if key.startswith(_STARTUP_VARIABLES) and key not in _PER_COMMAND and not key.startswith(_NOT_STARTUP)}
+
+
+def shim_environment():
+    """The variables that make the suite's scripts and torchrun's workers start `python` through the warm server
+    (tests/conftest.py sets them on the CPU suite); {} where commands are not forked (MEGATRON_WARM_PYTHON=0)."""
+    if os.environ.get("MEGATRON_TEST_DEVICE", "cpu") != "cpu" or os.environ.get("MEGATRON_WARM_PYTHON") == "0":
+        return {}
+    return {"PYTHON": SHIM, "PYTHON_EXEC": SHIM, REAL_ENV: sys.executable}
+
+
+def start_for_scripts():
+    """Start this worker's server (if the shim is on), so that a script launched next finds it (SOCKET_ENV)."""
+    if os.environ.get("PYTHON_EXEC") == SHIM and _enabled([sys.executable, "-c", ""], {}):
+        _socket_path()
 
 
 def _enabled(args, kwargs):
@@ -74,6 +100,7 @@ def _socket_path():
                     raise RuntimeError(f"the warm python server did not start (exit {process.poll()})")
                 time.sleep(0.02)
             entry = _server[os.getpid()] = (process, path)
+            os.environ[SOCKET_ENV] = path     # for the scripts and torchrun workers this worker starts (the shim)
         return entry[1]
 
 
@@ -207,16 +234,16 @@ def _serve(path):
     listener.settimeout(5)
     open(path + ".ready", "w").close()
     try:
-        _accept_until_orphaned(listener, children, base_path)
+        _accept_until_orphaned(listener, children, base_path, path)
     finally:
         for name in (path, path + ".ready"):
             os.unlink(name)
         os.rmdir(os.path.dirname(path))
 
 
-def _accept_until_orphaned(listener, children, base_path):
+def _accept_until_orphaned(listener, children, base_path, path):
     """Fork a child for each request until the pytest worker that started this server is gone."""
-    parent = os.getppid()
+    parent, startup = os.getppid(), _startup_environment(os.environ)
     while os.getppid() == parent:
         try:
             connection, _ = listener.accept()
@@ -224,6 +251,13 @@ def _accept_until_orphaned(listener, children, base_path):
             continue
         connection.settimeout(None)
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        request = pickle.loads(message)
+        if request.get("shim") and _as_imported(_startup_environment(request["env"]), startup) != startup:
+            for fd in fds:
+                os.close(fd)
+            _send(connection, {"fallback": True})      # the shim execs the real interpreter
+            connection.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})    # registered before its exit can be reaped
@@ -232,13 +266,34 @@ def _accept_until_orphaned(listener, children, base_path):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             listener.close()
-            connection.close()
-            _child(pickle.loads(message), fds, base_path)   # never returns
+            if request.get("shim"):
+                _die_with_the_shim(connection)
+            else:
+                connection.close()
+            _child(dict(request, env={**request["env"], SOCKET_ENV: path}), fds, base_path)   # never returns
         for fd in fds:
             os.close(fd)
         children[pid] = connection
         _send(connection, {"pid": pid})
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+
+def _as_imported(variables, server):
+    """torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR to its default: a command without it would too."""
+    inductor = "TORCHINDUCTOR_CACHE_DIR"
+    return {inductor: server[inductor], **variables} if inductor in server else variables
+
+
+def _die_with_the_shim(connection):
+    """The shim's end closes when it exits: killed (SIGKILL, which it cannot forward), so is the command."""
+    def watch():
+        try:
+            while connection.recv(1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="warm-python-shim-watch", daemon=True).start()
 
 
 def _child(request, fds, base_path):
@@ -321,5 +376,54 @@ def _exit_status(code):
     return 1
 
 
+# ---- the shim (tests/warm_python.sh) ---------------------------------------------------------------------------
+_SHIM_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _forkable(argv):
+    """Whether the server runs `python *argv` as the interpreter would (else the real interpreter does)."""
+    while argv and argv[0] in ("-u", "-B"):
+        argv = argv[1:]
+    if not argv or argv[0] == "-":
+        return False
+    return len(argv) > 1 if argv[0] in ("-m", "-c") else not argv[0].startswith("-")
+
+
+def _shim(argv):
+    real = os.environ.get(REAL_ENV)
+    path = os.environ.get(SOCKET_ENV)
+    reply = None
+    if path and _forkable(argv):
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(path)
+            request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "new_session": False, "shim": True}
+            socket.send_fds(connection, [pickle.dumps(request)], [0, 1, 2])
+            reply = _receive(connection)
+        except OSError:
+            reply = None
+    if not reply or reply.get("fallback"):
+        os.execv(real, [real] + argv)
+    pid = reply["pid"]
+
+    def forward(number, _frame):
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+    for number in _SHIM_SIGNALS:
+        signal.signal(number, forward)
+    status = _receive(connection)
+    code = status["returncode"] if status else -signal.SIGKILL
+    if code < 0:                             # die as the command died
+        if -code != signal.SIGKILL and -code != signal.SIGSTOP:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--shim":
+        _shim(sys.argv[2:])
     _serve(sys.argv[1])

@@ -33,6 +33,9 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update({"FT_DIR": root, "FT_READY": root, "FT_DIGESTS": os.path.join(directory, "digests.jsonl"),
                 **env_extra})
+    # torchrun restarts a failed worker in a fresh interpreter here, not through tests/warm_python.sh: the faults'
+    # heal steps (FAULTS, WAIT_AT) assume a restart takes an interpreter's start-up (a warm one rejoins steps sooner)
+    env["PYTHON_EXEC"] = sys.executable
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "--max-restarts", str(restarts),        # --standalone: its own rendezvous port, no race for one
                os.path.join(FIXTURES, "ft_group.py"), *MODEL, "--deepspeed", "--deepspeed_config", config,
