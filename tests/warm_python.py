@@ -393,6 +393,7 @@ def _shim(argv):
     real = os.environ.get(REAL_ENV)
     path = os.environ.get(SOCKET_ENV)
     reply = None
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SHIM_SIGNALS)     # held until they can be forwarded (below)
     if path and _forkable(argv):
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -403,6 +404,7 @@ def _shim(argv):
         except OSError:
             reply = None
     if not reply or reply.get("fallback"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SHIM_SIGNALS)
         os.execv(real, [real] + argv)
     pid = reply["pid"]
 
@@ -413,6 +415,7 @@ def _shim(argv):
             pass
     for number in _SHIM_SIGNALS:
         signal.signal(number, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SHIM_SIGNALS)   # one that came while the command started: now
     status = _receive(connection)
     code = status["returncode"] if status else -signal.SIGKILL
     if code < 0:                             # die as the command died
