@@ -17,7 +17,6 @@ import torch
 from megatron.spawn import run_distributed
 from tests.helpers import assert_bitwise, FIXTURES, REPO
 from tests.training.ft_reference import ACCUMULATION, CLIP, GROUPS, ITERS, MICRO, MODEL, reference, replayed_shares
-from tests import warm_python
 
 FAULTS = {"exception": 3, "nan": 8, "kill_step": 10, "kill_exchange": 15, "stop": 20}   # group 1 gets them
 WAIT_AT = (5, 12, 17, 22)       # group 0 waits there until group 1 is back from the 1st, 2nd, ... removing fault
@@ -33,8 +32,10 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update({"FT_DIR": root, "FT_READY": root, "FT_DIGESTS": os.path.join(directory, "digests.jsonl"),
                 **env_extra})
-    # torchrun restarts a failed worker in a fresh interpreter here, not through tests/warm_python.sh: the faults'
-    # heal steps (FAULTS, WAIT_AT) assume a restart takes an interpreter's start-up (a warm one rejoins steps sooner)
+    # Fresh interpreters here, torchrun's agents and workers both (subprocess, and PYTHON_EXEC, not the warm ones of
+    # tests/warm_python.py): the faults' heal steps (FAULTS, WAIT_AT) assume a restart takes an interpreter's start-up
+    # (a warm worker rejoins steps sooner), and with warm agents group 1 once made step 1's quorum alone (group 0's
+    # manager not yet heartbeating) in a loaded clean-clone run
     env["PYTHON_EXEC"] = sys.executable
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "--max-restarts", str(restarts),        # --standalone: its own rendezvous port, no race for one
@@ -42,7 +43,7 @@ def _launch(group, directory, root, lighthouse, env_extra, restarts):
                "--ft-group-id", str(group), "--ft-lighthouse", lighthouse, "--save", os.path.join(directory, "save"),
                "--log-jsonl", os.path.join(directory, "log.jsonl")]
     with open(os.path.join(directory, "output.txt"), "w") as output:   # read after the run (or a hang)
-        return warm_python.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
 
 
 def _records(path):
