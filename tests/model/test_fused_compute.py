@@ -58,15 +58,38 @@ def losses(tmp_path_factory):
     for stage, config in configs.items():
         zero = ["--batch-size", "2", "--deepspeed", "--deepspeed_config", str(config)]
         runs[f"dp2_zero{stage}_eager"], runs[f"dp2_zero{stage}_fused"] = zero, zero + ["--torch-compile"]
-    ranks = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()], CROSS_ENTROPY_DTYPES))
+    lock = tmp_path_factory.mktemp("compile") / "lock"
+    ranks = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()], CROSS_ENTROPY_DTYPES,
+                                                     str(lock)))
     histories, cross_entropy, _ = ranks[0]
     parallel = {name: history["lm loss"] for name, history in zip(runs, histories)}
     return {**single, **parallel, "cross_entropy": cross_entropy, "padded": [rank[2] for rank in ranks]}
 
 
-def _parallel_runs(argv_lists, dtypes):
+def _one_rank_at_a_time(lock_path):
+    """Each compiled piece called under a file lock: a piece new to both ranks compiles on one while the other
+    waits, then comes from inductor's caches on the other (no collective runs inside a piece)."""
+    import fcntl
+    compile_ = torch.compile
+    lock = open(lock_path, "a")
+
+    def serialized(fn, **options):
+        built = compile_(fn, **options)
+
+        def run(*args):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return built(*args)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return run
+    torch.compile = serialized
+
+
+def _parallel_runs(argv_lists, dtypes, lock_path):
     """The 2-process runs and the loss checks in one launch (one start of the compiler per process)."""
     import mpu
+    _one_rank_at_a_time(lock_path)
     from tests.model.test_vocab_padding import REAL_VOCABS, _padded_losses
     histories = train_each(argv_lists)
     cross_entropy = _fused_and_eager_losses(dtypes)
