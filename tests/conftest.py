@@ -7,6 +7,7 @@ picks CUDA as it does in training (mpu.get_device(), mpu.get_backend()), and MEG
 workers the run is a GPU run. MEGATRON_NCCL_RULES=1 (megatron/guards/nccl_rules.py) makes every collective of the
 suite refuse what NCCL would: a host-offload tensor, a tensor off the rank's device, an unbound device.
 """
+import gc
 import os
 import subprocess
 import sys
@@ -151,6 +152,19 @@ def pytest_xdist_make_scheduler(config, log):
                 self._reschedule(node)
 
     return CollectionOrderScheduling(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """The test modules import torch, transformers and DeepSpeed here: with the garbage collector off (a full
+    collection each time the heap grows by a quarter costs ~20% of such an import), and their objects frozen after,
+    so the collections during the tests scan what the tests made, not the libraries again."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -115,7 +115,7 @@ def test_dry_run_plan_puts_at_most_one_rank_per_gpu(gpus):
 @pytest.mark.parametrize("world_size,gpus,refused", [(1, 1, False), (2, 1, True), (2, 2, False), (4, 2, True),
                                                      (4, 8, False), (8, 8, False), (9, 8, True)])
 def test_launcher_refuses_more_nccl_ranks_than_gpus(monkeypatch, world_size, gpus, refused):
-    """What the plan rests on: megatron/spawn.py puts rank r on GPU r and refuses (under pytest: skips) a launch with
+    """What the plan rests on: megatron/spawn/ puts rank r on GPU r and refuses (under pytest: skips) a launch with
     more ranks than GPUs (`rank % device_count` put two NCCL ranks on one GPU); gloo (the CPU) is never refused."""
     import torch
     from megatron import spawn

@@ -54,6 +54,14 @@ def test_torch_is_imported_and_nothing_of_the_project():
     assert subprocess.run([PY, "-c", FRESH], capture_output=True, text=True).stdout == "False []\n"
 
 
+def test_a_command_inherits_torch_frozen_with_the_collector_on():
+    """The server imports with the garbage collector off and freezes what it imported: a command's collections
+    skip those objects (and so never copy their pages); a command that left the collector off would leak."""
+    state = "import gc; print(gc.isenabled(), gc.get_freeze_count())"
+    enabled, frozen = warm_python.run([PY, "-c", state], capture_output=True, text=True).stdout.split()
+    assert enabled == "True" and int(frozen) > 100_000, (enabled, frozen)
+
+
 @pytest.mark.parametrize("override", [{"OMP_NUM_THREADS": "2"}, {"PYTHONHASHSEED": "1"}, {"TORCH_LOGS": "+dynamo"}])
 def test_a_command_setting_start_up_variables_gets_a_fresh_interpreter(override):
     """torch and the interpreter read these when they start: the warm server read the suite's values."""

@@ -23,6 +23,7 @@ killed it); the command is killed when it is killed (SIGKILL cannot be forwarded
 command as a fresh interpreter would (other start-up variables, interpreter options other than -u/-B/-m/-c, a
 script on stdin), it runs the real interpreter (exec).
 """
+import gc
 import os
 import pickle
 import signal
@@ -205,8 +206,11 @@ def run(args, *, input=None, capture_output=False, timeout=None, check=False, **
 
 # ---- server ---------------------------------------------------------------------------------------------------
 def _serve(path):
-    for name in PRELOAD:
+    gc.disable()                             # as megatron/spawn_preload.py: no full collections while importing,
+    for name in PRELOAD:                     # and none ever again over what the commands inherit
         __import__(name)
+    gc.freeze()
+    gc.enable()
     del sys.path[0]                          # this file's directory: each command gets its own sys.path[0]
     base_path = list(sys.path)
     children = {}                            # pid -> the client's connection, which gets the exit status

@@ -18,7 +18,8 @@ import socket
 import sys
 import traceback
 
-import torch
+# torch is imported where it is used: the fork server imports this package before megatron/spawn/preload.py turns the
+# garbage collector off for its imports
 
 
 def free_port():
@@ -30,6 +31,7 @@ def free_port():
 def _worker(fn, rank, world_size, port, args, model_parallel_size, queue, init_process_group=True):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
@@ -63,10 +65,13 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numpy", "mpu", "mega
 PRELOAD_ENV = "MEGATRON_SPAWN_PRELOAD"
 
 
+def preload_names():
+    return _PRELOAD + [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
+
+
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    extra = [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
-    ctx.set_forkserver_preload(_PRELOAD + extra)
+    ctx.set_forkserver_preload(["megatron.spawn.preload"])     # imports preload_names() (read in the server)
     return ctx
 
 
@@ -87,6 +92,7 @@ def run_distributed(fn, world_size, args=(), model_parallel_size=None, timeout=3
 def too_many_ranks(world_size):
     """Why `world_size` NCCL ranks cannot run here (more ranks than GPUs: two ranks on one GPU make NCCL fail or
     hang), or None; always None off CUDA (gloo)."""
+    import torch
     gpus = torch.cuda.device_count()
     if os.environ.get("MEGATRON_TEST_DEVICE") != "cuda" or world_size <= gpus:
         return None
@@ -94,6 +100,7 @@ def too_many_ranks(world_size):
 
 
 def _launch(fn, world_size, args, model_parallel_size, timeout, init_process_group):
+    import torch
     refused = too_many_ranks(world_size)
     if refused:
         if "pytest" in sys.modules:     # a test: skipped, and named in pytest's summary (gpu_check.sh -rs)
