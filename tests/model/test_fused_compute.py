@@ -25,13 +25,16 @@ ZERO3 = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_c
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 STAGES = (0, 1, 2, 3)
 TOLERANCE = 1e-6     # relative, of each step's loss (measured: at most 2.4e-7, mp2 Llama)
+# inductor compiling from nothing on 2 busy cores: the 2-process launch has taken ~300 s of a loaded clean-clone run
+LAUNCH_TIMEOUT = 900
 
 
 def _launch(world_size, runs):
     """{name: lm losses} of the named runs (extra flags over TINY), one after the other in one launch of
     `world_size` processes: the compiled graphs are built once and reused, as a long run reuses them."""
     names = list(runs)
-    histories = run_distributed(train_each, world_size, args=([TINY + runs[name] for name in names],))[0]
+    histories = run_distributed(train_each, world_size, args=([TINY + runs[name] for name in names],),
+                                timeout=LAUNCH_TIMEOUT)[0]
     return {name: history["lm loss"] for name, history in zip(names, histories)}
 
 
@@ -60,7 +63,7 @@ def losses(tmp_path_factory):
         runs[f"dp2_zero{stage}_eager"], runs[f"dp2_zero{stage}_fused"] = zero, zero + ["--torch-compile"]
     lock = tmp_path_factory.mktemp("compile") / "lock"
     ranks = run_distributed(_parallel_runs, 2, args=([TINY + flags for flags in runs.values()], CROSS_ENTROPY_DTYPES,
-                                                     str(lock)))
+                                                     str(lock)), timeout=LAUNCH_TIMEOUT)
     histories, cross_entropy, _ = ranks[0]
     parallel = {name: history["lm loss"] for name, history in zip(runs, histories)}
     return {**single, **parallel, "cross_entropy": cross_entropy, "padded": [rank[2] for rank in ranks]}
