@@ -121,7 +121,10 @@ def _reuse_into_backward():
 
 
 def _live_tensor_bytes():
-    """Bytes of every distinct tensor storage alive in this process (gc), independent of the engine's books."""
+    """Bytes of every distinct tensor storage alive in this process (gc), independent of the engine's books.
+    gc.get_objects() skips the objects the fork server froze (megatron/spawn/preload.py): a storage that a frozen
+    tensor holds and a new view shares would count as added; unfrozen, every tensor is seen."""
+    gc.unfreeze()
     gc.collect()
     storages = {}
     with warnings.catch_warnings():    # isinstance() on some deprecated module objects warns
