@@ -206,7 +206,7 @@ def run(args, *, input=None, capture_output=False, timeout=None, check=False, **
 
 # ---- server ---------------------------------------------------------------------------------------------------
 def _serve(path):
-    gc.disable()                             # as megatron/spawn_preload.py: no full collections while importing,
+    gc.disable()                             # as megatron/spawn/preload.py: no full collections while importing,
     for name in PRELOAD:                     # and none ever again over what the commands inherit
         __import__(name)
     gc.freeze()
