@@ -70,21 +70,34 @@ def losses(tmp_path_factory):
 
 
 def _one_rank_at_a_time(lock_path):
-    """Each compiled piece called under a file lock: a piece new to both ranks compiles on one while the other
-    waits, then comes from inductor's caches on the other (no collective runs inside a piece)."""
+    """Each compiled piece called under a file lock, its backward too (AOTAutograd compiles that at the first
+    backward): a graph new to both ranks compiles on one while the other waits, then comes from inductor's caches
+    on the other (no collective runs inside a piece or its backward)."""
     import fcntl
     compile_ = torch.compile
     lock = open(lock_path, "a")
+
+    def acquire(*_):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def release(*_):
+        fcntl.flock(lock, fcntl.LOCK_UN)
 
     def serialized(fn, **options):
         built = compile_(fn, **options)
 
         def run(*args):
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            acquire()
             try:
-                return built(*args)
+                out = built(*args)
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                release()
+            node = next((t.grad_fn for t in (out if isinstance(out, tuple) else (out,))
+                         if torch.is_tensor(t) and t.grad_fn is not None), None)
+            if node is not None:      # the compiled backward runs between the node's pre-hook and hook
+                node.register_prehook(acquire)
+                node.register_hook(release)
+            return out
         return run
     torch.compile = serialized
 
